@@ -1,0 +1,1 @@
+"""kvproto: KV-block lifecycle protocol for P/D disaggregated serving."""

@@ -1,0 +1,97 @@
+"""The ``kvproto`` command line.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported lazily so ``kvproto --help`` stays fast and a
+missing optional dependency only affects the command that needs it.
+
+Exit codes: 0 success; 1 the command ran and found a problem (violation, divergence,
+failed check); 2 usage or input error; 3 missing runtime dependency (Java, jar, nixl);
+4 internal error. Subcommands may document more specific codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_MISSING_DEP = 3
+EXIT_INTERNAL = 4
+
+# name -> (module, help). "bench" has its own sub-subcommands.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("kvproto.sim", "run a seeded fault-injection simulation of P and D ranks"),
+    "replay": ("kvproto.journal", "replay an event journal through a fresh machine"),
+    "check": ("kvproto.check", "model-check the TLA+ spec (TLC), or a user's lease config"),
+    "validate": ("kvproto.validate", "check that a journal is a behaviour the TLA+ spec allows"),
+    "fuzz": ("kvproto.fuzz", "long stateful fuzzing run (hypothesis) of P, D and the network"),
+    "demo": ("kvproto.nixl.demo", "multi-process NIXL demo with real transfers and faults"),
+    "diagram": ("kvproto.diagram", "print the state diagrams generated from the tables"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "ledger": ("kvproto.bench", "lifecycle hot path vs a scanning reference"),
+    "transfer": ("kvproto.nixl.bench", "raw NIXL READs vs the kvproto-managed path"),
+}
+
+
+def _load(module: str) -> object:
+    return importlib.import_module(module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvproto",
+        description="KV-block lifecycle protocol for P/D disaggregated LLM serving.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(_module=module)
+        try:
+            _load(module).add_arguments(sp)  # type: ignore[attr-defined]
+        except ImportError as e:  # pragma: no cover - reported when run
+            sp.set_defaults(_import_error=str(e))
+    bench = sub.add_parser("bench", help="benchmarks (figures, not timed tests)",
+                           description="benchmarks; each prints figures against a baseline")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    for name, (module, help_) in BENCHES.items():
+        sp = bsub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(_module=module)
+        try:
+            _load(module).add_arguments(sp)  # type: ignore[attr-defined]
+        except ImportError as e:  # pragma: no cover
+            sp.set_defaults(_import_error=str(e))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    module = getattr(args, "_module", None)
+    if module is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    err = getattr(args, "_import_error", None)
+    if err is not None:
+        print(f"kvproto: cannot load {module}: {err}", file=sys.stderr)
+        return EXIT_MISSING_DEP
+    try:
+        return int(_load(module).run(args))  # type: ignore[attr-defined]
+    except KeyboardInterrupt:
+        print("kvproto: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # pragma: no cover - e.g. `kvproto replay j | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

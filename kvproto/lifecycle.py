@@ -1,0 +1,1350 @@
+"""The KV-block lifecycle: the one module that can hold or free blocks.
+
+Everything that affects the lifecycle state machines lives here, h11-style:
+
+* ``Config``       -- timing assumptions and caps, validated;
+* ``BlockPool``    -- reference-counted KV blocks (held + free = capacity);
+* ``P_TRANSITIONS``-- the producer (P) transition table; the code looks up every
+  destination state in it, so code and table cannot diverge;
+* ``Ledger``       -- P's sans-I/O machine: events in, effects out;
+* ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine.
+
+No sockets, threads or clocks: time is an argument of every event. The TLA+ spec
+in ``tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
+action names); ``spec/PROTOCOL.md`` is the prose mirror. Each ledger method names
+the TLA+ action it mirrors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Final, NamedTuple
+
+# ---------------------------------------------------------------------------
+# Names. One name, one thing: these strings are the state/event names used in
+# the table, the journal, the TLA+ spec and spec/PROTOCOL.md.
+# ---------------------------------------------------------------------------
+
+UNREGISTERED: Final = "unregistered"  # pseudo-state: not registered yet (messages are staged)
+REGISTERED: Final = "registered"  # held, initial lease, no message from any reader yet
+LEASED: Final = "leased"  # held, a reader renewed the lease, no reader finished yet
+NOTIFIED: Final = "notified"  # held, some but not all expected readers finished
+ABORTED: Final = "aborted"  # held, aborted on P: renewals stop, waits for readers or deadline
+EXPIRED: Final = "expired"  # terminal: freed because the lease ran out
+FREED: Final = "freed"  # terminal: freed by the protocol (transferred/released/sibling/aborted)
+
+P_STATES: Final = (UNREGISTERED, REGISTERED, LEASED, NOTIFIED, ABORTED, EXPIRED, FREED)
+HELD_STATES: Final = frozenset({REGISTERED, LEASED, NOTIFIED, ABORTED})
+TERMINAL_STATES: Final = frozenset({EXPIRED, FREED})
+
+# P events (TLA+ actions: Register, Done, Heartbeat, Release, Abort, Tick). "sibling"
+# is the internal cascade inside Done/Register that frees the other group members.
+REGISTER: Final = "register"
+DONE: Final = "done"
+HEARTBEAT: Final = "heartbeat"
+RELEASE: Final = "release"
+ABORT: Final = "abort"
+TICK: Final = "tick"
+SIBLING: Final = "sibling"
+P_EVENTS: Final = (REGISTER, DONE, HEARTBEAT, RELEASE, ABORT, TICK, SIBLING)
+
+# Free reasons.
+R_TRANSFERRED: Final = "transferred"
+R_EXPIRED: Final = "expired"
+R_ABORTED: Final = "aborted"
+R_RELEASED: Final = "released"
+R_SIBLING: Final = "sibling"
+FREE_REASONS: Final = (R_TRANSFERRED, R_EXPIRED, R_ABORTED, R_RELEASED, R_SIBLING)
+
+
+class Transition(NamedTuple):
+    """One row of a transition table."""
+
+    src: str
+    event: str
+    guard: str  # named guard outcome, computed by the machine
+    dst: str
+    effect: str  # "" (none), "free:<reason>", "stage", "ack", "count:<counter>", "reject:<reason>"
+    doc: str
+
+
+_T = Transition
+_HELD_LIVE = (REGISTERED, LEASED, NOTIFIED)  # held and not aborted
+
+P_TRANSITIONS: Final[tuple[Transition, ...]] = (
+    # register -------------------------------------------------------------
+    _T(UNREGISTERED, REGISTER, "fresh", REGISTERED, "", "hold blocks, start the initial lease, apply staged messages"),
+    _T(UNREGISTERED, REGISTER, "group_transferred", FREED, "free:sibling", "a sibling was already transferred"),
+    *(_T(s, REGISTER, "duplicate", s, "reject:duplicate_register", "handle or request id already known")
+      for s in (REGISTERED, LEASED, NOTIFIED, ABORTED, EXPIRED, FREED)),
+    # done (one reader's READ completed) -------------------------------------
+    _T(UNREGISTERED, DONE, "early", UNREGISTERED, "stage", "staged until register"),
+    *(_T(s, DONE, "more_readers", NOTIFIED, "", "a new reader finished; others still expected")
+      for s in _HELD_LIVE),
+    *(_T(s, DONE, "all_done", FREED, "free:transferred", "every expected reader reported done")
+      for s in _HELD_LIVE),
+    *(_T(s, DONE, "all_finished", FREED, "free:released", "every expected reader finished, some released")
+      for s in _HELD_LIVE),
+    *(_T(s, DONE, "duplicate_reader", s, "count:duplicate", "the same reader twice never counts twice")
+      for s in (REGISTERED, LEASED, NOTIFIED, ABORTED)),
+    _T(ABORTED, DONE, "more_readers", ABORTED, "", "a new reader finished; others still expected"),
+    _T(ABORTED, DONE, "all_done", FREED, "free:transferred", "every expected reader reported done"),
+    _T(ABORTED, DONE, "all_finished", FREED, "free:released", "every expected reader finished, some released"),
+    _T(EXPIRED, DONE, "late", EXPIRED, "count:late", "arrived after expiry: a timing assumption was violated"),
+    _T(FREED, DONE, "stale", FREED, "count:stale", "arrived after free"),
+    # release (a reader will never pull) --------------------------------------
+    _T(UNREGISTERED, RELEASE, "early", UNREGISTERED, "stage", "staged until register"),
+    *(_T(s, RELEASE, "more_readers", NOTIFIED, "", "a reader will never pull; others still expected")
+      for s in _HELD_LIVE),
+    *(_T(s, RELEASE, "all_finished", FREED, "free:released", "every expected reader finished, some released")
+      for s in _HELD_LIVE),
+    *(_T(s, RELEASE, "duplicate_reader", s, "count:duplicate", "the same reader twice never counts twice")
+      for s in (REGISTERED, LEASED, NOTIFIED, ABORTED)),
+    _T(ABORTED, RELEASE, "more_readers", ABORTED, "", "a reader will never pull; others still expected"),
+    _T(ABORTED, RELEASE, "all_finished", FREED, "free:released", "every expected reader finished"),
+    _T(EXPIRED, RELEASE, "late", EXPIRED, "count:late", "arrived after expiry"),
+    _T(FREED, RELEASE, "stale", FREED, "count:stale", "arrived after free"),
+    # heartbeat (lease renewal, per request in the batch) ---------------------
+    _T(UNREGISTERED, HEARTBEAT, "early", UNREGISTERED, "stage", "staged until register"),
+    _T(REGISTERED, HEARTBEAT, "renew", LEASED, "ack", "deadline := max(deadline, now + extension)"),
+    _T(LEASED, HEARTBEAT, "renew", LEASED, "ack", "deadline := max(deadline, now + extension)"),
+    _T(NOTIFIED, HEARTBEAT, "renew", NOTIFIED, "ack", "deadline := max(deadline, now + extension)"),
+    _T(ABORTED, HEARTBEAT, "refuse", ABORTED, "count:refused", "aborted requests are not renewed; the ack refuses it"),
+    _T(EXPIRED, HEARTBEAT, "late", EXPIRED, "count:late", "arrived after expiry; the ack refuses it"),
+    _T(FREED, HEARTBEAT, "stale", FREED, "count:stale", "arrived after free; the ack refuses it"),
+    # abort (client or router abort on P) ----------------------------------------
+    _T(UNREGISTERED, ABORT, "unknown", UNREGISTERED, "count:unknown_request", "not held by the lifecycle: nothing to do"),
+    *(_T(s, ABORT, "hold", ABORTED, "", "a READ may be in flight: stop renewals, free on done/release or deadline")
+      for s in _HELD_LIVE),
+    _T(ABORTED, ABORT, "again", ABORTED, "count:duplicate_abort", "a second abort is a no-op"),
+    _T(EXPIRED, ABORT, "stale", EXPIRED, "count:stale", "already freed"),
+    _T(FREED, ABORT, "stale", FREED, "count:stale", "already freed"),
+    # tick (time passes) --------------------------------------------------------
+    *(_T(s, TICK, "deadline_passed", EXPIRED, "free:expired", "the lease ran out")
+      for s in _HELD_LIVE),
+    _T(ABORTED, TICK, "deadline_passed", FREED, "free:aborted", "abort deadline reached, no reader finished it"),
+    # sibling (cascade inside done/register: a group member was transferred) ----
+    _T(REGISTERED, SIBLING, "group_transferred", FREED, "free:sibling", "a sibling was transferred; D reads one member per group"),
+    _T(LEASED, SIBLING, "group_transferred", FREED, "free:sibling", "a sibling was transferred; D reads one member per group"),
+    _T(ABORTED, SIBLING, "group_transferred", FREED, "free:sibling", "a sibling was transferred; D reads one member per group"),
+    _T(NOTIFIED, SIBLING, "reader_active", NOTIFIED, "", "a reader reported on this member: it finishes on its own"),
+)
+del _T
+
+P_TABLE: Final[dict[tuple[str, str, str], Transition]] = {}
+for _row in P_TRANSITIONS:
+    _key = (_row.src, _row.event, _row.guard)
+    if _key in P_TABLE:  # pragma: no cover - table construction error
+        raise AssertionError(f"duplicate row in P_TRANSITIONS: {_key}")
+    P_TABLE[_key] = _row
+
+# ---------------------------------------------------------------------------
+# The decode (D) side: one machine per (request, reader rank).
+# ---------------------------------------------------------------------------
+
+WAITING: Final = "waiting"  # admitted (maybe queued behind D's scheduler), P engine known
+HANDSHAKING: Final = "handshaking"  # P engine not yet known: handshake in progress
+READING: Final = "reading"  # a READ is in flight
+D_DONE: Final = "done"  # KV is local (pulled, or served from a sibling's prefix)
+D_FAILED: Final = "failed"  # gave up: recompute locally; P was told (release) where possible
+D_STATES: Final = (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED)
+
+ADMIT: Final = "admit"
+HANDSHAKE_OK: Final = "handshake_ok"
+HANDSHAKE_FAILED: Final = "handshake_failed"
+SCHEDULE: Final = "schedule"
+READ_OK: Final = "read_ok"
+READ_FAILED: Final = "read_failed"
+D_ABORT: Final = "abort"
+ACK: Final = "ack"
+PEER_LOST: Final = "peer_lost"
+D_TICK: Final = "tick"
+D_EVENTS: Final = (ADMIT, HANDSHAKE_OK, HANDSHAKE_FAILED, SCHEDULE, READ_OK, READ_FAILED,
+                   D_ABORT, ACK, PEER_LOST, D_TICK)
+
+D_NEW: Final = "new"  # pseudo-state before admit
+
+_T = Transition
+D_TRANSITIONS: Final[tuple[Transition, ...]] = (
+    _T(D_NEW, ADMIT, "peer_ready", WAITING, "", "transfer params received; P engine handshaken"),
+    _T(D_NEW, ADMIT, "peer_unknown", HANDSHAKING, "handshake", "start (or join) the handshake with P"),
+    _T(D_NEW, ADMIT, "lease_short", D_FAILED, "release", "params arrived with too little lease left"),
+    _T(HANDSHAKING, HANDSHAKE_OK, "ok", WAITING, "", "P known; heartbeats start"),
+    _T(HANDSHAKING, HANDSHAKE_FAILED, "failed", D_FAILED, "", "handshake, version or layout mismatch: recompute"),
+    _T(WAITING, SCHEDULE, "lease_covers_read", READING, "read", "post the READ with the done notification attached"),
+    _T(WAITING, SCHEDULE, "lease_short", D_FAILED, "release", "lease less max READ time and drift does not cover a READ"),
+    _T(WAITING, SCHEDULE, "sibling_local", D_DONE, "release", "a sibling's KV is local: served from prefix, never pulled"),
+    _T(READING, READ_OK, "ok", D_DONE, "done", "data landed (and generations matched)"),
+    _T(READING, READ_OK, "abort_pending", D_FAILED, "done", "aborted during the READ: P may free now"),
+    _T(READING, READ_FAILED, "fenced", D_FAILED, "release", "generation stamps changed: never served"),
+    _T(READING, READ_FAILED, "error", D_FAILED, "release", "transfer error; handle no longer in flight"),
+    _T(WAITING, D_ABORT, "idle", D_FAILED, "release", "client abort on D before the READ"),
+    _T(HANDSHAKING, D_ABORT, "idle", D_FAILED, "release", "client abort on D during the handshake"),
+    _T(READING, D_ABORT, "in_flight", READING, "", "never release under an in-flight READ: wait for it"),
+    _T(WAITING, ACK, "granted", WAITING, "", "lease end := heartbeat send time + granted term"),
+    _T(READING, ACK, "granted", READING, "", "lease end := heartbeat send time + granted term"),
+    _T(WAITING, ACK, "refused", D_FAILED, "", "P refused the renewal (aborted, expired or freed)"),
+    _T(READING, ACK, "refused", READING, "", "the READ started under a valid lease; let it finish"),
+    _T(WAITING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
+    _T(HANDSHAKING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
+    _T(READING, PEER_LOST, "in_flight", READING, "", "the READ will report its own failure"),
+    _T(WAITING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
+    _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
+)
+del _T
+
+D_TABLE: Final[dict[tuple[str, str, str], Transition]] = {
+    (r.src, r.event, r.guard): r for r in D_TRANSITIONS
+}
+
+
+# ---------------------------------------------------------------------------
+# Configuration and timing assumptions.
+# ---------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. The message says which rule failed and why."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Timing assumptions (seconds) and caps. See spec/PROTOCOL.md, "Configuration".
+
+    The lease terms are durations; no timestamp from another host's clock is ever used.
+    """
+
+    initial_lease: float = 30.0  # term granted at register
+    lease_extension: float = 20.0  # a heartbeat extends the deadline to max(deadline, now + this)
+    heartbeat_interval: float = 5.0  # D heartbeats every request it still intends to pull
+    abort_grace: float = 30.0  # after abort on P: free no later than now + this (>= lease horizon)
+    max_delay: float = 1.0  # bound on message delivery delay (notifications, transfer params)
+    max_read_time: float = 5.0  # bound on one READ, post to completion
+    clock_drift: float = 0.5  # bound on clock-rate disagreement accumulated over one lease term
+    max_staged: int = 4096  # early-message staging entries (handles); oldest dropped at the cap
+    max_staged_age: float = 30.0  # staged entries older than this are dropped on tick
+    max_tombstones: int = 65536  # freed handles remembered to classify late messages as stale
+    max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
+    max_groups_remembered: int = 65536  # transferred sibling groups remembered for late members
+
+    @property
+    def lease_horizon(self) -> float:
+        """The longest a deadline can lie in the future: max(initial, extension)."""
+        return max(self.initial_lease, self.lease_extension)
+
+    def validate(self) -> Config:
+        """Raise ConfigError naming the first violated rule; return self when valid."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{f.name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be finite, got {v!r}")
+            if f.type in ("int",) and int(v) != v:
+                raise ConfigError(f"{f.name} must be an integer, got {v!r}")
+        for name in ("initial_lease", "lease_extension", "heartbeat_interval", "max_read_time",
+                     "max_staged_age"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_delay", "clock_drift", "abort_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        renew_need = self.heartbeat_interval + self.max_delay + self.clock_drift
+        if not self.lease_extension > renew_need:
+            raise ConfigError(
+                f"lease_extension ({self.lease_extension}) must exceed heartbeat_interval + "
+                f"max_delay + clock_drift ({renew_need}): otherwise a lease can run out between "
+                "two heartbeats that both arrive on time")
+        read_need = self.max_read_time + 2 * self.max_delay + self.clock_drift
+        if not self.lease_extension > read_need:
+            raise ConfigError(
+                f"lease_extension ({self.lease_extension}) must exceed max_read_time + "
+                f"2*max_delay + clock_drift ({read_need}): otherwise no renewed lease can cover a READ")
+        init_need = self.max_read_time + self.max_delay + self.clock_drift
+        if not self.initial_lease > init_need:
+            raise ConfigError(
+                f"initial_lease ({self.initial_lease}) must exceed max_read_time + max_delay + "
+                f"clock_drift ({init_need}): otherwise D can never READ on the initial term")
+        if self.abort_grace < self.lease_horizon:
+            raise ConfigError(
+                f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "
+                f"({self.lease_horizon}): a shorter grace can free blocks under a READ that D "
+                "started within its lease (see spec/PROTOCOL.md, 'Abort after finish')")
+        if self.max_staged < 1 or self.max_tombstones < 1 or self.max_groups_remembered < 1:
+            raise ConfigError("max_staged, max_tombstones and max_groups_remembered must be >= 1")
+        if not 64 <= self.max_message_bytes <= 1 << 20:
+            raise ConfigError(
+                f"max_message_bytes must be within [64, 1048576], got {self.max_message_bytes}")
+        return self
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build and validate a config; unknown keys are an error, not silently ignored."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)} (known: {', '.join(known)})")
+        kwargs: dict[str, Any] = {}
+        for k, v in data.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{k} must be a number, got {v!r}")
+            kwargs[k] = int(v) if known[k].type == "int" and float(v).is_integer() else v
+        return cls(**kwargs).validate()
+
+
+# ---------------------------------------------------------------------------
+# Block pool.
+# ---------------------------------------------------------------------------
+
+
+class DoubleFree(RuntimeError):
+    """A block's reference count would drop below zero."""
+
+
+class BlockPool:
+    """Reference-counted KV blocks. ``held + free == capacity`` at all times.
+
+    A block is *held* while any registered request references it (prefix sharing and
+    n>1 siblings share blocks). Only the lifecycle machine calls ``hold``/``drop``.
+    """
+
+    __slots__ = ("_rc", "capacity", "free_count", "held_count", "strict", "violations")
+
+    def __init__(self, capacity: int, *, strict: bool = True) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._rc = [0] * capacity
+        self.held_count = 0
+        self.free_count = capacity
+        self.strict = strict
+        self.violations = 0
+
+    def refcount(self, block: int) -> int:
+        return self._rc[block]
+
+    def is_free(self, block: int) -> bool:
+        return self._rc[block] == 0
+
+    def check_blocks(self, blocks: Sequence[int]) -> str | None:
+        """Return an error string when ``blocks`` cannot be held, else None."""
+        cap = self.capacity
+        for b in blocks:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < cap:
+                return f"block id {b!r} outside [0, {cap})"
+        if len(set(blocks)) != len(blocks):
+            return "duplicate block ids in one request"
+        return None
+
+    def _hold(self, blocks: Sequence[int]) -> None:
+        rc = self._rc
+        for b in blocks:
+            if rc[b] == 0:
+                self.held_count += 1
+                self.free_count -= 1
+            rc[b] += 1
+
+    def _drop(self, blocks: Sequence[int]) -> list[int]:
+        """Decrement; return the blocks whose count reached zero (now reusable)."""
+        rc = self._rc
+        reclaimed: list[int] = []
+        for b in blocks:
+            c = rc[b]
+            if c <= 0:
+                self.violations += 1
+                if self.strict:
+                    raise DoubleFree(f"block {b} freed with reference count {c}")
+                continue
+            c -= 1
+            rc[b] = c
+            if c == 0:
+                self.held_count -= 1
+                self.free_count += 1
+                reclaimed.append(b)
+        return reclaimed
+
+    def recount(self) -> tuple[int, int]:
+        """O(capacity) recount of (held, free), for invariant checks."""
+        held = sum(1 for c in self._rc if c > 0)
+        return held, self.capacity - held
+
+    def free_blocks(self, limit: int | None = None) -> list[int]:
+        """Blocks with count zero (O(capacity); for simulators and tests)."""
+        out = [i for i, c in enumerate(self._rc) if c == 0]
+        return out if limit is None else out[:limit]
+
+
+# ---------------------------------------------------------------------------
+# Events (inputs) and effects (outputs) of the producer ledger.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    handle: int
+    request_id: str
+    blocks: tuple[int, ...]
+    now: float
+    group: str | None = None
+    expected: int = 0  # expected readers; 0 = not known yet (announced by D)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    reader: str
+    handle: int
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    reader: str
+    seq: int
+    handles: tuple[int, ...]
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    reader: str
+    handles: tuple[int, ...]
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Bad input rejected by the adapter before it became an event (malformed bytes,
+    unknown peer, oversized message...). Journaled and counted, changes nothing."""
+
+    reason: str
+    peer: str
+    detail: str
+    now: float
+
+
+Event = Register | Done | Heartbeat | Release | Abort | Tick | Reject
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Effect: the request no longer holds its blocks. ``reclaimed`` are the blocks
+    whose reference count reached zero: bump their generation, then reuse them."""
+
+    handle: int
+    request_id: str
+    reason: str
+    blocks: tuple[int, ...]
+    reclaimed: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Effect: answer a heartbeat. Every handle of the batch not in ``refused`` was
+    renewed to at least receive-time + ``term``."""
+
+    reader: str
+    seq: int
+    term: float
+    refused: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Effect: counted, logged rejection of bad or stale input."""
+
+    reason: str
+    peer: str
+    handle: int | None
+    detail: str
+
+
+Effect = Free | Ack | Rejected
+
+
+class _Req:
+    """A held request. Kept small: memory per held request is a measured figure."""
+
+    __slots__ = ("blocks", "deadline", "expected", "finished", "group", "handle", "released",
+                 "rid", "state")
+
+    def __init__(self, handle: int, rid: str, blocks: tuple[int, ...], deadline: float,
+                 group: str | None, expected: int) -> None:
+        self.handle = handle
+        self.rid = rid
+        self.blocks = blocks
+        self.deadline = deadline
+        self.group = group
+        self.expected = expected
+        self.state: str = REGISTERED
+        self.finished: set[str] | None = None  # distinct readers that reported done/release
+        self.released = False  # some reader released (never pulled)
+
+
+class _Staged:
+    __slots__ = ("msgs", "since")
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.msgs: list[tuple[str, str, int, float]] = []  # (kind, reader, expected, arrival)
+
+
+MAX_STAGED_MSGS_PER_HANDLE: Final = 64
+
+
+# ---------------------------------------------------------------------------
+# The producer ledger.
+# ---------------------------------------------------------------------------
+
+
+class Ledger:
+    """P's lifecycle machine for one P rank: every block hold and free goes through it.
+
+    Costs (n = held requests): done/heartbeat/release/abort O(1) per request; register
+    O(blocks); tick O(1) when nothing is due, O(k log n) for k due entries. Caps: staging
+    ``max_staged`` handles, tombstones ``max_tombstones``, sibling-group memory
+    ``max_groups_remembered``; at each cap the oldest entry is dropped and counted.
+    """
+
+    def __init__(self, config: Config, pool: BlockPool, *,
+                 sink: Callable[[Event, list[Effect]], None] | None = None) -> None:
+        self.config = config.validate()
+        self.pool = pool
+        self.sink = sink  # journal hook: called with every event and its effects
+        self._live: dict[int, _Req] = {}
+        self._by_rid: dict[str, int] = {}
+        self._heap: list[tuple[float, int]] = []  # (deadline or earlier, handle); lazy
+        self._staged: OrderedDict[int, _Staged] = OrderedDict()
+        self._tomb: OrderedDict[int, str] = OrderedDict()  # handle -> terminal state
+        self._groups: dict[str, set[int]] = {}  # live members per sibling group
+        self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
+        self._next_handle = 1
+        self.now = -math.inf
+        self.counters: dict[str, int] = {}
+        self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
+
+    # -- queries ---------------------------------------------------------------
+    def new_handle(self) -> int:
+        """Mint a fresh handle (monotone, never reused within this ledger)."""
+        h = self._next_handle
+        self._next_handle = h + 1
+        return h
+
+    def state(self, handle: int) -> str:
+        r = self._live.get(handle)
+        if r is not None:
+            return r.state
+        t = self._tomb.get(handle)
+        return t if t is not None else UNREGISTERED
+
+    def deadline(self, handle: int) -> float | None:
+        r = self._live.get(handle)
+        return None if r is None else r.deadline
+
+    def handle_of(self, request_id: str) -> int | None:
+        return self._by_rid.get(request_id)
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._live)
+
+    @property
+    def staged_count(self) -> int:
+        return len(self._staged)
+
+    @property
+    def tombstone_count(self) -> int:
+        return len(self._tomb)
+
+    def live_handles(self) -> list[int]:
+        return list(self._live)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a tick can change anything (for adapters' sleep)."""
+        nxt = self._heap[0][0] if self._heap else None
+        if self._staged:
+            s = next(iter(self._staged.values())).since + self.config.max_staged_age
+            nxt = s if nxt is None else min(nxt, s)
+        return nxt
+
+    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, float]]:
+        """Abstract state of live requests (for conformance checks and tests)."""
+        return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
+                for h, r in self._live.items()}
+
+    # -- generic entry point -------------------------------------------------------
+    def apply(self, ev: Event) -> list[Effect]:
+        """Feed one event, return its effects."""
+        if isinstance(ev, Heartbeat):
+            return self.heartbeat(ev.reader, ev.seq, ev.handles, ev.expected, ev.now)
+        if isinstance(ev, Done):
+            return self.done(ev.reader, ev.handle, ev.expected, ev.now)
+        if isinstance(ev, Tick):
+            return self.tick(ev.now)
+        if isinstance(ev, Register):
+            return self.register(ev.handle, ev.request_id, ev.blocks, ev.now,
+                                 group=ev.group, expected=ev.expected)
+        if isinstance(ev, Release):
+            return self.release(ev.reader, ev.handles, ev.expected, ev.now)
+        if isinstance(ev, Abort):
+            return self.abort(ev.request_id, ev.now)
+        if isinstance(ev, Reject):
+            return self.reject(ev.reason, ev.peer, ev.detail, ev.now)
+        raise TypeError(f"not a ledger event: {ev!r}")
+
+    # -- internals -------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _clock(self, now: float) -> float:
+        # Time never runs backwards inside the machine: a stale clock reading is clamped.
+        if now < self.now:
+            self._count("clock_regression")
+            return self.now
+        self.now = now
+        return now
+
+    def _emit(self, ev: Event, out: list[Effect]) -> list[Effect]:
+        if self.sink is not None:
+            self.sink(ev, out)
+        return out
+
+    def _apply_effect_counter(self, row: Transition) -> None:
+        eff = row.effect
+        if eff.startswith("count:"):
+            self._count(eff[6:])
+
+    def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
+        """The only place blocks are freed. Moves ``r`` to its terminal state."""
+        reason = row.effect[5:]
+        r.state = row.dst
+        del self._live[r.handle]
+        if self._by_rid.get(r.rid) == r.handle:
+            del self._by_rid[r.rid]
+        if r.group is not None:
+            members = self._groups.get(r.group)
+            if members is not None:
+                members.discard(r.handle)
+                if not members:
+                    del self._groups[r.group]
+        tomb = self._tomb
+        tomb[r.handle] = row.dst
+        if len(tomb) > self.config.max_tombstones:
+            tomb.popitem(last=False)
+            self._count("tombstone_evicted")
+        reclaimed = self.pool._drop(r.blocks)
+        self.frees[reason] += 1
+        out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed)))
+
+    def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
+        st = self._staged.get(handle)
+        if st is None:
+            if len(self._staged) >= self.config.max_staged:
+                self._staged.popitem(last=False)
+                self._count("staged_dropped")
+            st = self._staged[handle] = _Staged(now)
+        if len(st.msgs) >= MAX_STAGED_MSGS_PER_HANDLE:
+            self._count("staged_dropped")
+            return
+        st.msgs.append((kind, reader, expected, now))
+        self._count("staged")
+
+    def _announce(self, r: _Req, expected: int) -> None:
+        if expected > r.expected:
+            if r.expected:
+                self._count("expected_raised")
+            r.expected = expected
+        elif expected and expected < r.expected:
+            self._count("expected_conflict")
+
+    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
+                out: list[Effect]) -> None:
+        """A reader finished (done or release). Mirrors TLA+ Done / Release."""
+        self._announce(r, expected)
+        fin = r.finished
+        if fin is None:
+            fin = r.finished = set()
+        if reader in fin:
+            guard = "duplicate_reader"
+        else:
+            fin.add(reader)
+            if event == RELEASE:
+                r.released = True
+            if r.expected and len(fin) >= r.expected:
+                guard = "all_finished" if r.released else "all_done"
+            else:
+                guard = "more_readers"
+        row = P_TABLE[(r.state, event, guard)]
+        if row.effect.startswith("free:"):
+            group = r.group
+            self._free(r, row, out)
+            if guard == "all_done" and group is not None:
+                self._group_transferred(group, out)
+        else:
+            r.state = row.dst
+            self._apply_effect_counter(row)
+
+    def _group_transferred(self, group: str, out: list[Effect]) -> None:
+        gd = self._groups_done
+        if group not in gd:
+            gd[group] = None
+            if len(gd) > self.config.max_groups_remembered:
+                gd.popitem(last=False)
+                self._count("group_memory_evicted")
+        members = self._groups.get(group)
+        if not members:
+            return
+        for h in sorted(members):
+            r = self._live[h]
+            guard = "reader_active" if r.state == NOTIFIED else "group_transferred"
+            row = P_TABLE[(r.state, SIBLING, guard)]
+            if row.effect.startswith("free:"):
+                self._free(r, row, out)
+
+    # -- events ------------------------------------------------------------------------
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+                 group: str | None = None, expected: int = 0) -> list[Effect]:
+        """Prefill finished: hold ``blocks`` for remote decode. Mirrors TLA+ ``Register``."""
+        blocks = tuple(blocks)
+        ev = Register(handle, request_id, blocks, now, group, expected)
+        now = self._clock(now)
+        out: list[Effect] = []
+        err = None
+        if not isinstance(handle, int) or isinstance(handle, bool) or handle < 0:
+            err = f"handle must be a non-negative int, got {handle!r}"
+        elif not isinstance(expected, int) or not 0 <= expected <= 0xFFFF:
+            err = f"expected readers must be within [0, 65535], got {expected!r}"
+        else:
+            err = self.pool.check_blocks(blocks)
+        if err is not None:
+            self._count("invalid_register")
+            out.append(Rejected("invalid_register", "", handle if isinstance(handle, int) else None, err))
+            return self._emit(ev, out)
+        if handle in self._live or handle in self._tomb or request_id in self._by_rid:
+            st = self.state(handle)
+            if st == UNREGISTERED:  # request id reused while its first holder is live
+                st = self._live[self._by_rid[request_id]].state
+            row = P_TABLE[(st, REGISTER, "duplicate")]
+            self._count("duplicate_register")
+            out.append(Rejected(row.effect[7:], "", handle,
+                                f"handle {handle} / request id {request_id!r} already known ({st})"))
+            return self._emit(ev, out)
+        if handle >= self._next_handle:
+            self._next_handle = handle + 1
+        r = _Req(handle, request_id, blocks, now + self.config.initial_lease, group, expected)
+        if group is not None and group in self._groups_done:
+            row = P_TABLE[(UNREGISTERED, REGISTER, "group_transferred")]
+            self._staged.pop(handle, None)
+            # Hold then free in one step, so the pool accounting is uniform.
+            self._live[handle] = r
+            self._by_rid[request_id] = handle
+            self.pool._hold(blocks)
+            self._free(r, row, out)
+            return self._emit(ev, out)
+        self.pool._hold(blocks)
+        self._live[handle] = r
+        self._by_rid[request_id] = handle
+        if group is not None:
+            self._groups.setdefault(group, set()).add(handle)
+        heapq.heappush(self._heap, (r.deadline, handle))
+        st = self._staged.pop(handle, None)
+        if st is not None:
+            self._count("staged_applied", len(st.msgs))
+            for kind, reader, exp, t in st.msgs:
+                if r.state not in HELD_STATES:
+                    self._count("stale")
+                    continue
+                if kind == HEARTBEAT:
+                    self._renew(r, t)
+                else:
+                    self._finish(r, kind, reader, exp, now, out)
+        return self._emit(ev, out)
+
+    def _renew(self, r: _Req, arrival: float) -> bool:
+        row = P_TABLE.get((r.state, HEARTBEAT, "renew"))
+        if row is None:
+            return False
+        dl = arrival + self.config.lease_extension
+        if dl > r.deadline:
+            r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
+        r.state = row.dst
+        return True
+
+    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
+        """One reader's READ completed. Mirrors TLA+ ``Done``."""
+        now = self._clock(now)
+        out: list[Effect] = []
+        r = self._live.get(handle)
+        if r is not None:
+            self._finish(r, DONE, reader, expected, now, out)
+        else:
+            self._not_live(DONE, reader, handle, expected, now, out)
+        return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
+
+    def release(self, reader: str, handles: Sequence[int], expected: int,
+                now: float) -> list[Effect]:
+        """A reader will never pull these requests. Mirrors TLA+ ``Release``."""
+        now = self._clock(now)
+        out: list[Effect] = []
+        for h in handles:
+            r = self._live.get(h)
+            if r is not None:
+                self._finish(r, RELEASE, reader, expected, now, out)
+            else:
+                self._not_live(RELEASE, reader, h, expected, now, out)
+        return self._emit(Release(reader, tuple(handles), expected, now), out) if self.sink else out
+
+    def _not_live(self, event: str, reader: str, handle: int, expected: int, now: float,
+                  out: list[Effect]) -> str:
+        t = self._tomb.get(handle)
+        if t is None:
+            self._stage(event, reader, handle, expected, now)
+            return "early"
+        row = P_TABLE[(t, event, "late" if t == EXPIRED else "stale")]
+        self._apply_effect_counter(row)
+        return row.guard
+
+    def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
+                  now: float) -> list[Effect]:
+        """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle."""
+        now = self._clock(now)
+        ext_dl = now + self.config.lease_extension
+        live = self._live
+        refused: list[int] | None = None
+        for h in handles:
+            r = live.get(h)
+            if r is not None:
+                st = r.state
+                if st is REGISTERED or st is LEASED:
+                    if expected > r.expected:
+                        self._announce(r, expected)
+                    if ext_dl > r.deadline:
+                        r.deadline = ext_dl
+                    r.state = LEASED
+                    continue
+                if st is NOTIFIED:
+                    if expected > r.expected:
+                        self._announce(r, expected)
+                    if ext_dl > r.deadline:
+                        r.deadline = ext_dl
+                    continue
+                self._count("refused")  # aborted: not renewed
+            else:
+                if self._not_live(HEARTBEAT, reader, h, expected, now, []) == "early":
+                    continue  # staged: neither granted nor refused yet; D keeps its estimate
+            if refused is None:
+                refused = []
+            refused.append(h)
+        out: list[Effect] = [Ack(reader, seq, self.config.lease_extension,
+                                 tuple(refused) if refused else ())]
+        return self._emit(Heartbeat(reader, seq, tuple(handles), expected, now), out) \
+            if self.sink else out
+
+    def abort(self, request_id: str, now: float) -> list[Effect]:
+        """Client or router abort on P. Mirrors TLA+ ``Abort``. Never frees at once."""
+        now = self._clock(now)
+        out: list[Effect] = []
+        h = self._by_rid.get(request_id)
+        r = self._live.get(h) if h is not None else None
+        if r is None:
+            row = P_TABLE[(UNREGISTERED, ABORT, "unknown")]
+            self._apply_effect_counter(row)
+            return self._emit(Abort(request_id, now), out)
+        guard = "again" if r.state == ABORTED else "hold"
+        row = P_TABLE[(r.state, ABORT, guard)]
+        if guard == "hold":
+            dl = now + self.config.abort_grace
+            if dl < r.deadline:  # only when abort_grace is below the lease horizon
+                r.deadline = dl
+                heapq.heappush(self._heap, (dl, r.handle))
+        r.state = row.dst
+        self._apply_effect_counter(row)
+        return self._emit(Abort(request_id, now), out)
+
+    def tick(self, now: float) -> list[Effect]:
+        """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due."""
+        now = self._clock(now)
+        out: list[Effect] = []
+        heap = self._heap
+        live = self._live
+        while heap and heap[0][0] <= now:
+            _, h = heapq.heappop(heap)
+            r = live.get(h)
+            if r is None:
+                continue  # freed already: drop the stale entry
+            if r.deadline > now:
+                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                continue
+            self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
+        staged = self._staged
+        if staged:
+            limit = now - self.config.max_staged_age
+            while staged:
+                h0, st = next(iter(staged.items()))
+                if st.since > limit:
+                    break
+                staged.popitem(last=False)
+                self._count("staged_expired")
+        if self.sink is not None:
+            self.sink(Tick(now), out)
+        return out
+
+    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
+        """Record an adapter-level rejection (malformed bytes, unknown peer...)."""
+        now = self._clock(now)
+        self._count("rejected:" + reason)
+        return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
+
+    # -- invariants (O(n); tests, replay and simulators) ----------------------------------
+    def check_invariants(self) -> list[str]:
+        """Return violated invariants (empty when all hold)."""
+        errs: list[str] = []
+        pool = self.pool
+        held, free = pool.recount()
+        if held != pool.held_count or free != pool.free_count or held + free != pool.capacity:
+            errs.append(f"Conservation: held {pool.held_count}/{held} + free {pool.free_count}/{free}"
+                        f" != capacity {pool.capacity}")
+        if pool.violations:
+            errs.append(f"NoDoubleFree: {pool.violations} double free(s)")
+        expect = [0] * pool.capacity
+        for r in self._live.values():
+            if r.state not in HELD_STATES:
+                errs.append(f"TypeOK: live request {r.handle} in non-held state {r.state}")
+            for b in r.blocks:
+                expect[b] += 1
+        for b in range(pool.capacity):
+            if expect[b] != pool.refcount(b):
+                errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
+                break
+        heap_handles = {h for _, h in self._heap}
+        missing = [h for h in self._live if h not in heap_handles]
+        if missing:
+            errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
+        if len(self._staged) > self.config.max_staged:
+            errs.append("StagingBounded: staging above max_staged")
+        if len(self._tomb) > self.config.max_tombstones:
+            errs.append("TombstonesBounded: tombstones above max_tombstones")
+        for h in self._live:
+            if h in self._tomb:
+                errs.append(f"TypeOK: handle {h} both live and tombstoned")
+        return errs
+
+
+# ---------------------------------------------------------------------------
+# The decode side.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """What P hands D (through the router) for one request."""
+
+    engine: str  # P engine/rank name (NIXL agent name)
+    epoch: int  # P incarnation; messages carry it so a restarted P rejects old ones
+    handle: int
+    blocks: tuple[int, ...]
+    initial_term: float  # a duration, never a timestamp
+    expected: int = 1  # readers that will pull this request from this P rank
+    group: str | None = None
+    generations: tuple[int, ...] = ()  # fail-closed reads (see the NIXL adapter)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["blocks"] = list(self.blocks)
+        d["generations"] = list(self.generations)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransferParams:
+        return cls(engine=str(d["engine"]), epoch=int(d["epoch"]), handle=int(d["handle"]),
+                   blocks=tuple(int(b) for b in d["blocks"]),
+                   initial_term=float(d["initial_term"]), expected=int(d.get("expected", 1)),
+                   group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())))
+
+
+# D effects.
+@dataclass(frozen=True, slots=True)
+class StartHandshake:
+    engine: str
+
+
+@dataclass(frozen=True, slots=True)
+class PostRead:
+    request_id: str
+    engine: str
+    handle: int
+    blocks: tuple[int, ...]
+    expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendDone:
+    request_id: str
+    engine: str
+    handle: int
+    expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendRelease:
+    request_id: str
+    engine: str
+    handle: int
+    expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeartbeat:
+    engine: str
+    seq: int
+    handles: tuple[int, ...]
+    expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request left the machine: ``state`` is done or failed, with a reason."""
+
+    request_id: str
+    state: str
+    reason: str
+
+
+DEffect = StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
+
+
+class _DReq:
+    __slots__ = ("abort_pending", "lease_end", "params", "rid", "state")
+
+    def __init__(self, rid: str, params: TransferParams, lease_end: float) -> None:
+        self.rid = rid
+        self.params = params
+        self.lease_end = lease_end
+        self.state = D_NEW
+        self.abort_pending = False
+
+
+@dataclass
+class _HbSent:
+    sent_at: float
+    handles: tuple[int, ...]
+
+
+@dataclass
+class _Peer:
+    ready: bool = False
+    handshaking: bool = False
+    seq: int = 0
+    outstanding: OrderedDict[int, _HbSent] = field(default_factory=OrderedDict)
+    reqs: dict[int, _DReq] = field(default_factory=dict)  # handle -> request
+
+
+MAX_OUTSTANDING_HEARTBEATS: Final = 16  # per peer; older unacked batches are forgotten
+
+
+class Consumer:
+    """One decode rank's machine over its requests. Sans-I/O: effects out.
+
+    The rank is one *reader*: P counts it once per request however often it reports.
+    Invariants it maintains: a READ starts only when the lease, less ``max_read_time``
+    and ``clock_drift``, covers it; ``release`` is never sent while a READ is in flight;
+    at most one member of a sibling group is ever read. Costs: every event O(1) except
+    the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every request)
+    and peer-level events (O(requests of that peer)); tick is O(1) when nothing is due.
+    """
+
+    def __init__(self, reader: str, config: Config, *,
+                 heartbeat_chunk: int | None = None) -> None:
+        self.reader = reader
+        self.config = config.validate()
+        self.reqs: dict[str, _DReq] = {}
+        self.peers: dict[str, _Peer] = {}
+        self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
+        self._lease_heap: list[tuple[float, str]] = []  # (lease_end, rid); lazy
+        self._next_hb = -math.inf
+        self.now = -math.inf
+        self.heartbeat_chunk = heartbeat_chunk
+        self.counters: dict[str, int] = {}
+        self.finished: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def state(self, rid: str) -> str:
+        r = self.reqs.get(rid)
+        return D_NEW if r is None else r.state
+
+    def lease_end(self, rid: str) -> float | None:
+        r = self.reqs.get(rid)
+        return None if r is None else r.lease_end
+
+    def _go(self, r: _DReq, event: str, guard: str) -> Transition:
+        row = D_TABLE[(r.state, event, guard)]
+        r.state = row.dst
+        return row
+
+    def _finish(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
+        del self.reqs[r.rid]
+        p = r.params
+        peer = self.peers.get(p.engine)
+        if peer is not None and peer.reqs.get(p.handle) is r:
+            del peer.reqs[p.handle]
+        if p.group is not None and r.state == D_FAILED \
+                and self._group_owner.get((p.engine, p.group)) == r.rid:
+            del self._group_owner[(p.engine, p.group)]
+        key = f"{r.state}:{reason}"
+        self.finished[key] = self.finished.get(key, 0) + 1
+        out.append(Finished(r.rid, r.state, reason))
+
+    def _release(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
+        p = r.params
+        out.append(SendRelease(r.rid, p.engine, p.handle, p.expected))
+        self._finish(r, reason, out)
+
+    def _read_fits(self, lease_end: float, now: float) -> bool:
+        return now + self.config.max_read_time + self.config.clock_drift <= lease_end
+
+    def admit(self, rid: str, params: TransferParams, now: float) -> list[DEffect]:
+        """Transfer params received. The initial term is aged by ``max_delay``."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        peer = self.peers.setdefault(params.engine, _Peer())
+        if rid in self.reqs or params.handle in peer.reqs:
+            self._count("duplicate_admit")
+            return out
+        lease_end = now + params.initial_term - self.config.max_delay
+        r = _DReq(rid, params, lease_end)
+        self.reqs[rid] = r
+        peer.reqs[params.handle] = r
+        if not self._read_fits(lease_end, now):
+            self._go(r, ADMIT, "lease_short")
+            self._release(r, "lease_short", out)
+            return out
+        heapq.heappush(self._lease_heap, (lease_end, rid))
+        if peer.ready:
+            self._go(r, ADMIT, "peer_ready")
+        else:
+            self._go(r, ADMIT, "peer_unknown")
+            if not peer.handshaking:
+                peer.handshaking = True
+                out.append(StartHandshake(params.engine))
+        return out
+
+    def handshake_result(self, engine: str, ok: bool, now: float,
+                         reason: str = "handshake") -> list[DEffect]:
+        """The handshake with ``engine`` finished (ok) or failed (``reason``)."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        peer = self.peers.setdefault(engine, _Peer())
+        peer.handshaking = False
+        peer.ready = ok
+        for r in [r for r in peer.reqs.values() if r.state == HANDSHAKING]:
+            if ok:
+                self._go(r, HANDSHAKE_OK, "ok")
+            else:
+                self._go(r, HANDSHAKE_FAILED, "failed")
+                self._finish(r, reason, out)
+        return out
+
+    def schedule(self, rid: str, now: float) -> list[DEffect]:
+        """D's scheduler wants this request's KV now."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        r = self.reqs.get(rid)
+        if r is None or r.state != WAITING:
+            self._count("schedule_not_waiting")
+            return out
+        p = r.params
+        if p.group is not None:
+            owner = self._group_owner.get((p.engine, p.group))
+            if owner is not None and owner != rid:
+                self._go(r, SCHEDULE, "sibling_local")
+                out.append(SendRelease(rid, p.engine, p.handle, p.expected))
+                self._finish(r, "sibling_local", out)
+                return out
+        if not self._read_fits(r.lease_end, now):
+            self._go(r, SCHEDULE, "lease_short")
+            self._release(r, "lease_short", out)
+            return out
+        if p.group is not None:
+            self._group_owner[(p.engine, p.group)] = rid
+        self._go(r, SCHEDULE, "lease_covers_read")
+        out.append(PostRead(rid, p.engine, p.handle, p.blocks, p.expected))
+        return out
+
+    def read_result(self, rid: str, ok: bool, now: float, *, fenced: bool = False,
+                    notif_attached: bool = True) -> list[DEffect]:
+        """The READ finished (``ok``), failed, or its generations changed (``fenced``).
+
+        With ``notif_attached`` the done notification travelled with the READ (NIXL's
+        notif_msg); otherwise the machine emits SendDone.
+        """
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        r = self.reqs.get(rid)
+        if r is None or r.state != READING:
+            self._count("read_result_not_reading")
+            return out
+        p = r.params
+        if ok and not fenced:
+            pending = r.abort_pending
+            self._go(r, READ_OK, "abort_pending" if pending else "ok")
+            if not notif_attached:
+                out.append(SendDone(rid, p.engine, p.handle, p.expected))
+            self._finish(r, "aborted" if pending else "pulled", out)
+        else:
+            self._go(r, READ_FAILED, "fenced" if fenced else "error")
+            # The READ is no longer in flight, so release is safe; P counts this
+            # reader once even if the READ's own notification also arrives.
+            self._release(r, "fenced" if fenced else "transfer_error", out)
+        return out
+
+    def abort(self, rid: str, now: float) -> list[DEffect]:
+        """Client abort on D. Never releases under an in-flight READ."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        r = self.reqs.get(rid)
+        if r is None:
+            self._count("abort_unknown")
+            return out
+        if r.state == READING:
+            self._go(r, D_ABORT, "in_flight")
+            r.abort_pending = True
+            return out
+        self._go(r, D_ABORT, "idle")
+        self._release(r, "aborted", out)
+        return out
+
+    def ack(self, engine: str, seq: int, term: float, refused: Sequence[int],
+            now: float) -> list[DEffect]:
+        """P answered heartbeat ``seq``: lease end := send time + term - drift."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        peer = self.peers.get(engine)
+        sent = peer.outstanding.pop(seq, None) if peer is not None else None
+        if peer is None or sent is None:
+            self._count("ack_unknown")
+            return out
+        refused_set = set(refused)
+        lease_end = sent.sent_at + term - self.config.clock_drift
+        for h in sent.handles:
+            r = peer.reqs.get(h)
+            if r is None or r.state not in (WAITING, READING):
+                continue
+            if h in refused_set:
+                if self._go(r, ACK, "refused").dst == D_FAILED:
+                    self._finish(r, "revoked", out)
+            else:
+                self._go(r, ACK, "granted")
+                if lease_end > r.lease_end:
+                    r.lease_end = lease_end
+        return out
+
+    def peer_lost(self, engine: str, now: float) -> list[DEffect]:
+        """P disconnected (or crashed): fail everything not in flight, promptly."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        peer = self.peers.get(engine)
+        if peer is None:
+            return out
+        peer.ready = False
+        peer.handshaking = False
+        peer.outstanding.clear()
+        for r in list(peer.reqs.values()):
+            if r.state == READING:
+                self._go(r, PEER_LOST, "in_flight")
+            elif r.state in (WAITING, HANDSHAKING):
+                self._go(r, PEER_LOST, "lost")
+                self._finish(r, "peer_lost", out)
+        return out
+
+    def tick(self, now: float) -> list[DEffect]:
+        """Heartbeat every request still to be pulled (queued ones too), per P engine;
+        fail requests whose lease can no longer cover a READ."""
+        self.now = max(self.now, now)
+        out: list[DEffect] = []
+        cfg = self.config
+        margin = cfg.max_read_time + cfg.clock_drift
+        heap = self._lease_heap
+        while heap and heap[0][0] - margin < now:
+            _, rid = heapq.heappop(heap)
+            r = self.reqs.get(rid)
+            if r is None or r.state not in (WAITING, HANDSHAKING):
+                continue
+            if self._read_fits(r.lease_end, now):
+                heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert
+                continue
+            self._go(r, D_TICK, "lease_lost")
+            self._release(r, "lease_lost", out)
+        if now >= self._next_hb:
+            self._next_hb = now + cfg.heartbeat_interval
+            chunk = self.heartbeat_chunk or 1 << 30
+            for engine, peer in self.peers.items():
+                if not peer.ready or not peer.reqs:
+                    continue
+                by_expected: dict[int, list[int]] = {}
+                for h, r in peer.reqs.items():
+                    if r.state == WAITING or r.state == READING:
+                        by_expected.setdefault(r.params.expected, []).append(h)
+                for expected, handles in by_expected.items():
+                    handles.sort()
+                    for i in range(0, len(handles), chunk):
+                        part = tuple(handles[i:i + chunk])
+                        peer.seq = (peer.seq + 1) & 0xFFFFFFFF
+                        peer.outstanding[peer.seq] = _HbSent(now, part)
+                        while len(peer.outstanding) > MAX_OUTSTANDING_HEARTBEATS:
+                            peer.outstanding.popitem(last=False)
+                        out.append(SendHeartbeat(engine, peer.seq, part, expected))
+        return out
+
+
+def mermaid(transitions: Sequence[Transition] = P_TRANSITIONS, *, title: str = "") -> str:
+    """Render a transition table as a Mermaid state diagram (generated, never drawn)."""
+    lines = ["stateDiagram-v2"]
+    if title:
+        lines.insert(0, f"%% {title}")
+    seen: set[tuple[str, str, str]] = set()
+    for t in transitions:
+        if t.src == t.dst and not t.effect.startswith(("free", "ack")):
+            continue  # self-loops that only count are documented in the table, not drawn
+        label = f"{t.event} [{t.guard}]" + (f" / {t.effect}" if t.effect else "")
+        key = (t.src, t.dst, label)
+        if key in seen:
+            continue
+        seen.add(key)
+        src = "[*]" if t.src in (UNREGISTERED, D_NEW) else t.src
+        lines.append(f"    {src} --> {t.dst}: {label}")
+    for term in (EXPIRED, FREED, D_DONE, D_FAILED):
+        if any(t.dst == term for t in transitions):
+            lines.append(f"    {term} --> [*]")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(transitions: Sequence[Transition]) -> str:
+    rows = ["| state | event | guard | next state | effect | note |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for t in transitions:
+        rows.append(f"| {t.src} | {t.event} | {t.guard} | {t.dst} | {t.effect or '-'} | {t.doc} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,363 @@
+"""Wire format for the lifecycle messages (spec/PROTOCOL.md, "Wire format").
+
+Every message: an 8-byte header ``b"KV" | version u8 | kind u8 | epoch u32 (big endian)``
+followed by a kind-specific body of unsigned LEB128 varints. Request handles in a batch
+are sorted and delta-encoded, so a heartbeat costs about one or two bytes per request.
+
+Decoding never raises anything but ``WireError``, whose ``reason`` is a short stable
+token the adapters count (``truncated``, ``bad_magic``, ``version``, ...). Nothing from
+a peer is ever unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+MAGIC: Final = b"KV"
+VERSION: Final = 1
+HEADER: Final = struct.Struct(">2sBBI")
+HEADER_SIZE: Final = HEADER.size  # 8
+
+KIND_DONE: Final = 1
+KIND_RELEASE: Final = 2
+KIND_HEARTBEAT: Final = 3
+KIND_ACK: Final = 4
+KIND_NAMES: Final = {KIND_DONE: "done", KIND_RELEASE: "release", KIND_HEARTBEAT: "heartbeat",
+                     KIND_ACK: "ack"}
+
+MAX_HANDLE: Final = (1 << 64) - 1
+MAX_EXPECTED: Final = 0xFFFF
+MAX_SEQ: Final = 0xFFFFFFFF
+MAX_VARINT_BYTES: Final = 10
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded. ``reason`` is a stable counter name."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: int
+    epoch: int
+    handles: tuple[int, ...]
+    expected: int = 0
+    seq: int = 0
+    term_ms: int = 0  # ack only: the granted lease term, milliseconds
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, str(self.kind))
+
+
+# -- varints ------------------------------------------------------------------------
+
+
+def _put_varint(out: bytearray, v: int) -> None:
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+
+
+def varint_size(v: int) -> int:
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+def _get_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    end = len(buf)
+    for i in range(MAX_VARINT_BYTES):
+        if pos >= end:
+            raise WireError("truncated", f"varint runs past the end at byte {pos}")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            if i and b == 0:
+                raise WireError("malformed_varint", "non-canonical varint (trailing zero byte)")
+            return result, pos
+        shift += 7
+    raise WireError("malformed_varint", f"varint longer than {MAX_VARINT_BYTES} bytes")
+
+
+def _check_range(name: str, v: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise ValueError(f"{name} must be an int within [0, {hi}], got {v!r}")
+
+
+def _header(kind: int, epoch: int) -> bytearray:
+    _check_range("epoch", epoch, 0xFFFFFFFF)
+    return bytearray(HEADER.pack(MAGIC, VERSION, kind, epoch))
+
+
+def _put_handles(out: bytearray, handles: Sequence[int]) -> None:
+    _put_varint(out, len(handles))
+    prev = 0
+    for i, h in enumerate(handles):
+        _put_varint(out, h - prev if i else h)
+        prev = h
+
+
+def _sorted_unique(handles: Iterable[int]) -> list[int]:
+    hs = sorted(set(handles))
+    for h in hs:
+        _check_range("handle", h, MAX_HANDLE)
+    return hs
+
+
+# -- encoders ---------------------------------------------------------------------------
+
+
+def encode_done(epoch: int, handle: int, expected: int) -> bytes:
+    """``done``: this reader's READ of ``handle`` completed. Sent (or attached to the
+    READ as its notification) only after the data landed."""
+    _check_range("handle", handle, MAX_HANDLE)
+    _check_range("expected", expected, MAX_EXPECTED)
+    if expected < 1:
+        raise ValueError("expected must be >= 1 in done")
+    out = _header(KIND_DONE, epoch)
+    _put_varint(out, expected)
+    _put_varint(out, handle)
+    return bytes(out)
+
+
+def _chunk(hs: Sequence[int], budget: int) -> list[Sequence[int]]:
+    """Split sorted handles into runs whose delta encoding fits ``budget`` bytes."""
+    if budget < MAX_VARINT_BYTES:
+        raise ValueError("max_bytes too small for one handle")
+    chunks: list[Sequence[int]] = []
+    i = 0
+    n = len(hs)
+    while True:
+        start = i
+        used = 0
+        prev = 0
+        while i < n:
+            sz = varint_size(hs[i] - prev if i > start else hs[i])
+            if used + sz > budget:
+                break
+            used += sz
+            prev = hs[i]
+            i += 1
+        chunks.append(hs[start:i])
+        if i >= n:
+            return chunks
+
+
+# The header plus the largest prefix fields (seq 5 bytes, expected/term 5) and count (5).
+_RESERVE: Final = HEADER_SIZE + 15
+
+
+def _batched(kind: int, epoch: int, prefixes: Sequence[Sequence[int]] | Sequence[int],
+             handles: Iterable[int], max_bytes: int, *, per_chunk_seq: bool = False) -> list[bytes]:
+    hs = _sorted_unique(handles)
+    out: list[bytes] = []
+    for k, part in enumerate(_chunk(hs, max_bytes - _RESERVE)):
+        b = _header(kind, epoch)
+        for j, v in enumerate(prefixes):
+            _put_varint(b, (int(v) + k) & MAX_SEQ if per_chunk_seq and j == 0 else int(v))
+        _put_handles(b, part)
+        out.append(bytes(b))
+    return out
+
+
+def encode_heartbeat(epoch: int, seq: int, handles: Iterable[int], expected: int,
+                     max_bytes: int) -> list[bytes]:
+    """``heartbeat``: renew the leases of ``handles``. Chunked so that no message exceeds
+    ``max_bytes``; chunk k carries sequence number ``seq + k`` (mod 2**32)."""
+    _check_range("seq", seq, MAX_SEQ)
+    _check_range("expected", expected, MAX_EXPECTED)
+    return _batched(KIND_HEARTBEAT, epoch, (seq, expected), handles, max_bytes,
+                    per_chunk_seq=True)
+
+
+def encode_release(epoch: int, handles: Iterable[int], expected: int,
+                   max_bytes: int) -> list[bytes]:
+    """``release``: this reader will never pull ``handles``."""
+    _check_range("expected", expected, MAX_EXPECTED)
+    if expected < 1:
+        raise ValueError("expected must be >= 1 in release")
+    return _batched(KIND_RELEASE, epoch, (expected,), handles, max_bytes)
+
+
+def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
+               max_bytes: int) -> list[bytes]:
+    """``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
+    Every chunk repeats seq and term, so any chunk alone is valid."""
+    _check_range("seq", seq, MAX_SEQ)
+    term_ms = int(term * 1000)
+    _check_range("term_ms", term_ms, 0xFFFFFFFF)
+    return _batched(KIND_ACK, epoch, (seq, term_ms), refused, max_bytes)
+
+
+# -- decoder -----------------------------------------------------------------------------
+
+
+def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) -> Message:
+    """Decode one message or raise WireError. ``epoch``, when given, must match."""
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise WireError("not_bytes", f"expected bytes, got {type(buf).__name__}")
+    buf = bytes(buf)
+    if len(buf) > max_bytes:
+        raise WireError("oversized", f"{len(buf)} bytes > max_message_bytes {max_bytes}")
+    if len(buf) < HEADER_SIZE:
+        raise WireError("truncated", f"{len(buf)} bytes, header needs {HEADER_SIZE}")
+    magic, version, kind, ep = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise WireError("bad_magic", f"magic {magic!r}")
+    if version != VERSION:
+        raise WireError("version", f"protocol version {version}, this side speaks {VERSION}")
+    if epoch is not None and ep != epoch:
+        raise WireError("epoch", f"message for P epoch {ep}, current epoch is {epoch}")
+    pos = HEADER_SIZE
+    seq = term_ms = expected = 0
+    if kind == KIND_DONE:
+        expected, pos = _get_varint(buf, pos)
+        h, pos = _get_varint(buf, pos)
+        if not 1 <= expected <= MAX_EXPECTED:
+            raise WireError("bad_field", f"expected readers {expected} outside [1, {MAX_EXPECTED}]")
+        if h > MAX_HANDLE:
+            raise WireError("bad_field", "handle above 2**64-1")
+        handles: tuple[int, ...] = (h,)
+    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK):
+        if kind == KIND_HEARTBEAT:
+            seq, pos = _get_varint(buf, pos)
+            expected, pos = _get_varint(buf, pos)
+        elif kind == KIND_RELEASE:
+            expected, pos = _get_varint(buf, pos)
+        else:
+            seq, pos = _get_varint(buf, pos)
+            term_ms, pos = _get_varint(buf, pos)
+            if term_ms > 0xFFFFFFFF:
+                raise WireError("bad_field", "term above 2**32-1 ms")
+        if seq > MAX_SEQ:
+            raise WireError("bad_field", "seq above 2**32-1")
+        if expected > MAX_EXPECTED:
+            raise WireError("bad_field", f"expected readers {expected} above {MAX_EXPECTED}")
+        if kind == KIND_RELEASE and expected < 1:
+            raise WireError("bad_field", "expected readers must be >= 1 in release")
+        count, pos = _get_varint(buf, pos)
+        if count > len(buf) - pos:
+            raise WireError("truncated", f"count {count} exceeds the {len(buf) - pos} bytes left")
+        hs: list[int] = []
+        prev = 0
+        for i in range(count):
+            d, pos = _get_varint(buf, pos)
+            if i and d == 0:
+                raise WireError("bad_field", "duplicate handle in batch (zero delta)")
+            prev = prev + d if i else d
+            if prev > MAX_HANDLE:
+                raise WireError("bad_field", "handle above 2**64-1")
+            hs.append(prev)
+        handles = tuple(hs)
+    else:
+        raise WireError("unknown_kind", f"message kind {kind}")
+    if pos != len(buf):
+        raise WireError("trailing_bytes", f"{len(buf) - pos} bytes after the message")
+    return Message(kind, ep, handles, expected, seq, term_ms)
+
+
+# -- handshake payload -------------------------------------------------------------------
+
+HANDSHAKE_VERSION: Final = 1
+MAX_HANDSHAKE_BYTES: Final = 1 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The KV block layout both sides must agree on before any READ."""
+
+    num_blocks: int
+    block_bytes: int
+    dtype: str
+    tp_rank: int
+    tp_size: int
+
+    def check(self) -> None:
+        if self.num_blocks < 1 or self.block_bytes < 1:
+            raise WireError("bad_layout", "num_blocks and block_bytes must be >= 1")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise WireError("bad_layout", f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Handshake payload, both directions. JSON, never pickle."""
+
+    engine: str  # the sender's NIXL agent name
+    epoch: int
+    layout: Layout
+    agent_metadata: bytes  # opaque NIXL agent metadata (loaded by add_remote_agent)
+    role: str  # "producer" or "consumer"
+    extra: dict[str, Any] | None = None  # e.g. memory region descriptors as plain numbers
+    version: int = HANDSHAKE_VERSION
+
+    def encode(self) -> bytes:
+        body = {
+            "kvproto": self.version,
+            "engine": self.engine,
+            "epoch": self.epoch,
+            "role": self.role,
+            "layout": {
+                "num_blocks": self.layout.num_blocks,
+                "block_bytes": self.layout.block_bytes,
+                "dtype": self.layout.dtype,
+                "tp_rank": self.layout.tp_rank,
+                "tp_size": self.layout.tp_size,
+            },
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+            "extra": self.extra or {},
+        }
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_handshake(buf: bytes) -> Handshake:
+    """Parse and validate a handshake payload; raise WireError with a clear reason."""
+    if len(buf) > MAX_HANDSHAKE_BYTES:
+        raise WireError("oversized", f"handshake of {len(buf)} bytes")
+    try:
+        d = json.loads(bytes(buf).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError("malformed_handshake", f"not JSON: {e}") from None
+    if not isinstance(d, dict) or "kvproto" not in d:
+        raise WireError("malformed_handshake", "not a kvproto handshake object")
+    if d["kvproto"] != HANDSHAKE_VERSION:
+        raise WireError("version", f"handshake version {d['kvproto']!r}, this side speaks "
+                                   f"{HANDSHAKE_VERSION}")
+    try:
+        lay = d["layout"]
+        layout = Layout(int(lay["num_blocks"]), int(lay["block_bytes"]), str(lay["dtype"]),
+                        int(lay["tp_rank"]), int(lay["tp_size"]))
+        hs = Handshake(engine=str(d["engine"]), epoch=int(d["epoch"]), layout=layout,
+                       agent_metadata=base64.b64decode(d["agent_metadata"], validate=True),
+                       role=str(d["role"]), extra=dict(d.get("extra") or {}),
+                       version=int(d["kvproto"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError("malformed_handshake", f"bad field: {e}") from None
+    if hs.role not in ("producer", "consumer"):
+        raise WireError("malformed_handshake", f"unknown role {hs.role!r}")
+    layout.check()
+    return hs
+
+
+def check_layouts(local: Layout, remote: Layout) -> None:
+    """Raise WireError('layout_mismatch') when blocks cannot be read one to one."""
+    if (local.block_bytes, local.dtype) != (remote.block_bytes, remote.dtype):
+        raise WireError("layout_mismatch",
+                        f"local {local.block_bytes} B/{local.dtype} vs remote "
+                        f"{remote.block_bytes} B/{remote.dtype}")
