@@ -458,6 +458,7 @@ class Free:
     reason: str
     blocks: tuple[int, ...]
     reclaimed: tuple[int, ...]
+    deadline: float  # the lease deadline at the time of the free
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,7 +657,7 @@ class Ledger:
             self._count("tombstone_evicted")
         reclaimed = self.pool._drop(r.blocks)
         self.frees[reason] += 1
-        out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed)))
+        out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
         st = self._staged.get(handle)

@@ -1,0 +1,280 @@
+"""Event journal (flight recorder) and ``kvproto replay``.
+
+Format (spec/PROTOCOL.md, "Journal"): JSON Lines. Line 1 is a header
+``{"kvproto_journal": 1, "config": {...}, "capacity": N, "meta": {...}}``; every further
+line is one input event of P's ledger and the effects it produced::
+
+    {"n": 7, "event": {"type": "done", "reader": "d0", "handle": 3, "expected": 2,
+     "now": 12.5}, "effects": [{"type": "free", "handle": 3, ...}]}
+
+Replay feeds the events to a fresh ``Ledger`` and compares effects line by line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import IO, Any, Final
+
+from kvproto.lifecycle import (
+    R_ABORTED,
+    R_EXPIRED,
+    Abort,
+    Ack,
+    BlockPool,
+    Config,
+    ConfigError,
+    Done,
+    Effect,
+    Event,
+    Free,
+    Heartbeat,
+    Ledger,
+    Register,
+    Reject,
+    Rejected,
+    Release,
+    Tick,
+)
+
+log = logging.getLogger(__name__)
+
+JOURNAL_VERSION: Final = 1
+
+_EVENT_TYPES: Final[dict[str, type]] = {
+    "register": Register, "done": Done, "heartbeat": Heartbeat, "release": Release,
+    "abort": Abort, "tick": Tick, "reject": Reject,
+}
+_EFFECT_TYPES: Final[dict[str, type]] = {"free": Free, "ack": Ack, "rejected": Rejected}
+_TYPE_OF: Final = {v: k for k, v in {**_EVENT_TYPES, **_EFFECT_TYPES}.items()}
+
+
+class JournalError(ValueError):
+    """A journal line that cannot be read. ``line`` is 1-based."""
+
+    def __init__(self, line: int, msg: str) -> None:
+        super().__init__(f"line {line}: {msg}")
+        self.line = line
+
+
+def to_json(obj: Event | Effect) -> dict[str, Any]:
+    d: dict[str, Any] = {"type": _TYPE_OF[type(obj)]}
+    for f in fields(obj):  # type: ignore[arg-type]
+        v = getattr(obj, f.name)
+        d[f.name] = list(v) if isinstance(v, tuple) else v
+    return d
+
+
+def _from_json(d: Any, table: dict[str, type], what: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be an object")
+    cls = table.get(d.get("type", ""))
+    if cls is None:
+        raise ValueError(f"unknown {what} type {d.get('type')!r}")
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in d:
+            if f.default is not f.default_factory:  # has a default
+                continue
+            raise ValueError(f"{what} {d['type']!r} lacks field {f.name!r}")
+        v = d[f.name]
+        if isinstance(v, list):
+            v = tuple(v)
+        kwargs[f.name] = v
+    extra = set(d) - {"type"} - {f.name for f in fields(cls)}
+    if extra:
+        raise ValueError(f"{what} {d['type']!r} has unknown fields {sorted(extra)}")
+    return cls(**kwargs)
+
+
+def event_from_json(d: Any) -> Event:
+    ev: Event = _from_json(d, _EVENT_TYPES, "event")
+    now = getattr(ev, "now", None)
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+        raise ValueError(f"event time must be a finite number, got {now!r}")
+    return ev
+
+
+def effect_from_json(d: Any) -> Effect:
+    eff: Effect = _from_json(d, _EFFECT_TYPES, "effect")
+    return eff
+
+
+class JournalWriter:
+    """Records every ledger event and its effects. Pass ``writer.sink`` to ``Ledger``.
+
+    The core stays sans-I/O: the ledger only calls the sink; this class does the writing.
+    ``flush_every`` bounds what a crash can lose (lines are flushed in batches).
+    """
+
+    def __init__(self, path: str | Path | IO[str], config: Config, capacity: int,
+                 meta: dict[str, Any] | None = None, *, flush_every: int = 256) -> None:
+        if isinstance(path, (str, Path)):
+            self._f: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._own = True
+        else:
+            self._f = path
+            self._own = False
+        self._n = 0
+        self._flush_every = max(1, flush_every)
+        header = {"kvproto_journal": JOURNAL_VERSION, "config": config.to_dict(),
+                  "capacity": capacity, "meta": meta or {}}
+        self._f.write(json.dumps(header, sort_keys=True) + "\n")
+
+    def sink(self, event: Event, effects: list[Effect]) -> None:
+        self._n += 1
+        line = {"n": self._n, "event": to_json(event), "effects": [to_json(e) for e in effects]}
+        self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if self._n % self._flush_every == 0:
+            self._f.flush()
+
+    @property
+    def events(self) -> int:
+        return self._n
+
+    def close(self) -> None:
+        self._f.flush()
+        if self._own:
+            self._f.close()
+
+    def __enter__(self) -> JournalWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_journal(lines: Iterator[str] | IO[str]) -> tuple[dict[str, Any],
+                                                         Iterator[tuple[int, Event, list[Effect]]]]:
+    """Parse the header eagerly and return it with a lazy iterator of (line, event, effects)."""
+    it = iter(lines)
+    try:
+        first = next(it)
+    except StopIteration:
+        raise JournalError(1, "empty journal (no header line)") from None
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError as e:
+        raise JournalError(1, f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("kvproto_journal") != JOURNAL_VERSION:
+        raise JournalError(1, f"not a kvproto journal (version {JOURNAL_VERSION}) header")
+
+    def body() -> Iterator[tuple[int, Event, list[Effect]]]:
+        for lineno, raw in enumerate(it, start=2):
+            if not raw.strip():
+                continue
+            try:
+                d = json.loads(raw)
+                if not isinstance(d, dict) or "event" not in d:
+                    raise ValueError("line must be an object with an 'event'")
+                ev = event_from_json(d["event"])
+                effs = [effect_from_json(e) for e in d.get("effects", [])]
+            except (json.JSONDecodeError, ValueError, TypeError) as e:
+                raise JournalError(lineno, str(e)) from None
+            yield lineno, ev, effs
+
+    return header, body()
+
+
+class ReplayResult:
+    def __init__(self) -> None:
+        self.events = 0
+        self.divergences: list[str] = []
+        self.violations: list[str] = []
+        self.frees: dict[str, int] = {}
+
+    @property
+    def ok(self) -> bool:
+        return not self.divergences and not self.violations
+
+
+def replay(source: IO[str] | Iterator[str], out: IO[str] | None = None, *,
+           full_check_every: int = 1000, max_reports: int = 10) -> ReplayResult:
+    """Replay a journal through a fresh ledger. Raises JournalError on unreadable input."""
+    header, body = read_journal(source)
+    try:
+        config = Config.from_dict(header.get("config", {}))
+    except ConfigError as e:
+        raise JournalError(1, f"invalid config in header: {e}") from None
+    capacity = header.get("capacity")
+    if not isinstance(capacity, int) or capacity < 1:
+        raise JournalError(1, f"header capacity must be a positive int, got {capacity!r}")
+    pool = BlockPool(capacity, strict=False)
+    ledger = Ledger(config, pool)
+    res = ReplayResult()
+    for lineno, ev, recorded in body:
+        try:
+            got = ledger.apply(ev)
+        except Exception as e:  # noqa: BLE001 - report, never crash the replay
+            res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+            break
+        res.events += 1
+        if out is not None:
+            for eff in got:
+                out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
+        if got != recorded and len(res.divergences) < max_reports:
+            res.divergences.append(
+                f"line {lineno}: {to_json(ev)['type']} effects differ\n"
+                f"    recorded: {[to_json(e) for e in recorded]}\n"
+                f"    replayed: {[to_json(e) for e in got]}")
+        for eff in got:
+            if isinstance(eff, Free):
+                res.frees[eff.reason] = res.frees.get(eff.reason, 0) + 1
+        for who, effs in (("replayed", got), ("recorded", recorded)):
+            for eff in effs:
+                if isinstance(eff, Free) and eff.reason in (R_EXPIRED, R_ABORTED) \
+                        and eff.deadline > ev.now:
+                    res.violations.append(
+                        f"line {lineno}: NoFreeUnderRead: {who} free of handle {eff.handle} "
+                        f"({eff.reason}) at {ev.now} before its lease deadline {eff.deadline}")
+        if pool.violations:
+            res.violations.append(f"line {lineno}: NoDoubleFree: {pool.violations} double free(s)")
+            break
+        if pool.held_count + pool.free_count != pool.capacity:
+            res.violations.append(f"line {lineno}: Conservation: held + free != capacity")
+            break
+        if full_check_every and res.events % full_check_every == 0:
+            errs = ledger.check_invariants()
+            if errs:
+                res.violations.extend(f"line {lineno}: {e}" for e in errs)
+                break
+    if not res.violations:
+        res.violations.extend(f"end: {e}" for e in ledger.check_invariants())
+    return res
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("journal", help="journal file (JSON Lines), or - for stdin")
+    p.add_argument("--no-effects", action="store_true",
+                   help="do not print the replayed effects, only the verdict")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.journal
+    try:
+        f: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        print(f"kvproto replay: cannot open {path}: {e.strerror}", file=sys.stderr)
+        return 2
+    try:
+        res = replay(f, None if args.no_effects else sys.stdout)
+    except JournalError as e:
+        print(f"kvproto replay: {path}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if f is not sys.stdin:
+            f.close()
+    for d in res.divergences:
+        print(f"kvproto replay: DIVERGED {d}", file=sys.stderr)
+    for v in res.violations:
+        print(f"kvproto replay: VIOLATION {v}", file=sys.stderr)
+    verdict = "ok" if res.ok else "FAILED"
+    print(f"kvproto replay: {res.events} events replayed, frees {res.frees}, {verdict}",
+          file=sys.stderr)
+    return 0 if res.ok else 1
