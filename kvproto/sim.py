@@ -1,0 +1,614 @@
+"""Deterministic simulator: one P rank, several D engines (each with one or more ranks),
+and a faulty network carrying the real encoded bytes.
+
+The simulator is itself a thin adapter: it decodes bytes into ledger/consumer events and
+applies their effects; every lifecycle decision stays in ``kvproto.lifecycle``. It checks
+the safety invariants after every step and measures stranded block-seconds.
+
+Faults: message loss, duplication, reordering (random delays), delay, D rank crash,
+aborts on P and on D, malformed bytes into P's inbox, handshake failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from kvproto import wire
+from kvproto.lifecycle import (
+    HELD_STATES,
+    Ack,
+    BlockPool,
+    Config,
+    Consumer,
+    DEffect,
+    Effect,
+    Finished,
+    Free,
+    Ledger,
+    PostRead,
+    Rejected,
+    SendDone,
+    SendHeartbeat,
+    SendRelease,
+    StartHandshake,
+    TransferParams,
+)
+
+log = logging.getLogger(__name__)
+
+P_NAME = "P0"
+
+
+@dataclass
+class Faults:
+    """Probabilities per message or per step; all zero = a perfect network."""
+
+    loss: float = 0.02
+    duplicate: float = 0.02
+    max_delay: float | None = None  # None: the config's max_delay (the timing assumption)
+    crash_rate: float = 0.0004  # per step, per live D rank (it restarts as a new reader)
+    restart_after: float = 5.0  # a crashed rank comes back (new identity) after this long
+    register_lag: float = 0.3  # fraction of requests whose P registration lags the params
+    abort_p_rate: float = 0.02  # per step: abort a random held request on P
+    abort_d_rate: float = 0.02  # per step: abort a random request on one D engine
+    malformed_rate: float = 0.01  # per step: inject garbage into P's inbox
+    handshake_fail: float = 0.05  # per handshake
+    sibling_rate: float = 0.15  # fraction of requests with n>1 siblings
+
+    @classmethod
+    def none(cls) -> Faults:
+        return cls(0, 0, None, 0, 5.0, 0.3, 0, 0, 0, 0, 0.15)
+
+
+@dataclass(order=True)
+class Msg:
+    at: float
+    seq: int
+    src: str = field(compare=False)
+    dst: str = field(compare=False)
+    data: bytes = field(compare=False)
+
+
+@dataclass
+class Read:
+    reader: str
+    rid: str
+    handle: int
+    blocks: tuple[int, ...]
+    gens: tuple[int, ...]
+    start: float
+    end: float
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    siblings: int = 0
+    completed: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    admission_blocked: int = 0
+    messages: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    crashes: int = 0
+    aborts_p: int = 0
+    aborts_d: int = 0
+    malformed: int = 0
+    stranded_block_seconds: float = 0.0
+    fenced: int = 0
+    violations: list[str] = field(default_factory=list)
+
+
+class Network:
+    """Delivers bytes after a random delay; may lose or duplicate them."""
+
+    def __init__(self, rng: random.Random, faults: Faults, max_delay: float) -> None:
+        self.rng = rng
+        self.faults = faults
+        self.max_delay = max_delay
+        self.queue: list[Msg] = []
+        self._seq = 0
+        self.sent = self.lost = self.duplicated = 0
+
+    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+        self.sent += 1
+        if self.rng.random() < self.faults.loss:
+            self.lost += 1
+            return
+        copies = 2 if self.rng.random() < self.faults.duplicate else 1
+        self.duplicated += copies - 1
+        for _ in range(copies):
+            self._seq += 1
+            heapq.heappush(self.queue, Msg(now + self.rng.uniform(0, self.max_delay), self._seq,
+                                           src, dst, data))
+
+    def due(self, now: float) -> list[Msg]:
+        out = []
+        while self.queue and self.queue[0].at <= now:
+            out.append(heapq.heappop(self.queue))
+        return out
+
+
+class Simulator:
+    """One P rank and D engines. ``step()`` advances time by ``dt`` and runs everything due."""
+
+    def __init__(self, seed: int = 0, *, config: Config | None = None,
+                 faults: Faults | None = None, capacity: int = 512,
+                 engines: tuple[int, ...] = (1, 2, 1), dt: float = 0.1,
+                 arrival_rate: float = 2.0, max_queue: float = 20.0,
+                 journal: Callable[..., None] | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.config = (config or Config()).validate()
+        self.faults = faults if faults is not None else Faults()
+        self.dt = dt
+        self.now = 0.0
+        self.arrival_rate = arrival_rate  # requests per simulated second
+        self.max_queue = max_queue  # D may queue a request this long before pulling it
+        self.epoch = self.rng.randrange(1, 1 << 32)
+        self.pool = BlockPool(capacity, strict=False)
+        self.ledger = Ledger(self.config, self.pool, sink=journal)
+        self.gens = [0] * capacity
+        max_delay = self.faults.max_delay if self.faults.max_delay is not None \
+            else self.config.max_delay
+        self.net = Network(self.rng, self.faults, max_delay)
+        self.ranks: dict[str, Consumer] = {}
+        self.engine_ranks: dict[str, list[str]] = {}
+        for e, nranks in enumerate(engines):
+            names = [f"D{e}.r{k}" for k in range(nranks)]
+            self.engine_ranks[f"D{e}"] = names
+            for n in names:
+                self.ranks[n] = Consumer(n, self.config)
+        self.crashed: set[str] = set()
+        self.known_peers: set[str] = set()  # D ranks P has handshaken with
+        self.agenda: list[tuple[float, int, str, str]] = []  # (time, seq, rank, rid) schedule
+        self.handshakes: list[tuple[float, int, str, bool]] = []  # (time, seq, rank, ok)
+        self.reads: dict[tuple[str, str], Read] = {}
+        self._aseq = 0
+        self._next_req = 0
+        self.stats = Stats()
+        self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
+        self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
+                                  tuple[str, ...]]] = []
+        self.reserved: set[int] = set()
+        self.restarts: list[tuple[float, str]] = []
+        self.incarnation: dict[str, int] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+    def _tick_seq(self) -> int:
+        self._aseq += 1
+        return self._aseq
+
+    def _violation(self, msg: str) -> None:
+        log.error("violation at t=%.3f: %s", self.now, msg)
+        self.stats.violations.append(f"t={self.now:.3f} {msg}")
+
+    # -- P side (the adapter: decode, feed the ledger, apply effects) ------------------
+    def p_receive(self, src: str, data: bytes) -> None:
+        L = self.ledger
+        if src not in self.known_peers:
+            self._p_effects(L.reject("unknown_peer", src, f"{len(data)} bytes", self.now))
+            return
+        try:
+            m = wire.decode(data, max_bytes=self.config.max_message_bytes, epoch=self.epoch)
+        except wire.WireError as e:
+            self._p_effects(L.reject(e.reason, src, e.detail, self.now))
+            return
+        if m.kind == wire.KIND_DONE:
+            self._p_effects(L.done(src, m.handles[0], m.expected, self.now))
+        elif m.kind == wire.KIND_HEARTBEAT:
+            self._p_effects(L.heartbeat(src, m.seq, m.handles, m.expected, self.now))
+        elif m.kind == wire.KIND_RELEASE:
+            self._p_effects(L.release(src, m.handles, m.expected, self.now))
+        else:
+            self._p_effects(L.reject("unexpected_kind", src, m.kind_name, self.now))
+
+    def _p_effects(self, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Free):
+                self._on_free(eff)
+            elif isinstance(eff, Ack):
+                for chunk in wire.encode_ack(self.epoch, eff.seq, eff.term, eff.refused,
+                                             self.config.max_message_bytes):
+                    self.net.send(self.now, P_NAME, eff.reader, chunk)
+            elif isinstance(eff, Rejected):
+                log.debug("P rejected %s from %s: %s", eff.reason, eff.peer, eff.detail)
+
+    def _on_free(self, eff: Free) -> None:
+        reclaimed = set(eff.reclaimed)
+        for b in eff.reclaimed:
+            self.gens[b] += 1  # bump before the block can be reused
+        for r in self.reads.values():
+            if reclaimed.intersection(r.blocks):
+                self._violation(f"NoFreeUnderRead: handle {eff.handle} ({eff.reason}) freed "
+                                f"blocks under {r.reader}'s READ of handle {r.handle}")
+        self.holders.pop(eff.handle, None)
+
+    def new_request(self, n: int = 1, engine: str | None = None) -> list[str]:
+        """Prefill finished on P: register (n siblings sharing blocks), hand params to D."""
+        nblocks = self.rng.randint(1, 8)
+        free = [b for b in self.pool.free_blocks() if b not in self.reserved]
+        if len(free) < nblocks:
+            self.stats.admission_blocked += 1
+            return []
+        blocks = tuple(self.rng.sample(free, nblocks))
+        # prefix sharing: sometimes reuse a held block from another request
+        live = self.ledger.live_handles()
+        if live and self.rng.random() < 0.3:
+            other = self.ledger._live[self.rng.choice(live)].blocks
+            extra = self.rng.choice(other)
+            if extra not in blocks:
+                blocks = (*blocks, extra)
+        engine = engine or self.rng.choice(list(self.engine_ranks))
+        ranks = self.engine_ranks[engine]
+        self._next_req += 1
+        parent = f"cmpl-{self._next_req}:x,y"  # ids may contain ':' and ','
+        group = parent if n > 1 else None
+        rids = []
+        for i in range(n):
+            rid = f"{i}_{parent}" if n > 1 else parent
+            h = self.ledger.new_handle()
+            # P may not know its readers: announce them from D half of the time.
+            expected = len(ranks) if self.rng.random() < 0.5 else 0
+            # The early-notification race: P's registration may lag the params it already
+            # handed out (scheduler vs worker), so D's messages can arrive first.
+            lag = self.rng.uniform(0, 1.0) if self.rng.random() < self.faults.register_lag else 0
+            self.p_agenda.append((self.now + lag, h, rid, blocks, group, expected, tuple(ranks)))
+            # P holds the blocks from the moment it hands out params; reserve them in the
+            # simulator so they are not handed to another request meanwhile.
+            self.reserved.update(blocks)
+            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
+                                    expected=len(ranks), group=group,
+                                    generations=tuple(self.gens[b] for b in blocks))
+            delay = self.rng.uniform(0, self.net.max_delay)
+            for rk in ranks:
+                self._aseq += 1
+                heapq.heappush(self.agenda, (self.now + delay, self._aseq, rk,
+                                             "admit\0" + rid + "\0" + json.dumps(params.to_dict())))
+            rids.append(rid)
+        self.stats.requests += n
+        if n > 1:
+            self.stats.siblings += n
+        return rids
+
+    # -- D side -------------------------------------------------------------------------
+    def _d_effects(self, rank: str, effects: list[DEffect]) -> None:
+        for eff in effects:
+            if isinstance(eff, StartHandshake):
+                ok = self.rng.random() >= self.faults.handshake_fail
+                heapq.heappush(self.handshakes, (self.now + self.rng.uniform(0.01, 0.5),
+                                                 self._tick_seq(), rank, ok))
+            elif isinstance(eff, PostRead):
+                gens = tuple(self.gens[b] for b in eff.blocks)
+                dur = self.rng.uniform(0.01, self.config.max_read_time)
+                self.reads[(rank, eff.request_id)] = Read(rank, eff.request_id, eff.handle,
+                                                          eff.blocks, gens, self.now,
+                                                          self.now + dur)
+            elif isinstance(eff, SendDone):
+                self.net.send(self.now, rank, P_NAME,
+                              wire.encode_done(self.epoch, eff.handle, eff.expected))
+            elif isinstance(eff, SendRelease):
+                for chunk in wire.encode_release(self.epoch, (eff.handle,), eff.expected,
+                                                 self.config.max_message_bytes):
+                    self.net.send(self.now, rank, P_NAME, chunk)
+            elif isinstance(eff, SendHeartbeat):
+                for chunk in wire.encode_heartbeat(self.epoch, eff.seq, eff.handles,
+                                                   eff.expected, self.config.max_message_bytes):
+                    self.net.send(self.now, rank, P_NAME, chunk)
+            elif isinstance(eff, Finished):
+                if eff.state == "done":
+                    self.stats.completed += 1
+                else:
+                    self.stats.failed[eff.reason] = self.stats.failed.get(eff.reason, 0) + 1
+                self._drop_holder(rank, eff.request_id)
+
+    def _drop_holder(self, rank: str, rid: str) -> None:
+        h = self.ledger.handle_of(rid)
+        if h is not None and h in self.holders:
+            self.holders[h].discard(rank)
+
+    def _finish_read(self, key: tuple[str, str], r: Read) -> None:
+        del self.reads[key]
+        if r.reader in self.crashed:
+            return
+        fenced = any(self.gens[b] != g for b, g in zip(r.blocks, r.gens, strict=True))
+        if fenced:
+            self.stats.fenced += 1
+            self._violation(f"fenced READ of handle {r.handle} by {r.reader}: blocks reused")
+        c = self.ranks[r.reader]
+        # NIXL delivers the READ's notification after the data landed, from the initiator.
+        if not fenced:
+            self.net.send(self.now, r.reader, P_NAME,
+                          wire.encode_done(self.epoch, r.handle,
+                                           c.reqs[r.rid].params.expected))
+        self._d_effects(r.reader, c.read_result(r.rid, not fenced, self.now, fenced=fenced))
+
+    # -- faults -------------------------------------------------------------------------
+    def crash(self, rank: str) -> None:
+        """kill -9 of one D rank: it stops sending; its in-flight READs still run out."""
+        if rank in self.crashed:
+            return
+        self.crashed.add(rank)
+        self.stats.crashes += 1
+        for rs in self.holders.values():
+            rs.discard(rank)
+        self.restarts.append((self.now + self.faults.restart_after, rank))
+
+    def _restart(self, old: str) -> None:
+        base = old.split("#", 1)[0]
+        inc = self.incarnation.get(base, 1) + 1
+        self.incarnation[base] = inc
+        new = f"{base}#{inc}"
+        for names in self.engine_ranks.values():
+            if old in names:
+                names[names.index(old)] = new
+        self.ranks[new] = Consumer(new, self.config)
+
+    def abort_p(self, rid: str) -> None:
+        self.stats.aborts_p += 1
+        self._p_effects(self.ledger.abort(rid, self.now))
+
+    def abort_d(self, engine: str, rid: str) -> None:
+        self.stats.aborts_d += 1
+        for rk in self.engine_ranks[engine]:
+            if rk not in self.crashed:
+                self._d_effects(rk, self.ranks[rk].abort(rid, self.now))
+
+    def inject_malformed(self, data: bytes | None = None) -> None:
+        self.stats.malformed += 1
+        src = self.rng.choice(sorted(self.known_peers) or ["stranger"])
+        if data is None:
+            data = bytes(self.rng.randrange(256) for _ in range(self.rng.randint(0, 40)))
+            if self.rng.random() < 0.5:  # a valid header with a corrupt body
+                data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, self.rng.randint(1, 5),
+                                        self.epoch) + data
+        self.p_receive(src, data)
+
+    # -- time -----------------------------------------------------------------------------
+    def step(self, *, generate: bool = True) -> None:
+        self.now = round(self.now + self.dt, 9)
+        now = self.now
+        f = self.faults
+        rng = self.rng
+        if generate:
+            k = 0
+            lam = self.arrival_rate * self.dt
+            while rng.random() < lam / (k + 1) and k < 4:
+                k += 1
+                n = rng.randint(2, 4) if rng.random() < f.sibling_rate else 1
+                self.new_request(n)
+            if rng.random() < f.abort_p_rate:
+                live = self.ledger.live_handles()
+                if live:
+                    self.abort_p(self.ledger._live[rng.choice(live)].rid)
+            if rng.random() < f.abort_d_rate:
+                e = rng.choice(list(self.engine_ranks))
+                rk = self.engine_ranks[e][0]
+                if self.ranks[rk].reqs:
+                    self.abort_d(e, rng.choice(sorted(self.ranks[rk].reqs)))
+            for rk in list(self.ranks):
+                if rk not in self.crashed and rng.random() < f.crash_rate:
+                    self.crash(rk)
+            if rng.random() < f.malformed_rate:
+                self.inject_malformed()
+        # P registrations due (in order)
+        if self.p_agenda:
+            due = [a for a in self.p_agenda if a[0] <= now]
+            if due:
+                self.p_agenda = [a for a in self.p_agenda if a[0] > now]
+                for _, h, rid, blocks, group, expected, ranks in due:
+                    self.reserved.difference_update(blocks)
+                    self._p_effects(self.ledger.register(h, rid, blocks, now, group=group,
+                                                         expected=expected))
+                    if self.ledger.state(h) in HELD_STATES:
+                        self.holders[h] = {r for r in ranks if r in self.ranks
+                                           and r not in self.crashed}
+        # crashed ranks restart with a new identity (a new NIXL agent)
+        while self.restarts and self.restarts[0][0] <= now:
+            _, old = self.restarts.pop(0)
+            self._restart(old)
+        # handshakes completing
+        while self.handshakes and self.handshakes[0][0] <= now:
+            _, _, rk, ok = heapq.heappop(self.handshakes)
+            if rk in self.crashed:
+                continue
+            if ok:
+                self.known_peers.add(rk)
+            self._d_effects(rk, self.ranks[rk].handshake_result(P_NAME, ok, now))
+        # admissions and schedules due
+        while self.agenda and self.agenda[0][0] <= now:
+            _, _, rk, what = heapq.heappop(self.agenda)
+            if rk in self.crashed:
+                continue
+            c = self.ranks[rk]
+            if what.startswith("admit\0"):
+                _, rid, pj = what.split("\0", 2)
+                params = TransferParams.from_dict(json.loads(pj))
+                self._d_effects(rk, c.admit(rid, params, now))
+                self._aseq += 1
+                q = rng.uniform(0, self.max_queue) if rng.random() < 0.3 else rng.uniform(0, 1)
+                heapq.heappush(self.agenda, (now + q, self._aseq, rk, "sched\0" + rid))
+            else:
+                rid = what.split("\0", 1)[1]
+                if c.state(rid) == "handshaking":  # not ready yet: retry later
+                    self._aseq += 1
+                    heapq.heappush(self.agenda, (now + 0.5, self._aseq, rk, what))
+                else:
+                    self._d_effects(rk, c.schedule(rid, now))
+        # READs completing
+        for key, r in sorted(self.reads.items(), key=lambda kv: kv[1].end):
+            if r.end <= now:
+                self._finish_read(key, r)
+        # messages
+        for m in self.net.due(now):
+            if m.dst == P_NAME:
+                self.p_receive(m.src, m.data)
+            elif m.dst not in self.crashed:
+                try:
+                    a = wire.decode(m.data, epoch=self.epoch)
+                except wire.WireError:
+                    continue
+                if a.kind == wire.KIND_ACK:
+                    self._d_effects(m.dst, self.ranks[m.dst].ack(P_NAME, a.seq, a.term_ms / 1000,
+                                                                 a.handles, now))
+        # ticks
+        for rk, c in self.ranks.items():
+            if rk not in self.crashed:
+                self._d_effects(rk, c.tick(now))
+        self._p_effects(self.ledger.tick(now))
+        # stranded: held blocks that no live reader will ever pull
+        stranded = 0
+        for h, rs in self.holders.items():
+            if not rs:
+                r = self.ledger._live.get(h)
+                if r is not None:
+                    stranded += len(r.blocks)
+        self.stats.stranded_block_seconds += stranded * self.dt
+        self.check_step()
+
+    def check_step(self) -> None:
+        pool = self.pool
+        if pool.violations:
+            self._violation(f"NoDoubleFree: {pool.violations} double free(s)")
+            pool.violations = 0
+        if pool.held_count + pool.free_count != pool.capacity:
+            self._violation("Conservation: held + free != capacity")
+        L = self.ledger
+        if L.staged_count > L.config.max_staged or L.tombstone_count > L.config.max_tombstones:
+            self._violation("StagingBounded/TombstonesBounded")
+
+    def run(self, duration: float, *, drain: bool = True,
+            progress: Callable[[float], None] | None = None) -> Stats:
+        steps = int(round(duration / self.dt))
+        for i in range(steps):
+            self.step()
+            if progress is not None and i % 500 == 0:
+                progress(self.now)
+        if drain:
+            self.drain()
+        return self.stats
+
+    def drain(self) -> None:
+        """Stop new work and let every lease, grace and READ run out."""
+        cfg = self.config
+        limit = self.now + self.max_queue + cfg.lease_horizon + cfg.abort_grace + \
+            cfg.max_read_time + 10 * cfg.max_delay + 10
+        while self.now < limit and (self.ledger.held_requests or self.reads or self.net.queue
+                                    or self.agenda or self.p_agenda):
+            self.step(generate=False)
+        for e in self.ledger.check_invariants():
+            self._violation(e)
+        if self.ledger.held_requests or self.pool.held_count:
+            self._violation(f"NoLeak: {self.ledger.held_requests} requests / "
+                            f"{self.pool.held_count} blocks still held after drain")
+
+    def summary(self) -> dict[str, Any]:
+        s = self.stats
+        L = self.ledger
+        c = L.counters
+        return {
+            "requests": s.requests,
+            "siblings": s.siblings,
+            "completed_reads": s.completed,
+            "failed": dict(sorted(s.failed.items())),
+            "frees": dict(L.frees),
+            "stranded_block_seconds": round(s.stranded_block_seconds, 3),
+            "stale_messages": c.get("stale", 0) + c.get("late", 0),
+            "late_after_expiry": c.get("late", 0),
+            "duplicates_ignored": c.get("duplicate", 0),
+            "staged": c.get("staged", 0),
+            "staged_dropped": c.get("staged_dropped", 0) + c.get("staged_expired", 0),
+            "rejected": {k[9:]: v for k, v in sorted(c.items()) if k.startswith("rejected:")},
+            "messages": self.net.sent, "lost": self.net.lost, "duplicated": self.net.duplicated,
+            "crashes": s.crashes, "aborts_p": s.aborts_p, "aborts_d": s.aborts_d,
+            "admission_blocked": s.admission_blocked,
+            "fenced_reads": s.fenced,
+            "blocks_held_at_end": self.pool.held_count,
+            "violations": len(s.violations),
+        }
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    p.add_argument("--seeds", type=int, default=4, help="number of seeded runs (default 4)")
+    p.add_argument("--duration", type=float, default=120.0,
+                   help="simulated seconds per run, before draining (default 120)")
+    p.add_argument("--capacity", type=int, default=512, help="P's KV blocks (default 512)")
+    p.add_argument("--no-faults", action="store_true", help="a perfect network, no crashes")
+    p.add_argument("--journal", metavar="PATH",
+                   help="write the first run's P event journal (JSON Lines) here")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object")
+
+
+def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faults: bool,
+                  journal: str | None = None, progress: IO[str] | None = None) -> dict[str, Any]:
+    from kvproto.journal import JournalWriter
+
+    totals: dict[str, Any] = {}
+    violations: list[str] = []
+    for i in range(seeds):
+        s = seed + i
+        writer = None
+        if journal and i == 0:
+            writer = JournalWriter(journal, Config(), capacity, {"source": "simulate", "seed": s})
+        t0 = time.perf_counter()
+        sim = Simulator(s, faults=Faults.none() if no_faults else Faults(), capacity=capacity,
+                        journal=writer.sink if writer else None)
+
+        def prog(now: float, s: int = s) -> None:
+            if progress is not None:
+                print(f"[simulate] seed {s}: t={now:.0f}s held={sim.ledger.held_requests} "
+                      f"frees={sum(sim.ledger.frees.values())}", file=progress)
+
+        sim.run(duration, progress=prog)
+        if writer:
+            writer.close()
+        summ = sim.summary()
+        violations += [f"seed {s}: {v}" for v in sim.stats.violations]
+        if progress is not None:
+            print(f"[simulate] seed {s}: done in {time.perf_counter() - t0:.1f}s, "
+                  f"{summ['requests']} requests, violations {summ['violations']}", file=progress)
+        for k, v in summ.items():
+            if isinstance(v, dict):
+                d = totals.setdefault(k, {})
+                for kk, vv in v.items():
+                    d[kk] = d.get(kk, 0) + vv
+            elif isinstance(v, (int, float)):
+                totals[k] = round(totals.get(k, 0) + v, 3)
+    totals["seeds"] = seeds
+    totals["violation_details"] = violations[:20]
+    return totals
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.seeds < 1 or args.duration <= 0 or args.capacity < 16:
+        print("kvproto simulate: --seeds >= 1, --duration > 0, --capacity >= 16", file=sys.stderr)
+        return 2
+    totals = simulate_many(args.seed, args.seeds, args.duration, args.capacity, args.no_faults,
+                           args.journal, progress=sys.stderr)
+    if args.json:
+        print(json.dumps(totals, sort_keys=True))
+    else:
+        print(f"kvproto simulate: {args.seeds} seeded runs of {args.duration:g}s (+drain)")
+        for k in ("requests", "siblings", "completed_reads", "failed", "frees",
+                  "stranded_block_seconds", "stale_messages", "late_after_expiry",
+                  "duplicates_ignored", "staged", "staged_dropped", "rejected", "messages",
+                  "lost", "duplicated", "crashes", "aborts_p", "aborts_d", "admission_blocked",
+                  "fenced_reads", "blocks_held_at_end", "violations"):
+            print(f"  {k:24s} {totals.get(k)}")
+        for v in totals["violation_details"]:
+            print(f"  VIOLATION {v}")
+        if args.journal:
+            print(f"  journal                  {args.journal}")
+    return 1 if totals.get("violations") else 0
