@@ -65,7 +65,7 @@ class JournalError(ValueError):
 
 def to_json(obj: Event | Effect) -> dict[str, Any]:
     d: dict[str, Any] = {"type": _TYPE_OF[type(obj)]}
-    for f in fields(obj):  # type: ignore[arg-type]
+    for f in fields(obj):
         v = getattr(obj, f.name)
         d[f.name] = list(v) if isinstance(v, tuple) else v
     return d
@@ -116,7 +116,7 @@ class JournalWriter:
     def __init__(self, path: str | Path | IO[str], config: Config, capacity: int,
                  meta: dict[str, Any] | None = None, *, flush_every: int = 256) -> None:
         if isinstance(path, (str, Path)):
-            self._f: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._f: IO[str] = open(path, "w", encoding="utf-8")
             self._own = True
         else:
             self._f = path
@@ -211,7 +211,7 @@ def replay(source: IO[str] | Iterator[str], out: IO[str] | None = None, *,
     for lineno, ev, recorded in body:
         try:
             got = ledger.apply(ev)
-        except Exception as e:  # noqa: BLE001 - report, never crash the replay
+        except Exception as e:
             res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
             break
         res.events += 1
@@ -258,7 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = args.journal
     try:
-        f: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+        f: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
     except OSError as e:
         print(f"kvproto replay: cannot open {path}: {e.strerror}", file=sys.stderr)
         return 2

@@ -133,7 +133,6 @@ P_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(ABORTED, SIBLING, "group_transferred", FREED, "free:sibling", "a sibling was transferred; D reads one member per group"),
     _T(NOTIFIED, SIBLING, "reader_active", NOTIFIED, "", "a reader reported on this member: it finishes on its own"),
 )
-del _T
 
 P_TABLE: Final[dict[tuple[str, str, str], Transition]] = {}
 for _row in P_TRANSITIONS:
@@ -141,6 +140,12 @@ for _row in P_TRANSITIONS:
     if _key in P_TABLE:  # pragma: no cover - table construction error
         raise AssertionError(f"duplicate row in P_TRANSITIONS: {_key}")
     P_TABLE[_key] = _row
+
+# Derived views of the table, precomputed for the hot path.
+P_FREE_REASON: Final[dict[tuple[str, str, str], str]] = {
+    k: r.effect[5:] for k, r in P_TABLE.items() if r.effect.startswith("free:")}
+P_COUNTER: Final[dict[tuple[str, str, str], str]] = {
+    k: r.effect[6:] for k, r in P_TABLE.items() if r.effect.startswith("count:")}
 
 # ---------------------------------------------------------------------------
 # The decode (D) side: one machine per (request, reader rank).
@@ -168,7 +173,6 @@ D_EVENTS: Final = (ADMIT, HANDSHAKE_OK, HANDSHAKE_FAILED, SCHEDULE, READ_OK, REA
 
 D_NEW: Final = "new"  # pseudo-state before admit
 
-_T = Transition
 D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(D_NEW, ADMIT, "peer_ready", WAITING, "", "transfer params received; P engine handshaken"),
     _T(D_NEW, ADMIT, "peer_unknown", HANDSHAKING, "handshake", "start (or join) the handshake with P"),
@@ -195,7 +199,6 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(WAITING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
     _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
 )
-del _T
 
 D_TABLE: Final[dict[tuple[str, str, str], Transition]] = {
     (r.src, r.event, r.guard): r for r in D_TRANSITIONS
@@ -633,13 +636,14 @@ class Ledger:
         return out
 
     def _apply_effect_counter(self, row: Transition) -> None:
-        eff = row.effect
-        if eff.startswith("count:"):
-            self._count(eff[6:])
+        name = P_COUNTER.get((row.src, row.event, row.guard))
+        if name is not None:
+            c = self.counters
+            c[name] = c.get(name, 0) + 1
 
     def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
         """The only place blocks are freed. Moves ``r`` to its terminal state."""
-        reason = row.effect[5:]
+        reason = P_FREE_REASON[(row.src, row.event, row.guard)]
         r.state = row.dst
         del self._live[r.handle]
         if self._by_rid.get(r.rid) == r.handle:
@@ -683,7 +687,8 @@ class Ledger:
     def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
                 out: list[Effect]) -> None:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
-        self._announce(r, expected)
+        if expected != r.expected:
+            self._announce(r, expected)
         fin = r.finished
         if fin is None:
             fin = r.finished = set()
@@ -697,15 +702,17 @@ class Ledger:
                 guard = "all_finished" if r.released else "all_done"
             else:
                 guard = "more_readers"
-        row = P_TABLE[(r.state, event, guard)]
-        if row.effect.startswith("free:"):
+        key = (r.state, event, guard)
+        row = P_TABLE[key]
+        if key in P_FREE_REASON:
             group = r.group
             self._free(r, row, out)
-            if guard == "all_done" and group is not None:
+            if group is not None and guard == "all_done":
                 self._group_transferred(group, out)
         else:
             r.state = row.dst
-            self._apply_effect_counter(row)
+            if guard == "duplicate_reader":
+                self._apply_effect_counter(row)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -721,7 +728,7 @@ class Ledger:
             r = self._live[h]
             guard = "reader_active" if r.state == NOTIFIED else "group_transferred"
             row = P_TABLE[(r.state, SIBLING, guard)]
-            if row.effect.startswith("free:"):
+            if (r.state, SIBLING, guard) in P_FREE_REASON:
                 self._free(r, row, out)
 
     # -- events ------------------------------------------------------------------------
@@ -770,10 +777,10 @@ class Ledger:
         if group is not None:
             self._groups.setdefault(group, set()).add(handle)
         heapq.heappush(self._heap, (r.deadline, handle))
-        st = self._staged.pop(handle, None)
-        if st is not None:
-            self._count("staged_applied", len(st.msgs))
-            for kind, reader, exp, t in st.msgs:
+        staged = self._staged.pop(handle, None)
+        if staged is not None:
+            self._count("staged_applied", len(staged.msgs))
+            for kind, reader, exp, t in staged.msgs:
                 if r.state not in HELD_STATES:
                     self._count("stale")
                     continue
@@ -795,7 +802,10 @@ class Ledger:
 
     def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
         """One reader's READ completed. Mirrors TLA+ ``Done``."""
-        now = self._clock(now)
+        if now < self.now:
+            now = self._clock(now)
+        else:
+            self.now = now
         out: list[Effect] = []
         r = self._live.get(handle)
         if r is not None:
@@ -903,7 +913,7 @@ class Ledger:
         if staged:
             limit = now - self.config.max_staged_age
             while staged:
-                h0, st = next(iter(staged.items()))
+                st = next(iter(staged.values()))
                 if st.since > limit:
                     break
                 staged.popitem(last=False)

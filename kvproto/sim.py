@@ -468,9 +468,9 @@ class Simulator:
         stranded = 0
         for h, rs in self.holders.items():
             if not rs:
-                r = self.ledger._live.get(h)
-                if r is not None:
-                    stranded += len(r.blocks)
+                req = self.ledger._live.get(h)
+                if req is not None:
+                    stranded += len(req.blocks)
         self.stats.stranded_block_seconds += stranded * self.dt
         self.check_step()
 
@@ -487,7 +487,7 @@ class Simulator:
 
     def run(self, duration: float, *, drain: bool = True,
             progress: Callable[[float], None] | None = None) -> Stats:
-        steps = int(round(duration / self.dt))
+        steps = round(duration / self.dt)
         for i in range(steps):
             self.step()
             if progress is not None and i % 500 == 0:
@@ -566,7 +566,7 @@ def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faul
         sim = Simulator(s, faults=Faults.none() if no_faults else Faults(), capacity=capacity,
                         journal=writer.sink if writer else None)
 
-        def prog(now: float, s: int = s) -> None:
+        def prog(now: float, s: int = s, sim: Simulator = sim) -> None:
             if progress is not None:
                 print(f"[simulate] seed {s}: t={now:.0f}s held={sim.ledger.held_requests} "
                       f"frees={sum(sim.ledger.frees.values())}", file=progress)

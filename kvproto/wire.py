@@ -163,14 +163,14 @@ def _chunk(hs: Sequence[int], budget: int) -> list[Sequence[int]]:
 _RESERVE: Final = HEADER_SIZE + 15
 
 
-def _batched(kind: int, epoch: int, prefixes: Sequence[Sequence[int]] | Sequence[int],
+def _batched(kind: int, epoch: int, prefixes: Sequence[int],
              handles: Iterable[int], max_bytes: int, *, per_chunk_seq: bool = False) -> list[bytes]:
     hs = _sorted_unique(handles)
     out: list[bytes] = []
     for k, part in enumerate(_chunk(hs, max_bytes - _RESERVE)):
         b = _header(kind, epoch)
         for j, v in enumerate(prefixes):
-            _put_varint(b, (int(v) + k) & MAX_SEQ if per_chunk_seq and j == 0 else int(v))
+            _put_varint(b, (v + k) & MAX_SEQ if per_chunk_seq and j == 0 else v)
         _put_handles(b, part)
         out.append(bytes(b))
     return out

@@ -1,0 +1,242 @@
+"""``kvproto bench ledger``: the lifecycle hot path against a scanning reference.
+
+Figures, not tests. Everything is measured in one run on this machine, and the speed
+figures are also reported as ratios against a baseline measured in the same run:
+
+* ``events_per_s``: done and heartbeat events (one event per request id) on one core;
+* ``tick_us``: cost of one ``tick`` with n held requests, none due;
+  ``scan_tick_us``: the same for the reference that scans every held request each tick
+  (the upstream approach);
+* ``bytes_per_request``: tracemalloc bytes per held request, excluding its block-id list
+  and its request-id string (both owned by the engine, shared by reference);
+* ``heartbeat_bytes_per_id``: wire bytes per request id in a heartbeat, against the
+  upstream ``"HB:" + ",".join(ids)`` string format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import tracemalloc
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from kvproto import wire
+from kvproto.lifecycle import BlockPool, Config, Ledger
+
+BLOCKS: tuple[int, ...] = (0, 1, 2, 3)  # shared by every request: not per-request memory
+
+
+class ScanReference:
+    """The upstream shape: a dict of deadlines scanned in full on every tick."""
+
+    def __init__(self, lease: float, extension: float) -> None:
+        self.lease = lease
+        self.extension = extension
+        self.deadlines: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def register(self, rid: str, now: float) -> None:
+        self.deadlines[rid] = now + self.lease
+
+    def heartbeat(self, rids: list[str], now: float) -> None:
+        ext = now + self.extension
+        d = self.deadlines
+        for r in rids:
+            if r in d and ext > d[r]:
+                d[r] = ext
+
+    def done(self, rid: str, expected: int) -> bool:
+        c = self.counts.get(rid, 0) + 1
+        if c >= expected:
+            self.counts.pop(rid, None)
+            self.deadlines.pop(rid, None)
+            return True
+        self.counts[rid] = c
+        return False
+
+    def tick(self, now: float) -> list[str]:
+        expired = [r for r, dl in self.deadlines.items() if dl <= now]
+        for r in expired:
+            del self.deadlines[r]
+        return expired
+
+
+def _ledger(n: int, capacity: int = 64) -> tuple[Ledger, list[int]]:
+    cfg = Config(max_tombstones=max(1024, n), max_staged=4096)
+    pool = BlockPool(capacity)
+    L = Ledger(cfg, pool)
+    hs = []
+    for i in range(n):
+        h = L.new_handle()
+        L.register(h, f"r{i}", BLOCKS, 0.0, expected=2)
+        hs.append(h)
+    return L, hs
+
+
+def _best(fn: Callable[[], float], repeat: int) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def bench_events(n: int = 100_000, batch: int = 512) -> dict[str, float]:
+    """Heartbeats for every held request, then two distinct readers' done for each."""
+    L, hs = _ledger(n)
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        now = 1.0
+        for i in range(0, n, batch):
+            L.heartbeat("d0", i, hs[i:i + batch], 2, now)
+        t_hb = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for h in hs:
+            L.done("d0", h, 2, now)
+        for h in hs:
+            L.done("d1", h, 2, now)
+        t_done = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    assert L.held_requests == 0 and L.pool.held_count == 0
+    ref = ScanReference(30.0, 20.0)
+    rids = [f"r{i}" for i in range(n)]
+    for r in rids:
+        ref.register(r, 0.0)
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        ref.heartbeat(rids[i:i + batch], 1.0)
+    for r in rids:
+        ref.done(r, 2)
+    for r in rids:
+        ref.done(r, 2)
+    t_ref = time.perf_counter() - t0
+    events = 3 * n
+    return {
+        "events_per_s": events / (t_hb + t_done),
+        "heartbeat_ids_per_s": n / t_hb,
+        "done_per_s": 2 * n / t_done,
+        "reference_events_per_s": events / t_ref,
+    }
+
+
+def bench_tick(ns: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+    tick_us: dict[str, float] = {}
+    scan_us: dict[str, float] = {}
+    for n in ns:
+        L, _ = _ledger(n)
+        iters = 20000
+
+        def run_ledger(L: Ledger = L, iters: int = iters) -> float:
+            t0 = time.perf_counter()
+            for k in range(iters):
+                L.tick(1.0 + k * 1e-6)
+            return (time.perf_counter() - t0) / iters * 1e6
+
+        tick_us[str(n)] = round(_best(run_ledger, 3), 3)
+        assert L.held_requests == n  # nothing expired
+        del L
+        ref = ScanReference(30.0, 20.0)
+        for i in range(n):
+            ref.register(f"r{i}", 0.0)
+        iters_ref = max(3, min(2000, 2_000_000 // n))
+
+        def run_ref(ref: ScanReference = ref, iters: int = iters_ref) -> float:
+            t0 = time.perf_counter()
+            for k in range(iters):
+                ref.tick(1.0 + k * 1e-6)
+            return (time.perf_counter() - t0) / iters * 1e6
+
+        scan_us[str(n)] = round(_best(run_ref, 2), 3)
+        del ref
+        gc.collect()
+    return tick_us, scan_us
+
+
+def bench_memory(n: int) -> dict[str, float]:
+    """tracemalloc bytes per held request (block list and request-id string excluded)."""
+    cfg = Config(max_tombstones=1024)
+    rids = [f"cmpl-{uuid.UUID(int=i)}-0" for i in range(n)]  # engine-owned strings
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    pool = BlockPool(64)
+    L = Ledger(cfg, pool)
+    for i in range(n):
+        L.register(L.new_handle(), rids[i], BLOCKS, 0.0, expected=2)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert L.held_requests == n
+    return {"bytes_per_request": round(used / n, 1), "held_requests": n,
+            "total_mib": round(used / 2**20, 1)}
+
+
+def bench_heartbeat_bytes(inflight: int = 10_000, window: int = 100_000,
+                          max_bytes: int = 4096) -> dict[str, float]:
+    rng = random.Random(7)
+    base = 10_000_000
+    handles = sorted(rng.sample(range(base, base + window), inflight))
+    msgs = wire.encode_heartbeat(1234, 1, handles, 2, max_bytes)
+    ours = sum(len(m) for m in msgs) / inflight
+    ids = [f"cmpl-{uuid.UUID(int=rng.getrandbits(128))}-0" for _ in range(inflight)]
+    upstream = len(("HB:" + ",".join(ids)).encode()) / inflight
+    return {"heartbeat_bytes_per_id": round(ours, 3), "upstream_heartbeat_bytes_per_id":
+            round(upstream, 1), "heartbeat_messages": len(msgs)}
+
+
+def run_all(quick: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = progress or (lambda s: None)
+    ns = [1000, 10_000] if quick else [1000, 10_000, 100_000, 1_000_000]
+    say("events: heartbeat + done on 10^5 held requests" if not quick else "events")
+    ev = bench_events(10_000 if quick else 100_000)
+    say("tick: none due, n = " + ", ".join(map(str, ns)))
+    tick_us, scan_us = bench_tick(ns)
+    mem_n = 10_000 if quick else 1_000_000
+    say(f"memory: {mem_n} held requests under tracemalloc")
+    mem = bench_memory(mem_n)
+    say("heartbeat wire bytes")
+    hb = bench_heartbeat_bytes()
+    key = "100000" if "100000" in tick_us else max(tick_us, key=int)
+    out: dict[str, Any] = {
+        **{k: round(v) for k, v in ev.items()},
+        "tick_us": tick_us,
+        "scan_tick_us": scan_us,
+        "tick_speedup_vs_scan": {n: round(scan_us[n] / tick_us[n], 1) for n in tick_us},
+        "tick_flatness": round(tick_us[max(tick_us, key=int)] / tick_us[min(tick_us, key=int)], 2),
+        "speedup_at": key,
+        **mem,
+        **hb,
+        "python": sys.version.split()[0],
+    }
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="small sizes (for smoke tests)")
+
+
+def run(args: argparse.Namespace) -> int:
+    res = run_all(args.quick, progress=lambda s: print(f"[bench ledger] {s}", file=sys.stderr))
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    print("kvproto bench ledger (one core; ratios against a baseline in the same run)")
+    print(f"  events/s (done + heartbeat ids)   {res['events_per_s']:>12,}   target >= 500,000")
+    print(f"    heartbeat ids/s                 {res['heartbeat_ids_per_s']:>12,}")
+    print(f"    done/s                          {res['done_per_s']:>12,}")
+    print(f"    scanning reference events/s     {res['reference_events_per_s']:>12,}")
+    print("  tick, none due (us):      n    kvproto    scan-ref   speedup")
+    for n in res["tick_us"]:
+        print(f"                    {int(n):>10,} {res['tick_us'][n]:>10.3f} "
+              f"{res['scan_tick_us'][n]:>11.1f} {res['tick_speedup_vs_scan'][n]:>8.1f}x")
+    print(f"  tick flatness (largest n / smallest n)  {res['tick_flatness']}x   target ~1")
+    print(f"  bytes per held request            {res['bytes_per_request']:>12}   target <= 400 "
+          f"({res['held_requests']:,} held: {res['total_mib']} MiB)")
+    print(f"  heartbeat bytes per id            {res['heartbeat_bytes_per_id']:>12}   target <= 12 "
+          f"(upstream string format: {res['upstream_heartbeat_bytes_per_id']})")
+    return 0
