@@ -1,0 +1,1 @@
+"""NIXL adapters: real transfers for the kvproto lifecycle (P producer, D consumer)."""

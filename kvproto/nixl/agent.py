@@ -1,0 +1,240 @@
+"""Thin helpers around the ``nixl`` Python API (no lifecycle decisions here).
+
+* ``make_agent``      -- a UCX agent (UCX left at its defaults);
+* ``KVRegion``        -- a KV cache ``uint8[num_blocks, block_bytes]`` plus a generation
+  tensor ``int64[num_blocks]``, both registered with the agent;
+* ``prep_blocks``     -- prepared descriptor lists, one descriptor per block, for the local
+  region or a remote one described by plain numbers from the handshake;
+* ``Xfer``            -- one READ with exception-safe post/poll/release: NIXL raises typed
+  exceptions on negative status codes; they become outcome strings here, and a handle
+  whose release fails is kept (its blocks stay pinned) rather than dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvproto.wire import Layout
+
+log = logging.getLogger(__name__)
+
+GEN_BYTES = 8  # int64 generation stamp per block
+
+# Outcomes of post/poll.
+PROC = "proc"
+DONE = "done"
+# Errors: "error:<name>", e.g. "error:remote_disconnect".
+DISCONNECT = "error:remote_disconnect"
+NOT_FOUND = "error:not_found"
+
+_ERROR_NAMES = {
+    "nixlRemoteDisconnectError": "remote_disconnect",
+    "nixlNotFoundError": "not_found",
+    "nixlBackendError": "backend",
+    "nixlInvalidParamError": "invalid_param",
+    "nixlMismatchError": "mismatch",
+    "nixlNotAllowedError": "not_allowed",
+    "nixlNotPostedError": "not_posted",
+    "nixlRepostActiveError": "repost_active",
+    "nixlUnknownError": "unknown",
+    "nixlNotSupportedError": "not_supported",
+    "nixlCancelledError": "canceled",
+}
+
+
+def error_name(exc: BaseException) -> str:
+    """A short stable token for a NIXL exception (``"error:<name>"``)."""
+    return "error:" + _ERROR_NAMES.get(type(exc).__name__, type(exc).__name__)
+
+
+def nixl_available() -> bool:
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def make_agent(name: str, *, listen_port: int | None = None) -> Any:
+    """Create a UCX agent named ``name``. UCX environment variables are left alone."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if listen_port is None:
+        cfg = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    else:  # pragma: no cover - the listener path is not used by the adapters
+        cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
+                                listen_port=listen_port, backends=["UCX"])
+    return nixl_agent(name, cfg)
+
+
+def default_device() -> str:
+    """``cuda`` (VRAM) when CUDA is present, else ``cpu`` (DRAM)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class RemoteRegion:
+    """A peer's registered region, as plain numbers from its handshake (never pickle)."""
+
+    kv_addr: int
+    gen_addr: int
+    dev_id: int
+    mem: str  # "DRAM" or "VRAM"
+    num_blocks: int
+    block_bytes: int
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], layout: Layout) -> RemoteRegion:
+        try:
+            r = cls(int(extra["kv_addr"]), int(extra["gen_addr"]), int(extra["dev_id"]),
+                    str(extra["mem"]), layout.num_blocks, layout.block_bytes)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"handshake lacks region fields: {e}") from None
+        if r.mem not in ("DRAM", "VRAM") or r.kv_addr <= 0 or r.gen_addr <= 0 or r.dev_id < 0:
+            raise ValueError(f"bad region description {extra!r}")
+        return r
+
+
+class KVRegion:
+    """KV blocks plus per-block generation stamps, registered with one agent."""
+
+    def __init__(self, agent: Any, num_blocks: int, block_bytes: int, *,
+                 device: str = "cpu") -> None:
+        self.agent = agent
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.device = device
+        self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+        self.gen = torch.zeros((num_blocks,), dtype=torch.int64, device=device)
+        self.mem = "VRAM" if self.kv.is_cuda else "DRAM"
+        self.dev_id = self.kv.get_device() if self.kv.is_cuda else 0
+        self._reg = agent.register_memory([self.kv, self.gen])
+        self._local_kv: Any = None
+        self._local_gen: Any = None
+
+    def layout(self, tp_rank: int = 0, tp_size: int = 1) -> Layout:
+        return Layout(self.num_blocks, self.block_bytes, "uint8", tp_rank, tp_size)
+
+    def extra(self) -> dict[str, Any]:
+        """Plain numbers a peer needs to address this region (goes in the handshake)."""
+        return {"kv_addr": int(self.kv.data_ptr()), "gen_addr": int(self.gen.data_ptr()),
+                "dev_id": int(self.dev_id), "mem": self.mem}
+
+    def as_remote(self) -> RemoteRegion:
+        e = self.extra()
+        return RemoteRegion(e["kv_addr"], e["gen_addr"], e["dev_id"], e["mem"],
+                            self.num_blocks, self.block_bytes)
+
+    def local_dlists(self) -> tuple[Any, Any]:
+        """Prepared local descriptor lists (blocks, generation stamps); built once."""
+        if self._local_kv is None:
+            self._local_kv, self._local_gen = prep_blocks(self.agent, "", self.as_remote())
+        return self._local_kv, self._local_gen
+
+    def close(self) -> None:
+        for h in (self._local_kv, self._local_gen):
+            if h is not None:
+                try:
+                    self.agent.release_dlist_handle(h)
+                except Exception as e:  # pragma: no cover - teardown
+                    log.debug("release_dlist_handle: %s", e)
+        self._local_kv = self._local_gen = None
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception as e:  # pragma: no cover - teardown
+            log.debug("deregister_memory: %s", e)
+
+
+def prep_blocks(agent: Any, peer: str, region: RemoteRegion) -> tuple[Any, Any]:
+    """Prepared dlists (one descriptor per block; one per generation stamp).
+
+    ``peer`` is ``""`` for the local side, else the remote agent's name."""
+    bb = region.block_bytes
+    kv = [(region.kv_addr + i * bb, bb, region.dev_id) for i in range(region.num_blocks)]
+    gen = [(region.gen_addr + i * GEN_BYTES, GEN_BYTES, region.dev_id)
+           for i in range(region.num_blocks)]
+    h_kv = agent.prep_xfer_dlist(peer, kv, region.mem)
+    h_gen = agent.prep_xfer_dlist(peer, gen, region.mem)
+    return h_kv, h_gen
+
+
+class Xfer:
+    """One READ. ``poll`` never raises; ``release`` refuses while in progress."""
+
+    __slots__ = ("agent", "handle", "nbytes", "posted", "released", "state")
+
+    def __init__(self, agent: Any, handle: Any, nbytes: int) -> None:
+        self.agent = agent
+        self.handle = handle
+        self.nbytes = nbytes
+        self.state = "new"
+        self.posted = False
+        self.released = False
+
+    @classmethod
+    def make_read(cls, agent: Any, local: Any, local_idx: Sequence[int], remote: Any,
+                  remote_idx: Sequence[int], notif: bytes, nbytes: int) -> Xfer | str:
+        """Build a READ; on failure return the error token."""
+        try:
+            h = agent.make_prepped_xfer("READ", local, list(local_idx), remote,
+                                        list(remote_idx), notif)
+        except Exception as e:
+            log.warning("make_prepped_xfer failed: %s", e)
+            return error_name(e)
+        return cls(agent, h, nbytes)
+
+    def post(self) -> str:
+        try:
+            st = self.agent.transfer(self.handle)
+        except Exception as e:
+            self.state = error_name(e)
+            return self.state
+        self.posted = True
+        self.state = DONE if st == "DONE" else PROC if st == "PROC" else "error:post"
+        return self.state
+
+    def poll(self) -> str:
+        if self.state != PROC:
+            return self.state
+        try:
+            st = self.agent.check_xfer_state(self.handle)
+        except Exception as e:
+            self.state = error_name(e)
+            return self.state
+        self.state = DONE if st == "DONE" else PROC if st == "PROC" else "error:xfer"
+        return self.state
+
+    @property
+    def in_progress(self) -> bool:
+        return self.state == PROC
+
+    def release(self) -> bool:
+        """Release the handle unless a post is still in progress. True when released."""
+        if self.released:
+            return True
+        if self.in_progress:
+            return False
+        try:
+            self.agent.release_xfer_handle(self.handle)
+        except Exception as e:
+            log.warning("release_xfer_handle failed (%s): handle kept", error_name(e))
+            return False
+        self.released = True
+        return True
+
+
+def fill_pattern(key: str, index: int, nbytes: int, device: str | torch.device = "cpu"
+                 ) -> torch.Tensor:
+    """Deterministic bytes for logical block ``index`` of request (or group) ``key``."""
+    import zlib
+
+    seed = zlib.crc32(f"{key}/{index}".encode()) & 0xFFFFFFFF
+    a = (seed % 251) + 1
+    c = (seed >> 8) & 0xFF
+    base = torch.arange(nbytes, dtype=torch.int64, device=device)
+    return ((base * a + c + (base >> 8) * 7) & 0xFF).to(torch.uint8)

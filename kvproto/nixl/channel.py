@@ -1,0 +1,252 @@
+"""The handshake side channel: length-prefixed frames over non-blocking TCP on loopback.
+
+No threads: both ends are polled from the adapters' step loops, so nothing here can
+block an engine. A frame is ``length u32 | status u8 | payload``; status 0 carries a
+``wire.Handshake`` JSON payload, status 1 a JSON ``{"reason", "detail"}`` refusal. The
+connection stays open after the exchange: its close is how a crashed peer is noticed
+promptly on the same host (lease expiry and ack silence cover the rest).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvproto.wire import MAX_HANDSHAKE_BYTES
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct(">IB")
+ST_OK = 0
+ST_REFUSED = 1
+MAX_CONNS = 512
+
+
+def frame(status: int, payload: bytes) -> bytes:
+    return FRAME.pack(len(payload), status) + payload
+
+
+def refusal(reason: str, detail: str) -> bytes:
+    return frame(ST_REFUSED, json.dumps({"reason": reason, "detail": detail}).encode())
+
+
+def parse_refusal(payload: bytes) -> tuple[str, str]:
+    try:
+        d = json.loads(payload.decode("utf-8"))
+        return str(d["reason"])[:64], str(d.get("detail", ""))[:512]
+    except Exception:
+        return "malformed_refusal", payload[:64].hex()
+
+
+class FrameError(Exception):
+    pass
+
+
+def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
+    if len(buf) < FRAME.size:
+        return None
+    n, st = FRAME.unpack_from(buf, 0)
+    if n > MAX_HANDSHAKE_BYTES:
+        raise FrameError(f"frame of {n} bytes exceeds {MAX_HANDSHAKE_BYTES}")
+    if st not in (ST_OK, ST_REFUSED):
+        raise FrameError(f"unknown frame status {st}")
+    if len(buf) < FRAME.size + n:
+        return None
+    payload = bytes(buf[FRAME.size:FRAME.size + n])
+    del buf[:FRAME.size + n]
+    return st, payload
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    since: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    answered: bool = False
+    peer: str = ""  # set by the handler once the peer named itself
+
+
+class Server:
+    """P's handshake listener. ``handler(payload, conn_id) -> (reply_frame, peer_name)``."""
+
+    def __init__(self, handler: Callable[[int, bytes], tuple[bytes, str]], *,
+                 host: str = "127.0.0.1", port: int = 0, request_timeout: float = 5.0,
+                 on_close: Callable[[str], None] | None = None) -> None:
+        self.handler = handler
+        self.on_close = on_close
+        self.request_timeout = request_timeout
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind((host, port))
+        self.lsock.listen(64)
+        self.lsock.setblocking(False)
+        self.host, self.port = self.lsock.getsockname()[:2]
+        self.conns: dict[int, _Conn] = {}
+
+    def poll(self, now: float) -> None:
+        for _ in range(64):
+            try:
+                s, _addr = self.lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:  # pragma: no cover - resource exhaustion
+                log.warning("handshake accept failed: %s", e)
+                break
+            if len(self.conns) >= MAX_CONNS:
+                s.close()
+                continue
+            s.setblocking(False)
+            self.conns[s.fileno()] = _Conn(s, now)
+        for fd, c in list(self.conns.items()):
+            if not self._service(fd, c, now):
+                self._drop(fd, c)
+
+    def _service(self, fd: int, c: _Conn, now: float) -> bool:
+        try:
+            while True:
+                data = c.sock.recv(65536)
+                if not data:
+                    return False  # peer closed
+                if c.answered:
+                    continue  # nothing more is expected; ignore
+                c.inbuf += data
+                if len(c.inbuf) > MAX_HANDSHAKE_BYTES + FRAME.size:
+                    return False
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return False
+        if not c.answered:
+            try:
+                got = _take_frame(c.inbuf)
+            except FrameError as e:
+                log.warning("handshake frame rejected: %s", e)
+                return False
+            if got is not None:
+                st, payload = got
+                if st != ST_OK:
+                    return False
+                reply, c.peer = self.handler(fd, payload)
+                c.outbuf += reply
+                c.answered = True
+            elif now - c.since > self.request_timeout:
+                return False
+        if c.outbuf:
+            try:
+                n = c.sock.send(c.outbuf)
+                del c.outbuf[:n]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return False
+        return True
+
+    def _drop(self, fd: int, c: _Conn) -> None:
+        del self.conns[fd]
+        try:
+            c.sock.close()
+        except OSError:  # pragma: no cover
+            pass
+        if c.peer and self.on_close is not None:
+            self.on_close(c.peer)
+
+    def close(self) -> None:
+        for fd, c in list(self.conns.items()):
+            del self.conns[fd]
+            c.sock.close()
+        self.lsock.close()
+
+
+class Client:
+    """D's end of one handshake: connect, send, receive one frame, then stay open.
+
+    ``poll`` returns ``None`` while in progress, ``("ok", payload)``,
+    ``("refused", payload)`` or ``("error", detail)``; after the reply, ``alive``
+    reports whether the peer still holds the connection.
+    """
+
+    def __init__(self, host: str, port: int, request: bytes) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setblocking(False)
+        self.out = bytearray(frame(ST_OK, request))
+        self.inbuf = bytearray()
+        self.connected = False
+        self.done = False
+        rc = self.sock.connect_ex((host, port))
+        if rc not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+            self.error: str | None = f"connect: {errno.errorcode.get(rc, rc)}"
+        else:
+            self.error = None
+
+    def poll(self) -> tuple[str, bytes | str] | None:
+        if self.error is not None:
+            return ("error", self.error)
+        if not self.connected:
+            rc = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if rc != 0:
+                self.error = f"connect: {errno.errorcode.get(rc, rc)}"
+                return ("error", self.error)
+            try:
+                self.sock.getpeername()
+            except OSError:
+                return None  # still connecting
+            self.connected = True
+        if self.out:
+            try:
+                n = self.sock.send(self.out)
+                del self.out[:n]
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as e:
+                self.error = f"send: {e}"
+                return ("error", self.error)
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    self.error = "closed by peer before replying"
+                    return ("error", self.error)
+                self.inbuf += data
+                if len(self.inbuf) > MAX_HANDSHAKE_BYTES + FRAME.size:
+                    self.error = "reply too large"
+                    return ("error", self.error)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            self.error = f"recv: {e}"
+            return ("error", self.error)
+        try:
+            got = _take_frame(self.inbuf)
+        except FrameError as e:
+            self.error = str(e)
+            return ("error", self.error)
+        if got is None:
+            return None
+        self.done = True
+        st, payload = got
+        return ("ok" if st == ST_OK else "refused", payload)
+
+    def alive(self) -> bool:
+        """After the exchange: False once the peer closed the connection (it died)."""
+        try:
+            data = self.sock.recv(4096, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        self.sock.recv(len(data))  # discard unexpected bytes
+        return True
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:  # pragma: no cover
+            pass

@@ -1,0 +1,638 @@
+"""The D adapter: one decode rank (one reader). NIXL I/O in, ``Consumer`` events;
+``Consumer`` effects out, NIXL calls. No lifecycle decision is made here.
+
+Effects and what they become:
+
+* ``StartHandshake`` -> a non-blocking handshake with that P engine (its own socket,
+  deadline, retries with exponential backoff), so one dead P never delays another;
+* ``PostRead``       -> a block-granular READ of the data with prepared dlists; when it
+  completes, a second READ of the blocks' generation stamps carries the encoded ``done``
+  as its ``notif_msg`` (so P hears ``done`` only after both READs landed). The stamps are
+  compared with ``TransferParams.generations``: any difference -> ``fenced``, the data is
+  never served (fail closed);
+* ``SendDone``/``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif``
+  (heartbeats chunked by the machine so that every message fits ``max_message_bytes``);
+* ``Finished``       -> a ``Completion`` for the engine.
+
+A handle whose transfer is still in progress is never released. Transfer errors,
+REMOTE_DISCONNECT, the handshake channel closing and ack silence become ``peer_lost``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvproto.lifecycle import (
+    D_DONE,
+    WAITING,
+    Config,
+    Consumer,
+    DEffect,
+    Finished,
+    PostRead,
+    SendDone,
+    SendHeartbeat,
+    SendRelease,
+    StartHandshake,
+    TransferParams,
+)
+from kvproto.nixl.agent import (
+    DISCONNECT,
+    DONE,
+    NOT_FOUND,
+    KVRegion,
+    RemoteRegion,
+    Xfer,
+    error_name,
+    make_agent,
+    prep_blocks,
+)
+from kvproto.nixl.channel import Client, parse_refusal
+from kvproto.wire import (
+    HANDSHAKE_VERSION,
+    KIND_ACK,
+    MAX_VARINT_BYTES,
+    Handshake,
+    WireError,
+    check_layouts,
+    decode,
+    decode_handshake,
+    encode_done,
+    encode_heartbeat,
+    encode_release,
+)
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+# Outgoing fault hook: (kind, engine, bytes) -> messages to send. Tests and the demo only.
+OutHook = Callable[[str, str, bytes], list[bytes]]
+# Test hook called with the request id at a READ phase ("before_post", "before_gen").
+PhaseHook = Callable[[str, str], None]
+
+# Refusals/decoding failures that retrying cannot fix.
+_FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
+          "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
+          "wrong_name": "handshake_wrong_peer"}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A request left the machine. For ``done`` the KV is in ``local_blocks`` of this
+    rank's cache until ``free_local`` is called."""
+
+    request_id: str
+    state: str
+    reason: str
+    local_blocks: tuple[int, ...] | None
+    nbytes: int = 0
+    read_seconds: float = 0.0
+
+
+class _Engine:
+    __slots__ = (
+        "attempt",
+        "client",
+        "deadline",
+        "epoch",
+        "host",
+        "last_ack",
+        "name",
+        "next_try",
+        "port",
+        "region",
+        "remote_gen",
+        "remote_kv",
+        "stale_handles",
+        "state",
+    )
+
+    def __init__(self, name: str, host: str, port: int) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.state = "idle"  # idle | connecting | ready
+        self.client: Client | None = None
+        self.attempt = 0
+        self.deadline = 0.0
+        self.next_try = 0.0
+        self.epoch = 0
+        self.region: RemoteRegion | None = None
+        self.remote_kv: Any = None
+        self.remote_gen: Any = None
+        self.last_ack = 0.0
+        self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
+
+
+class _Read:
+    __slots__ = ("engine", "extra", "local", "nbytes", "params", "phase", "rid", "started",
+                 "warned", "xfer")
+
+    def __init__(self, rid: str, params: TransferParams, local: list[int], started: float) -> None:
+        self.rid = rid
+        self.params = params
+        self.engine = params.engine
+        self.local = local
+        self.started = started
+        self.phase = "data"
+        self.xfer: Xfer | None = None
+        self.nbytes = 0
+        self.warned = False
+        self.extra: list[bytes] = []
+
+
+class ConsumerAdapter:
+    """One D rank. Call ``poll`` from the step loop; it never blocks."""
+
+    def __init__(self, name: str, config: Config, *, num_blocks: int, block_bytes: int,
+                 device: str = "cpu", clock: Clock = time.monotonic, tp_rank: int = 0,
+                 tp_size: int = 1, handshake_timeout: float = 2.0, handshake_attempts: int = 4,
+                 backoff: float = 0.1, peer_timeout: float | None = None,
+                 fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None) -> None:
+        self.name = name
+        self.config = config.validate()
+        self.clock = clock
+        # One chunk always fits one message, even at the worst-case varint size, so that
+        # each machine heartbeat (one seq) is exactly one wire message.
+        chunk = max(1, (config.max_message_bytes - 23) // MAX_VARINT_BYTES)
+        self.machine = Consumer(name, config, heartbeat_chunk=chunk)
+        self.agent = make_agent(name)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
+        self.local_kv, self.local_gen = self.region.local_dlists()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.handshake_timeout = handshake_timeout
+        self.handshake_attempts = handshake_attempts
+        self.backoff = backoff
+        self.peer_timeout = peer_timeout if peer_timeout is not None else config.lease_extension
+        self.fault_hook = fault_hook
+        self.phase_hook = phase_hook
+        self.handshake_version = HANDSHAKE_VERSION  # test hook
+        self.engines: dict[str, _Engine] = {}
+        self.params: dict[str, TransferParams] = {}
+        self.reads: dict[str, _Read] = {}
+        self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
+        self._want: dict[str, None] = {}  # schedule intents (ordered)
+        self._free_local: deque[int] = deque(range(num_blocks))
+        self._held_local: dict[str, list[int]] = {}
+        self._releases: dict[tuple[str, int, int], list[int]] = {}
+        self._out: list[Completion] = []
+        self._done_info: dict[str, tuple[int, float]] = {}
+        self.counters: dict[str, int] = {}
+        self._metadata: bytes = self.agent.get_agent_metadata()
+        self._rng = random.Random(hash(name) & 0xFFFF)
+        self._closed = False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- the engine's side ------------------------------------------------------------
+    def add_engine(self, name: str, host: str, port: int) -> None:
+        """Where P engine ``name`` answers handshakes (from the router / discovery)."""
+        e = self.engines.get(name)
+        if e is None:
+            self.engines[name] = _Engine(name, host, port)
+        elif (e.host, e.port) != (host, port):
+            e.host, e.port = host, port
+
+    def admit(self, rid: str, params: TransferParams) -> None:
+        now = self.clock()
+        if rid not in self.params and rid not in self.machine.reqs:
+            self.params[rid] = params
+        self._apply(self.machine.admit(rid, params, now), now)
+
+    def schedule(self, rid: str) -> None:
+        """D's scheduler wants this KV. Applied as soon as the request is waiting."""
+        self._want[rid] = None
+        self._schedule_ready(self.clock())
+
+    def abort(self, rid: str) -> None:
+        now = self.clock()
+        self._want.pop(rid, None)
+        self._apply(self.machine.abort(rid, now), now)
+
+    def free_local(self, rid: str) -> None:
+        """The engine is done with a completed request's local blocks."""
+        for b in self._held_local.pop(rid, []):
+            self._free_local.append(b)
+
+    def state(self, rid: str) -> str:
+        return self.machine.state(rid)
+
+    # -- step loop ---------------------------------------------------------------------
+    def poll(self) -> list[Completion]:
+        now = self.clock()
+        for e in list(self.engines.values()):
+            if e.state == "connecting":
+                self._progress_handshake(e, now)
+            elif e.state == "ready":
+                self._check_peer(e, now)
+        self._poll_reads(now)
+        self._poll_notifs(now)
+        self._apply(self.machine.tick(now), now)
+        self._schedule_ready(now)
+        self._flush_releases()
+        self._reap(now)
+        out, self._out = self._out, []
+        return out
+
+    def _schedule_ready(self, now: float) -> None:
+        for rid in list(self._want):
+            st = self.machine.state(rid)
+            if st == WAITING:
+                del self._want[rid]
+                self._apply(self.machine.schedule(rid, now), now)
+            elif st not in ("handshaking", "new"):
+                del self._want[rid]
+
+    # -- effects -----------------------------------------------------------------------
+    def _apply(self, effects: Sequence[DEffect], now: float) -> None:
+        for eff in effects:
+            if isinstance(eff, StartHandshake):
+                self._start_handshake(eff.engine, now)
+            elif isinstance(eff, PostRead):
+                self._post_read(eff, now)
+            elif isinstance(eff, SendHeartbeat):
+                self._send_heartbeat(eff)
+            elif isinstance(eff, SendRelease):
+                p = self.params.get(eff.request_id)
+                epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+                self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
+            elif isinstance(eff, SendDone):
+                p = self.params.get(eff.request_id)
+                epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+                self._send("done", eff.engine, encode_done(epoch, eff.handle, eff.expected))
+            elif isinstance(eff, Finished):
+                self._finished(eff)
+
+    def _epoch_of(self, engine: str) -> int:
+        e = self.engines.get(engine)
+        return e.epoch if e is not None else 0
+
+    def _finished(self, f: Finished) -> None:
+        self.params.pop(f.request_id, None)
+        self._want.pop(f.request_id, None)
+        nbytes, secs = self._done_info.pop(f.request_id, (0, 0.0))
+        if f.state == D_DONE:
+            local = tuple(self._held_local.get(f.request_id, ()))
+            self._out.append(Completion(f.request_id, f.state, f.reason, local, nbytes, secs))
+        else:
+            self.free_local(f.request_id)
+            self._out.append(Completion(f.request_id, f.state, f.reason, None, nbytes, secs))
+
+    def _send(self, kind: str, engine: str, buf: bytes) -> bool:
+        bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
+        for b in bufs:
+            try:
+                self.agent.send_notif(engine, b)
+                self._count("sent:" + kind)
+                self._count("sent_bytes:" + kind, len(b))
+            except Exception as ex:
+                name = error_name(ex)
+                self._count("send_error")
+                log.info("%s to %s failed: %s", kind, engine, name)
+                if name in (NOT_FOUND, DISCONNECT):
+                    self._lose(engine, self.clock(), "send failed: " + name)
+                return False
+        return True
+
+    def _send_raw(self, engine: str, buf: bytes) -> None:
+        try:
+            self.agent.send_notif(engine, buf)
+        except Exception as ex:
+            self._count("send_error")
+            log.info("send to %s failed: %s", engine, error_name(ex))
+
+    def _send_heartbeat(self, hb: SendHeartbeat) -> None:
+        e = self.engines.get(hb.engine)
+        if e is None or e.state != "ready":
+            return
+        msgs = encode_heartbeat(e.epoch, hb.seq, hb.handles, hb.expected,
+                                self.config.max_message_bytes)
+        if len(msgs) != 1:  # pragma: no cover - the chunk size makes this impossible
+            log.error("heartbeat seq %d needed %d messages", hb.seq, len(msgs))
+        for m in msgs:
+            if not self._send("heartbeat", hb.engine, m):
+                return
+
+    def _flush_releases(self) -> None:
+        if not self._releases:
+            return
+        pending, self._releases = self._releases, {}
+        for (engine, epoch, expected), handles in pending.items():
+            e = self.engines.get(engine)
+            if e is None or e.state != "ready":
+                continue  # nobody to tell: P frees on expiry
+            for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
+                self._send("release", engine, m)
+
+    # -- handshakes ----------------------------------------------------------------------
+    def _payload(self) -> bytes:
+        return Handshake(engine=self.name, epoch=0,
+                         layout=self.region.layout(self.tp_rank, self.tp_size),
+                         agent_metadata=self._metadata, role="consumer", extra={},
+                         version=self.handshake_version).encode()
+
+    def _start_handshake(self, engine: str, now: float) -> None:
+        e = self.engines.get(engine)
+        if e is None:
+            self._apply(self.machine.handshake_result(engine, False, now, "unknown_engine"), now)
+            return
+        if e.state == "ready":
+            self._apply(self.machine.handshake_result(engine, True, now), now)
+            return
+        if e.state == "connecting":
+            return
+        e.state = "connecting"
+        e.attempt = 0
+        e.next_try = now
+        self._progress_handshake(e, now)
+
+    def _progress_handshake(self, e: _Engine, now: float) -> None:
+        if e.client is None:
+            if now < e.next_try:
+                return
+            e.client = Client(e.host, e.port, self._payload())
+            e.deadline = now + self.handshake_timeout
+        r = e.client.poll()
+        if r is None:
+            if now > e.deadline:
+                self._retry(e, now, "handshake_timeout", "no reply before the deadline")
+            return
+        status, payload = r
+        if status == "error":
+            self._retry(e, now, "unreachable", str(payload))
+            return
+        assert isinstance(payload, bytes)
+        if status == "refused":
+            reason, detail = parse_refusal(payload)
+            if reason in _FINAL:
+                self._fail_handshake(e, now, _FINAL[reason], f"refused by P: {detail}")
+            else:
+                self._retry(e, now, "handshake_refused", f"{reason}: {detail}")
+            return
+        try:
+            hs = decode_handshake(payload)
+            if hs.role != "producer":
+                raise WireError("malformed_handshake", f"role {hs.role!r}")
+            if hs.engine != e.name:
+                raise WireError("wrong_name", f"expected {e.name!r}, got {hs.engine!r}")
+            check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
+            region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
+        except WireError as ex:
+            self._fail_handshake(e, now, _FINAL.get(ex.reason, "handshake_malformed"), ex.detail)
+            return
+        except ValueError as ex:
+            self._fail_handshake(e, now, "handshake_malformed", str(ex))
+            return
+        try:
+            name = self.agent.add_remote_agent(hs.agent_metadata)
+            name_s = name.decode() if isinstance(name, bytes) else str(name)
+            if name_s != e.name:
+                self._fail_handshake(e, now, "handshake_wrong_peer", f"metadata of {name_s!r}")
+                return
+            e.remote_kv, e.remote_gen = prep_blocks(self.agent, e.name, region)
+        except Exception as ex:
+            self._retry(e, now, "metadata", error_name(ex))
+            return
+        e.state = "ready"
+        e.epoch = hs.epoch
+        e.region = region
+        e.last_ack = now
+        e.attempt = 0
+        self._count("handshakes")
+        log.info("%s: handshake with %s ok (epoch %d)", self.name, e.name, hs.epoch)
+        self._apply(self.machine.handshake_result(e.name, True, now), now)
+
+    def _retry(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+        if e.client is not None:
+            e.client.close()
+            e.client = None
+        e.attempt += 1
+        self._count("handshake_retry")
+        if e.attempt >= self.handshake_attempts:
+            self._fail_handshake(e, now, reason, detail)
+            return
+        delay = self.backoff * (2 ** (e.attempt - 1)) * (0.5 + self._rng.random())
+        e.next_try = now + delay
+        log.info("%s: handshake with %s: %s (%s); retry %d in %.2fs", self.name, e.name, reason,
+                 detail, e.attempt, delay)
+
+    def _fail_handshake(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+        if e.client is not None:
+            e.client.close()
+            e.client = None
+        e.state = "idle"
+        self._count("handshake_failed:" + reason)
+        log.warning("%s: handshake with %s failed: %s (%s)", self.name, e.name, reason, detail)
+        self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
+
+    # -- peer liveness ---------------------------------------------------------------------
+    def _check_peer(self, e: _Engine, now: float) -> None:
+        if e.client is not None and not e.client.alive():
+            self._lose(e.name, now, "handshake channel closed")
+            return
+        peer = self.machine.peers.get(e.name)
+        if peer is not None and peer.outstanding and now - e.last_ack > self.peer_timeout:
+            self._lose(e.name, now, f"no ack for {now - e.last_ack:.1f}s")
+
+    def _lose(self, engine: str, now: float, why: str) -> None:
+        e = self.engines.get(engine)
+        if e is None or e.state != "ready":
+            return
+        log.warning("%s: lost P engine %s: %s", self.name, engine, why)
+        self._count("peer_lost")
+        e.state = "idle"
+        if e.client is not None:
+            e.client.close()
+            e.client = None
+        e.stale_handles += [h for h in (e.remote_kv, e.remote_gen) if h is not None]
+        e.remote_kv = e.remote_gen = None
+        self._apply(self.machine.peer_lost(engine, now), now)
+
+    def _reap(self, now: float) -> None:
+        """Release handles no READ uses any more; retry failed handle releases."""
+        if self.zombies:
+            self.zombies = [x for x in self.zombies if (x.poll(), x.release())[1] is False]
+        busy = {r.engine for r in self.reads.values()}
+        for e in self.engines.values():
+            if e.stale_handles and e.name not in busy:
+                for h in e.stale_handles:
+                    try:
+                        self.agent.release_dlist_handle(h)
+                    except Exception as ex:
+                        log.debug("release_dlist_handle: %s", error_name(ex))
+                e.stale_handles = []
+                if e.state == "idle":
+                    try:
+                        self.agent.remove_remote_agent(e.name)
+                    except Exception as ex:
+                        log.debug("remove_remote_agent(%s): %s", e.name, error_name(ex))
+
+    # -- reads -----------------------------------------------------------------------------
+    def _post_read(self, pr: PostRead, now: float) -> None:
+        p = self.params.get(pr.request_id)
+        e = self.engines.get(pr.engine)
+        nblocks = len(pr.blocks)
+        why = ""
+        if p is None or e is None or e.state != "ready" or e.region is None:
+            why = "engine not ready"
+        elif p.epoch != e.epoch:
+            why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
+        elif any(not 0 <= b < e.region.num_blocks for b in pr.blocks):
+            why = "block id outside P's layout"
+        elif len(p.generations) != nblocks:
+            why = "params carry no generation per block"
+        elif nblocks > len(self._free_local):
+            why = "no local blocks free"
+        if why:
+            self._count("read_refused")
+            log.warning("%s: cannot read %s: %s", self.name, pr.request_id, why)
+            self._apply(self.machine.read_result(pr.request_id, False, now), now)
+            return
+        assert p is not None and e is not None
+        local = [self._free_local.popleft() for _ in range(nblocks)]
+        self._held_local[pr.request_id] = local
+        rd = _Read(pr.request_id, p, local, now)
+        self.reads[pr.request_id] = rd
+        if self.phase_hook is not None:
+            self.phase_hook("before_post", pr.request_id)
+        nbytes = nblocks * self.region.block_bytes
+        x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, list(pr.blocks),
+                           b"", nbytes)
+        self._start(rd, x, now)
+
+    def _start(self, rd: _Read, x: Xfer | str, now: float) -> None:
+        if isinstance(x, str):
+            self._read_failed(rd, x, now)
+            return
+        rd.xfer = x
+        st = x.post()
+        if st.startswith("error"):
+            self._read_failed(rd, st, now)
+        elif st == DONE:
+            self._advance(rd, now)
+
+    def _poll_reads(self, now: float) -> None:
+        for rd in list(self.reads.values()):
+            x = rd.xfer
+            if x is None:
+                continue
+            st = x.poll()
+            if st == DONE:
+                self._advance(rd, now)
+            elif st.startswith("error"):
+                self._read_failed(rd, st, now)
+            elif not rd.warned and now - rd.started > self.config.max_read_time:
+                rd.warned = True
+                self._count("read_over_max_read_time")
+                log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
+                            self.name, rd.rid)
+
+    def _release_xfer(self, x: Xfer) -> None:
+        if not x.release():
+            self.zombies.append(x)
+
+    def _advance(self, rd: _Read, now: float) -> None:
+        x = rd.xfer
+        assert x is not None
+        rd.nbytes += x.nbytes
+        self._release_xfer(x)
+        rd.xfer = None
+        if rd.phase == "data":
+            rd.phase = "gen"
+            if self.phase_hook is not None:
+                self.phase_hook("before_gen", rd.rid)
+            e = self.engines.get(rd.engine)
+            if e is None or e.remote_gen is None:
+                self._read_failed(rd, "error:peer_gone", now)
+                return
+            p = rd.params
+            notif = encode_done(p.epoch, p.handle, p.expected)
+            notifs = self.fault_hook("done", rd.engine, notif) if self.fault_hook else [notif]
+            # The done notification rides on the stamp READ (a dropped one rides on nothing).
+            g = Xfer.make_read(self.agent, self.local_gen, rd.local, e.remote_gen,
+                               list(p.blocks), notifs[0] if notifs else b"", 0)
+            rd.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps landed
+            self._start(rd, g, now)
+            return
+        # Both READs landed: compare the stamps (fail closed).
+        del self.reads[rd.rid]
+        for extra in rd.extra:
+            self._send_raw(rd.engine, extra)
+        got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
+                                           device=self.region.gen.device)].tolist()
+        fenced = tuple(int(g) for g in got) != tuple(rd.params.generations)
+        if fenced:
+            self._count("fenced")
+            log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
+                        got[:4], list(rd.params.generations[:4]))
+        else:
+            self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
+        self._apply(self.machine.read_result(rd.rid, True, now, fenced=fenced), now)
+
+    def _read_failed(self, rd: _Read, why: str, now: float) -> None:
+        self._count("read_error:" + why)
+        log.warning("%s: READ of %s failed: %s", self.name, rd.rid, why)
+        if rd.xfer is not None:
+            self._release_xfer(rd.xfer)
+            rd.xfer = None
+        self.reads.pop(rd.rid, None)
+        self._apply(self.machine.read_result(rd.rid, False, now), now)
+        if why == DISCONNECT:
+            self._lose(rd.engine, now, "READ reported REMOTE_DISCONNECT")
+
+    # -- notifications (acks) ----------------------------------------------------------------
+    def _poll_notifs(self, now: float) -> None:
+        try:
+            notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
+        except Exception as ex:
+            self._count("notif_poll_error")
+            log.warning("get_new_notifs failed: %s", error_name(ex))
+            return
+        for peer, msgs in notifs.items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            e = self.engines.get(name)
+            for m in msgs:
+                if e is None or e.state != "ready":
+                    self._count("rejected:unknown_peer")
+                    continue
+                try:
+                    msg = decode(m, max_bytes=self.config.max_message_bytes, epoch=e.epoch)
+                except WireError as ex:
+                    self._count("rejected:" + ex.reason)
+                    log.info("%s: bad message from %s: %s", self.name, name, ex)
+                    continue
+                if msg.kind != KIND_ACK:
+                    self._count("rejected:unexpected_kind")
+                    continue
+                e.last_ack = now
+                self._apply(self.machine.ack(name, msg.seq, msg.term_ms / 1000.0, msg.handles,
+                                             now), now)
+
+    # -- teardown --------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.reads)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) for in-flight READs, then release everything."""
+        if self._closed:
+            return
+        end = time.monotonic() + timeout
+        while self.reads and time.monotonic() < end:
+            self.poll()
+            time.sleep(0.001)
+        self._closed = True
+        for e in self.engines.values():
+            if e.client is not None:
+                e.client.close()
+        self.region.close()

@@ -1,0 +1,277 @@
+"""The P adapter: NIXL I/O in, ``Ledger`` events; ``Ledger`` effects out, NIXL calls.
+
+It owns P's agent, the registered KV cache and its generation stamps, the block
+allocator and the handshake listener. It makes no lifecycle decision: every hold and
+free is the ledger's. What it does with effects:
+
+* ``Free``     -> bump the generation of every ``reclaimed`` block, *then* return the
+  block to the allocator (a READ that raced the free then sees a changed stamp);
+* ``Ack``      -> encode (chunked to ``max_message_bytes``) and ``send_notif`` to the reader;
+* ``Rejected`` -> counted and logged.
+
+Bad input (unknown peer, malformed bytes, wrong epoch or version, oversized) goes to
+``Ledger.reject`` and never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from kvproto.lifecycle import (
+    Ack,
+    BlockPool,
+    Config,
+    Effect,
+    Event,
+    Free,
+    Ledger,
+    Rejected,
+    TransferParams,
+)
+from kvproto.nixl.agent import KVRegion, error_name, make_agent
+from kvproto.nixl.channel import ST_OK, Server, frame, refusal
+from kvproto.wire import (
+    HANDSHAKE_VERSION,
+    KIND_DONE,
+    KIND_HEARTBEAT,
+    KIND_RELEASE,
+    Handshake,
+    WireError,
+    check_layouts,
+    decode,
+    decode_handshake,
+    encode_ack,
+)
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+# Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
+# (``[]`` drops, ``[m, m]`` duplicates). Tests and the demo only.
+InHook = Callable[[str, bytes], list[bytes]]
+# Observer of every applied ledger effect, with the time (demo statistics).
+EffectObserver = Callable[[Effect, float], None]
+
+
+class ProducerAdapter:
+    """One P rank: agent + KV cache + ledger + handshake listener. Call ``poll`` often."""
+
+    def __init__(self, name: str, config: Config, *, num_blocks: int, block_bytes: int,
+                 device: str = "cpu", epoch: int | None = None, clock: Clock = time.monotonic,
+                 sink: Callable[[Event, list[Effect]], None] | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
+                 fault_hook: InHook | None = None, strict_pool: bool = True,
+                 observer: EffectObserver | None = None) -> None:
+        self.name = name
+        self.config = config.validate()
+        self.clock = clock
+        self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
+        self.agent = make_agent(name)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
+        self.pool = BlockPool(num_blocks, strict=strict_pool)
+        self.ledger = Ledger(config, self.pool, sink=sink)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.fault_hook = fault_hook
+        self.observer = observer
+        self.handshake_version = HANDSHAKE_VERSION  # test hook: speak another version
+        self._free_list: deque[int] = deque(range(num_blocks))
+        self._is_free = bytearray(b"\x01" * num_blocks)
+        self.peers: dict[str, Handshake] = {}
+        self.counters: dict[str, int] = {}
+        self._metadata: bytes = self.agent.get_agent_metadata()
+        self.server = Server(self._on_handshake, host=host, port=port,
+                             on_close=self._on_channel_closed)
+        self.host = self.server.host
+        self.port = self.server.port
+        self._closed = False
+
+    # -- helpers ---------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_list)
+
+    def handshake_payload(self) -> Handshake:
+        return Handshake(engine=self.name, epoch=self.epoch,
+                         layout=self.region.layout(self.tp_rank, self.tp_size),
+                         agent_metadata=self._metadata, role="producer",
+                         extra=self.region.extra(), version=self.handshake_version)
+
+    # -- the engine's side: allocate, fill, register, abort -----------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` free blocks for a prefill, or None when not enough are free."""
+        if n > len(self._free_list):
+            return None
+        out = [self._free_list.popleft() for _ in range(n)]
+        for b in out:
+            self._is_free[b] = 0
+        return out
+
+    def give_back(self, blocks: Iterable[int]) -> None:
+        """Return blocks the engine allocated but never registered (or that a rejected
+        register did not hold)."""
+        for b in blocks:
+            if self.pool.refcount(b) == 0:
+                self._return_block(b)
+
+    def _return_block(self, b: int) -> None:
+        if self._is_free[b]:
+            self._count("double_free")
+            log.error("block %d returned to the allocator twice", b)
+            return
+        self._is_free[b] = 1
+        self._free_list.append(b)
+
+    def register(self, request_id: str, blocks: Sequence[int], *, group: str | None = None,
+                 expected: int = 0) -> TransferParams | None:
+        """Hand ``blocks`` (already filled) to the lifecycle; return D's transfer params,
+        or None if the ledger rejected or immediately freed the request."""
+        now = self.clock()
+        handle = self.ledger.new_handle()
+        gens = tuple(int(g) for g in self.region.gen[list(blocks)].tolist()) if blocks else ()
+        effects = self.ledger.register(handle, request_id, blocks, now, group=group,
+                                       expected=expected)
+        self._apply(effects, now)
+        if any(isinstance(e, (Rejected, Free)) for e in effects):
+            return None
+        return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
+                              blocks=tuple(blocks), initial_term=self.config.initial_lease,
+                              expected=max(1, expected), group=group, generations=gens)
+
+    def abort(self, request_id: str) -> None:
+        now = self.clock()
+        self._apply(self.ledger.abort(request_id, now), now)
+
+    # -- the step loop ---------------------------------------------------------------------
+    def poll(self) -> int:
+        """One non-blocking step: handshakes, notifications, tick. Returns messages handled."""
+        now = self.clock()
+        self.server.poll(now)
+        n = 0
+        try:
+            notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
+        except Exception as e:
+            self._count("notif_poll_error")
+            log.warning("get_new_notifs failed: %s", error_name(e))
+            notifs = {}
+        for peer, msgs in notifs.items():
+            peer_s = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for m in msgs:
+                for m2 in (self.fault_hook(peer_s, m) if self.fault_hook else [m]):
+                    n += 1
+                    self._on_message(peer_s, m2, now)
+        self._apply(self.ledger.tick(now), now)
+        return n
+
+    def _on_message(self, peer: str, buf: bytes, now: float) -> None:
+        if peer not in self.peers:
+            self._apply(self.ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now), now)
+            return
+        try:
+            msg = decode(buf, max_bytes=self.config.max_message_bytes, epoch=self.epoch)
+        except WireError as e:
+            self._apply(self.ledger.reject(e.reason, peer, e.detail, now), now)
+            return
+        if msg.kind == KIND_DONE:
+            self._apply(self.ledger.done(peer, msg.handles[0], msg.expected, now), now)
+        elif msg.kind == KIND_HEARTBEAT:
+            self._apply(self.ledger.heartbeat(peer, msg.seq, msg.handles, msg.expected, now), now)
+        elif msg.kind == KIND_RELEASE:
+            self._apply(self.ledger.release(peer, msg.handles, msg.expected, now), now)
+        else:
+            self._apply(self.ledger.reject("unexpected_kind", peer, msg.kind_name, now), now)
+
+    def _apply(self, effects: list[Effect], now: float) -> None:
+        for e in effects:
+            if isinstance(e, Free):
+                if e.reclaimed:
+                    idx = torch.tensor(e.reclaimed, dtype=torch.int64, device=self.region.gen.device)
+                    self.region.gen[idx] += 1  # bump BEFORE the blocks can be reused
+                    if self.region.gen.is_cuda:  # pragma: no cover - VRAM only
+                        torch.cuda.synchronize(self.region.gen.device)
+                    for b in e.reclaimed:
+                        self._return_block(b)
+                log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
+                          len(e.reclaimed))
+            elif isinstance(e, Ack):
+                self._send_ack(e)
+            elif isinstance(e, Rejected):
+                self._count("rejected:" + e.reason)
+                log.info("rejected %s from %r: %s", e.reason, e.peer, e.detail)
+            if self.observer is not None:
+                self.observer(e, now)
+
+    def _send_ack(self, a: Ack) -> None:
+        for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes):
+            try:
+                self.agent.send_notif(a.reader, buf)
+                self._count("acks_sent")
+            except Exception as e:
+                self._count("send_error")
+                log.info("ack to %s failed: %s", a.reader, error_name(e))
+                return
+
+    # -- handshakes ----------------------------------------------------------------------
+    def _on_handshake(self, conn: int, payload: bytes) -> tuple[bytes, str]:
+        now = self.clock()
+        try:
+            hs = decode_handshake(payload)
+            if hs.role != "consumer":
+                raise WireError("malformed_handshake", f"role {hs.role!r}, expected consumer")
+            if self.handshake_version != HANDSHAKE_VERSION:  # test hook
+                raise WireError("version", f"this side speaks {self.handshake_version}")
+            check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
+        except WireError as e:
+            self._count("handshake_refused")
+            self._apply(self.ledger.reject("handshake_" + e.reason, "", e.detail, now), now)
+            log.warning("handshake refused (%s): %s", e.reason, e.detail)
+            return refusal(e.reason, e.detail), ""
+        try:
+            if hs.engine in self.peers:  # a restarted D, or a retry: reload its metadata
+                try:
+                    self.agent.remove_remote_agent(hs.engine)
+                except Exception as e:
+                    log.debug("remove_remote_agent(%s): %s", hs.engine, error_name(e))
+                del self.peers[hs.engine]
+            name = self.agent.add_remote_agent(hs.agent_metadata)
+            name_s = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as e:
+            self._count("handshake_metadata_error")
+            log.warning("loading metadata of %s failed: %s", hs.engine, error_name(e))
+            return refusal("metadata", error_name(e)), ""
+        if name_s != hs.engine:
+            self._apply(self.ledger.reject("handshake_wrong_name", name_s[:64],
+                                           f"claims {hs.engine[:64]}", now), now)
+            return refusal("wrong_name", f"metadata names {name_s!r}"), ""
+        self.peers[hs.engine] = hs
+        self._count("handshakes")
+        log.info("handshake with %s (epoch %d) ok", hs.engine, hs.epoch)
+        return frame(ST_OK, self.handshake_payload().encode()), hs.engine
+
+    def _on_channel_closed(self, peer: str) -> None:
+        # Informational only: P never frees on a peer's disappearance; leases do.
+        self._count("channel_closed")
+        log.info("handshake channel of %s closed", peer)
+
+    def check_invariants(self) -> list[str]:
+        errs = self.ledger.check_invariants()
+        held = self.pool.held_count
+        if held + len(self._free_list) > self.pool.capacity:
+            errs.append("Allocator: free list and held blocks overlap")
+        return errs
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.server.close()
+        self.region.close()
