@@ -1,0 +1,42 @@
+"""`kvproto bench ledger` prints the documented figures. Behaviour only: no timing asserts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvproto import cli
+from kvproto.bench import ScanReference, bench_heartbeat_bytes, bench_memory
+
+
+def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["-q", "bench", "ledger", "--quick", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("events_per_s", "tick_us", "scan_tick_us", "bytes_per_request",
+                "heartbeat_bytes_per_id"):
+        assert key in res, key
+    assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}
+    assert res["events_per_s"] > 0 and res["bytes_per_request"] > 0
+
+
+def test_heartbeat_wire_bytes_per_id_beat_the_upstream_string_format() -> None:
+    hb = bench_heartbeat_bytes(inflight=2000, window=20_000)
+    assert hb["heartbeat_bytes_per_id"] <= 12
+    assert hb["upstream_heartbeat_bytes_per_id"] > 30
+
+
+def test_memory_figure_counts_ledger_structures() -> None:
+    mem = bench_memory(2000)
+    # A held request costs its record, index entries and heap entry: well above zero,
+    # and (documented target) within 400 bytes.
+    assert 100 < mem["bytes_per_request"] <= 400
+
+
+def test_scan_reference_is_a_faithful_baseline() -> None:
+    ref = ScanReference(lease=10.0, extension=5.0)
+    ref.register("a", 0.0)
+    ref.register("b", 0.0)
+    ref.heartbeat(["a"], 8.0)
+    assert ref.tick(10.0) == ["b"]
+    assert ref.tick(13.0) == ["a"]
