@@ -466,13 +466,15 @@ class Free:
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """Effect: answer a heartbeat. Every handle of the batch not in ``refused`` was
-    renewed to at least receive-time + ``term``."""
+    """Effect: answer a heartbeat. Every handle of the batch in neither ``refused`` nor
+    ``pending`` was renewed to at least receive-time + ``term``. ``pending`` handles are
+    not registered yet (staged): D must keep its previous lease estimate for them."""
 
     reader: str
     seq: int
     term: float
     refused: tuple[int, ...]
+    pending: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,6 +846,7 @@ class Ledger:
         ext_dl = now + self.config.lease_extension
         live = self._live
         refused: list[int] | None = None
+        pending: list[int] | None = None
         for h in handles:
             r = live.get(h)
             if r is not None:
@@ -862,14 +865,19 @@ class Ledger:
                         r.deadline = ext_dl
                     continue
                 self._count("refused")  # aborted: not renewed
-            else:
-                if self._not_live(HEARTBEAT, reader, h, expected, now, []) == "early":
-                    continue  # staged: neither granted nor refused yet; D keeps its estimate
+            elif self._not_live(HEARTBEAT, reader, h, expected, now, []) == "early":
+                # Staged: not renewed yet. It may also be a long-freed handle whose
+                # tombstone was evicted, so it must not count as granted.
+                if pending is None:
+                    pending = []
+                pending.append(h)
+                continue
             if refused is None:
                 refused = []
             refused.append(h)
         out: list[Effect] = [Ack(reader, seq, self.config.lease_extension,
-                                 tuple(refused) if refused else ())]
+                                 tuple(refused) if refused else (),
+                                 tuple(pending) if pending else ())]
         return self._emit(Heartbeat(reader, seq, tuple(handles), expected, now), out) \
             if self.sink else out
 
@@ -1249,8 +1257,10 @@ class Consumer:
         return out
 
     def ack(self, engine: str, seq: int, term: float, refused: Sequence[int],
-            now: float) -> list[DEffect]:
-        """P answered heartbeat ``seq``: lease end := send time + term - drift."""
+            now: float, pending: Sequence[int] = ()) -> list[DEffect]:
+        """P answered heartbeat ``seq``: lease end := send time + term - drift, except for
+        ``refused`` handles (P will not renew them) and ``pending`` ones (P has not
+        registered them yet: the previous estimate stands)."""
         self.now = max(self.now, now)
         out: list[DEffect] = []
         peer = self.peers.get(engine)
@@ -1259,10 +1269,11 @@ class Consumer:
             self._count("ack_unknown")
             return out
         refused_set = set(refused)
+        pending_set = set(pending)
         lease_end = sent.sent_at + term - self.config.clock_drift
         for h in sent.handles:
             r = peer.reqs.get(h)
-            if r is None or r.state not in (WAITING, READING):
+            if r is None or r.state not in (WAITING, READING) or h in pending_set:
                 continue
             if h in refused_set:
                 if self._go(r, ACK, "refused").dst == D_FAILED:

@@ -217,7 +217,7 @@ class Simulator:
                 self._on_free(eff)
             elif isinstance(eff, Ack):
                 for chunk in wire.encode_ack(self.epoch, eff.seq, eff.term, eff.refused,
-                                             self.config.max_message_bytes):
+                                             self.config.max_message_bytes, eff.pending):
                     self.net.send(self.now, P_NAME, eff.reader, chunk)
             elif isinstance(eff, Rejected):
                 log.debug("P rejected %s from %s: %s", eff.reason, eff.peer, eff.detail)
@@ -457,8 +457,8 @@ class Simulator:
                 except wire.WireError:
                     continue
                 if a.kind == wire.KIND_ACK:
-                    self._d_effects(m.dst, self.ranks[m.dst].ack(P_NAME, a.seq, a.term_ms / 1000,
-                                                                 a.handles, now))
+                    self._d_effects(m.dst, self.ranks[m.dst].ack(
+                        P_NAME, a.seq, a.term_ms / 1000, a.handles, now, a.pending))
         # ticks
         for rk, c in self.ranks.items():
             if rk not in self.crashed:

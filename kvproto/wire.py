@@ -53,6 +53,7 @@ class Message:
     expected: int = 0
     seq: int = 0
     term_ms: int = 0  # ack only: the granted lease term, milliseconds
+    pending: tuple[int, ...] = ()  # ack only: handles not registered yet (not renewed)
 
     @property
     def kind_name(self) -> str:
@@ -196,13 +197,40 @@ def encode_release(epoch: int, handles: Iterable[int], expected: int,
 
 
 def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
-               max_bytes: int) -> list[bytes]:
+               max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
     """``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
-    Every chunk repeats seq and term, so any chunk alone is valid."""
+    Two handle lists follow: refused, then pending (not registered yet). Every chunk
+    repeats seq and term, so any chunk alone is valid."""
     _check_range("seq", seq, MAX_SEQ)
     term_ms = int(term * 1000)
     _check_range("term_ms", term_ms, 0xFFFFFFFF)
-    return _batched(KIND_ACK, epoch, (seq, term_ms), refused, max_bytes)
+    out: list[bytes] = []
+    refused_l = _sorted_unique(refused)
+    pending_l = _sorted_unique(pending)
+    tagged = [(h, 0) for h in refused_l] + [(h, 1) for h in pending_l]
+    # Chunk the two lists together (each list stays sorted within a chunk).
+    budget = max_bytes - _RESERVE - 5
+    i = 0
+    while True:
+        b = _header(KIND_ACK, epoch)
+        _put_varint(b, seq)
+        _put_varint(b, term_ms)
+        parts: tuple[list[int], list[int]] = ([], [])
+        used = 0
+        while i < len(tagged):
+            h, which = tagged[i]
+            lst = parts[which]
+            sz = varint_size(h - lst[-1] if lst else h)
+            if used + sz > budget:
+                break
+            used += sz
+            lst.append(h)
+            i += 1
+        _put_handles(b, parts[0])
+        _put_handles(b, parts[1])
+        out.append(bytes(b))
+        if i >= len(tagged):
+            return out
 
 
 # -- decoder -----------------------------------------------------------------------------
@@ -226,6 +254,7 @@ def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) ->
         raise WireError("epoch", f"message for P epoch {ep}, current epoch is {epoch}")
     pos = HEADER_SIZE
     seq = term_ms = expected = 0
+    pending: tuple[int, ...] = ()
     if kind == KIND_DONE:
         expected, pos = _get_varint(buf, pos)
         h, pos = _get_varint(buf, pos)
@@ -251,25 +280,33 @@ def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) ->
             raise WireError("bad_field", f"expected readers {expected} above {MAX_EXPECTED}")
         if kind == KIND_RELEASE and expected < 1:
             raise WireError("bad_field", "expected readers must be >= 1 in release")
-        count, pos = _get_varint(buf, pos)
-        if count > len(buf) - pos:
-            raise WireError("truncated", f"count {count} exceeds the {len(buf) - pos} bytes left")
-        hs: list[int] = []
-        prev = 0
-        for i in range(count):
-            d, pos = _get_varint(buf, pos)
-            if i and d == 0:
-                raise WireError("bad_field", "duplicate handle in batch (zero delta)")
-            prev = prev + d if i else d
-            if prev > MAX_HANDLE:
-                raise WireError("bad_field", "handle above 2**64-1")
-            hs.append(prev)
+        hs, pos = _get_handles(buf, pos)
         handles = tuple(hs)
+        if kind == KIND_ACK:
+            pend, pos = _get_handles(buf, pos)
+            pending = tuple(pend)
     else:
         raise WireError("unknown_kind", f"message kind {kind}")
     if pos != len(buf):
         raise WireError("trailing_bytes", f"{len(buf) - pos} bytes after the message")
-    return Message(kind, ep, handles, expected, seq, term_ms)
+    return Message(kind, ep, handles, expected, seq, term_ms, pending)
+
+
+def _get_handles(buf: bytes, pos: int) -> tuple[list[int], int]:
+    count, pos = _get_varint(buf, pos)
+    if count > len(buf) - pos:
+        raise WireError("truncated", f"count {count} exceeds the {len(buf) - pos} bytes left")
+    hs: list[int] = []
+    prev = 0
+    for i in range(count):
+        d, pos = _get_varint(buf, pos)
+        if i and d == 0:
+            raise WireError("bad_field", "duplicate handle in batch (zero delta)")
+        prev = prev + d if i else d
+        if prev > MAX_HANDLE:
+            raise WireError("bad_field", "handle above 2**64-1")
+        hs.append(prev)
+    return hs, pos
 
 
 # -- handshake payload -------------------------------------------------------------------
