@@ -191,7 +191,7 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(READING, D_ABORT, "in_flight", READING, "", "never release under an in-flight READ: wait for it"),
     _T(WAITING, ACK, "granted", WAITING, "", "lease end := heartbeat send time + granted term"),
     _T(READING, ACK, "granted", READING, "", "lease end := heartbeat send time + granted term"),
-    _T(WAITING, ACK, "refused", D_FAILED, "", "P refused the renewal (aborted, expired or freed)"),
+    _T(WAITING, ACK, "refused", D_FAILED, "release", "P refused the renewal (aborted, expired or freed): release so an aborted request frees now"),
     _T(READING, ACK, "refused", READING, "", "the READ started under a valid lease; let it finish"),
     _T(WAITING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
     _T(HANDSHAKING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
@@ -1277,7 +1277,7 @@ class Consumer:
                 continue
             if h in refused_set:
                 if self._go(r, ACK, "refused").dst == D_FAILED:
-                    self._finish(r, "revoked", out)
+                    self._release(r, "revoked", out)
             else:
                 self._go(r, ACK, "granted")
                 if lease_end > r.lease_end:
