@@ -203,8 +203,9 @@ def test_refused_in_ack_fails_a_waiting_request(consumer: Consumer) -> None:
     consumer.admit("r1", params(1), 0.0)
     consumer.admit("r2", params(2), 0.0)
     (hb,) = heartbeats(consumer.tick(10.0))
+    # P refused (aborted, expired or freed): release, so an aborted request frees now
     assert consumer.ack(ENGINE, hb.seq, 20.0, (1,), 10.5) == [
-        Finished("r1", D_FAILED, "revoked")]
+        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "revoked")]
     assert consumer.state("r2") == WAITING
     assert consumer.lease_end("r2") == 29.5
 
@@ -323,8 +324,7 @@ def test_heartbeats_are_chunked_by_the_caller(make_consumer: ConsumerFactory) ->
 def test_lost_heartbeat_chunk_never_lets_d_believe_an_unrenewed_lease(
         make_consumer: ConsumerFactory) -> None:
     overrides: dict[str, Any] = {"initial_lease": 10.0, "lease_extension": 20.0,
-                                 "abort_grace": 20.0,
-                 "max_message_bytes": 64}
+                                 "abort_grace": 20.0, "max_message_bytes": 64}
     config = replace(Config(), **overrides)
     consumer = make_consumer(**overrides)
     ledger = Ledger(config, BlockPool(64))
@@ -349,27 +349,24 @@ def test_lost_heartbeat_chunk_never_lets_d_believe_an_unrenewed_lease(
         assert lease_end <= deadline, f"D believes {lease_end} for handle {h}, P {deadline}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: P's Ack only lists refused handles, and a heartbeat for a not-yet-registered "
-    "handle is staged, neither granted nor refused; D reads 'not refused' as granted and "
-    "extends its lease. If the staged entry is then dropped (staging cap or age) and "
-    "lease_extension > initial_lease (a valid config), D's lease outlives P's deadline"))
 def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
         make_consumer: ConsumerFactory) -> None:
+    """A heartbeat P staged (not registered yet) is acked as pending, not granted: if the
+    staged entry is then dropped, D's estimate must still not outlive P's deadline."""
     overrides: dict[str, Any] = {"initial_lease": 10.0, "lease_extension": 20.0,
-                                 "abort_grace": 20.0,
-                 "max_staged": 1}
+                                 "abort_grace": 20.0, "max_staged": 1}
     consumer = make_consumer(**overrides)
     ledger = Ledger(replace(Config(), **overrides), BlockPool(8))
     ready(consumer)
     consumer.admit("r1", params(1, term=10.0), 0.0)  # P's registration lags the params
     (hb,) = heartbeats(consumer.tick(0.0))
     (ack,) = ledger.heartbeat("d0", hb.seq, hb.handles, hb.expected, 0.1)
-    assert isinstance(ack, Ack) and ack.refused == ()
+    assert isinstance(ack, Ack) and (ack.refused, ack.pending) == ((), (1,))
     ledger.done("d9", 2, 1, 0.2)  # another early message: staging cap drops handle 1
     assert ledger.counters["staged_dropped"] == 1
     ledger.register(1, "r1", (0,), 0.3, expected=1)
-    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.3)
+    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.3, pending=ack.pending)
+    assert consumer.lease_end("r1") == 9.0  # pending: the previous estimate stands
     deadline, lease_end = ledger.deadline(1), consumer.lease_end("r1")
     assert deadline is not None and lease_end is not None
     assert lease_end <= deadline  # D may otherwise READ at 12 after P freed at 10.3

@@ -404,7 +404,7 @@ def test_early_release_is_staged_and_applied_at_registration(ledger: Ledger) -> 
 
 
 def test_early_heartbeat_is_staged_neither_granted_nor_refused(ledger: Ledger) -> None:
-    assert ledger.heartbeat("d0", 1, (1,), 1, 0.0) == [Ack("d0", 1, 20.0, ())]
+    assert ledger.heartbeat("d0", 1, (1,), 1, 0.0) == [Ack("d0", 1, 20.0, (), (1,))]
     assert ledger.staged_count == 1
     ledger.register(1, "req", (0,), 15.0)
     assert ledger.state(1) == LEASED
