@@ -172,6 +172,11 @@ class ProducerAdapter:
         self._apply(self.ledger.tick(now), now)
         return n
 
+    def tick(self) -> None:
+        """Only let time pass (no I/O): expiries and staging cleanup."""
+        now = self.clock()
+        self._apply(self.ledger.tick(now), now)
+
     def _on_message(self, peer: str, buf: bytes, now: float) -> None:
         if peer not in self.peers:
             self._apply(self.ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now), now)

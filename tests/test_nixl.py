@@ -1,0 +1,378 @@
+"""In-process NIXL tests: a P adapter and D adapters (separate agents) in one process."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvproto.lifecycle import Config, TransferParams
+from kvproto.wire import encode_heartbeat
+
+nixl_api = pytest.importorskip("nixl._api")
+
+from kvproto.nixl.agent import fill_pattern, make_agent  # noqa: E402
+from kvproto.nixl.consumer import Completion, ConsumerAdapter  # noqa: E402
+from kvproto.nixl.producer import ProducerAdapter  # noqa: E402
+
+pytestmark = pytest.mark.nixl
+
+CFG = Config(initial_lease=3.0, lease_extension=2.0, heartbeat_interval=0.3, abort_grace=3.0,
+             max_delay=0.2, max_read_time=1.0, clock_drift=0.1)
+BB = 4096
+_ids = itertools.count()
+
+
+def uniq(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_ids)}"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="VRAM variant needs CUDA"))]
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[ProducerAdapter, ConsumerAdapter]]:
+    device = getattr(request, "param", "cpu")
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=32, block_bytes=BB, device=device,
+                        clock=FakeClock())
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=32, block_bytes=BB, device=device)
+    d.add_engine(p.name, p.host, p.port)
+    yield p, d
+    d.close(timeout=1.0)
+    p.close()
+
+
+def pump(p: ProducerAdapter, ds: list[ConsumerAdapter], until: Callable[[], bool],
+         timeout: float = 10.0, sink: list[Completion] | None = None) -> list[Completion]:
+    out: list[Completion] = [] if sink is None else sink
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        p.poll()
+        for d in ds:
+            out += d.poll()
+        if until():
+            return out
+        time.sleep(0.0005)
+    raise AssertionError(f"condition not reached in {timeout}s; completions {out}")
+
+
+def prefill(p: ProducerAdapter, rid: str, n: int, *, group: str | None = None,
+            expected: int = 0) -> TransferParams:
+    blocks = p.allocate(n)
+    assert blocks is not None
+    for i, b in enumerate(blocks):
+        p.region.kv[b] = fill_pattern(rid, i, BB, p.region.device)
+    params = p.register(rid, blocks, group=group, expected=expected)
+    assert params is not None
+    return params
+
+
+def verified(d: ConsumerAdapter, c: Completion, key: str) -> bool:
+    assert c.local_blocks is not None
+    return all(torch.equal(d.region.kv[lb], fill_pattern(key, i, BB, d.region.device))
+               for i, lb in enumerate(c.local_blocks))
+
+
+@pytest.mark.parametrize("pair", DEVICES, indirect=True)
+def test_transfer_verifies_and_frees(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, d = pair
+    params = prefill(p, "r1", 5)
+    gens_before = p.region.gen[list(params.blocks)].clone()
+    d.admit("r1", params)
+    d.schedule("r1")
+    comps = pump(p, [d], lambda: p.pool.held_count == 0)
+    comps += pump(p, [d], lambda: bool(comps))
+    assert [(c.request_id, c.state, c.reason) for c in comps] == [("r1", "done", "pulled")]
+    assert verified(d, comps[0], "r1")
+    assert comps[0].nbytes == 5 * BB
+    assert p.ledger.frees["transferred"] == 1
+    # The free bumped every reclaimed block's generation before returning it.
+    assert bool((p.region.gen[list(params.blocks)] == gens_before + 1).all())
+    assert p.free_blocks == 32
+    assert p.check_invariants() == []
+
+
+def test_fenced_when_freed_and_reused_before_the_read(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    """The race upstream serves silently: P frees (lease deliberately too short for the
+    real hold) and reuses the blocks for another prompt while D is about to READ."""
+    p, d = pair
+    params = prefill(p, "victim", 4)
+    clock = p.clock
+    assert isinstance(clock, FakeClock)
+
+    def hook(phase: str, rid: str) -> None:
+        if phase == "before_post":
+            clock.offset += CFG.initial_lease + 1  # timing assumptions violated
+            p.tick()  # the lease expired -> Free -> generations bumped
+            assert p.ledger.frees["expired"] == 1
+            reused = p.allocate(32)  # the freed blocks are handed to another prompt
+            assert reused is not None and set(params.blocks) <= set(reused)
+            for b in params.blocks:
+                p.region.kv[b] = fill_pattern("intruder", b, BB, p.region.device)
+
+    d.phase_hook = hook
+    d.admit("victim", params)
+    d.schedule("victim")
+    comps = pump(p, [d], lambda: bool(d.reads) is False and bool(d.counters.get("fenced")))
+    comps = pump(p, [d], lambda: bool(comps), sink=comps)
+    assert [(c.state, c.reason, c.local_blocks) for c in comps] == [("failed", "fenced", None)]
+    assert d.counters["fenced"] == 1
+    assert p.pool.violations == 0 and p.check_invariants() == []
+
+
+def test_fenced_when_freed_between_data_and_stamp_reads(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, d = pair
+    params = prefill(p, "slow", 3)
+    clock = p.clock
+    assert isinstance(clock, FakeClock)
+    seen: dict[str, bool] = {}
+
+    def hook(phase: str, rid: str) -> None:
+        if phase == "before_gen":  # the data READ finished "slowly": past the lease
+            clock.offset += CFG.initial_lease + 1
+            p.tick()
+            seen["freed"] = p.ledger.frees["expired"] == 1
+
+    d.phase_hook = hook
+    d.admit("slow", params)
+    d.schedule("slow")
+    comps = pump(p, [d], lambda: bool(d.counters.get("fenced")))
+    assert seen == {"freed": True}
+    assert [(c.state, c.reason) for c in comps] == [("failed", "fenced")]
+    assert p.check_invariants() == []
+    assert p.pool.violations == 0
+
+
+def test_fenced_race_data_is_really_corrupt(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    """Same race, checking the bytes D landed: they are the intruder's, and were not served."""
+    p, d = pair
+    params = prefill(p, "v2", 2)
+    clock = p.clock
+    assert isinstance(clock, FakeClock)
+    landed: list[list[int]] = []
+
+    def hook(phase: str, rid: str) -> None:
+        if phase == "before_post":
+            clock.offset += CFG.initial_lease + 1
+            p.tick()
+            for b in params.blocks:
+                p.region.kv[b] = fill_pattern("intruder", b, BB, p.region.device)
+        if phase == "before_gen":
+            landed.append(list(d.reads[rid].local))
+
+    d.phase_hook = hook
+    d.admit("v2", params)
+    d.schedule("v2")
+    comps = pump(p, [d], lambda: bool(d.counters.get("fenced")))
+    assert landed and all(
+        torch.equal(d.region.kv[lb], fill_pattern("intruder", pb, BB, d.region.device))
+        for lb, pb in zip(landed[0], params.blocks, strict=True))
+    assert [(c.state, c.reason) for c in comps] == [("failed", "fenced")]
+
+
+def test_malformed_notification_from_live_peer(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, d = pair
+    params = prefill(p, "held", 2)
+    d.admit("held", params)  # handshake, never scheduled
+    pump(p, [d], lambda: p.name in d.engines and d.engines[p.name].state == "ready")
+    for junk in (b"garbage-garbage", b"KV\x09\x01\x00\x00\x00\x00", b"", b"\x00" * 9000):
+        d.agent.send_notif(p.name, junk)
+    # A valid message for the wrong P epoch is rejected too.
+    d.agent.send_notif(p.name, encode_heartbeat(params.epoch ^ 1, 1, [params.handle], 1,
+                                                4096)[0])
+    pump(p, [d], lambda: sum(v for k, v in p.ledger.counters.items()
+                             if k.startswith("rejected:")) >= 5)
+    rej = {k: v for k, v in p.ledger.counters.items() if k.startswith("rejected:")}
+    assert rej.get("rejected:bad_magic", 0) >= 1
+    assert rej.get("rejected:version", 0) == 1
+    assert rej.get("rejected:oversized", 0) == 1
+    assert rej.get("rejected:epoch", 0) == 1
+    assert sum(p.ledger.frees.values()) == 0
+    assert p.ledger.state(params.handle) in ("registered", "leased")
+    assert p.check_invariants() == []
+
+
+def test_unknown_peer_rejected(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, _d = pair
+    params = prefill(p, "r", 1)
+    stranger = make_agent(uniq("X"))
+    stranger.add_remote_agent(p.agent.get_agent_metadata())
+    from kvproto.wire import encode_done
+    stranger.send_notif(p.name, encode_done(p.epoch, params.handle, 1))
+    pump(p, [], lambda: p.ledger.counters.get("rejected:unknown_peer", 0) == 1)
+    assert sum(p.ledger.frees.values()) == 0  # a stranger's done frees nothing
+
+
+@pytest.mark.parametrize("side", ["consumer", "producer"])
+def test_version_mismatch_fails_requests(pair: tuple[ProducerAdapter, ConsumerAdapter],
+                                         side: str) -> None:
+    p, d = pair
+    if side == "consumer":
+        d.handshake_version = 2
+    else:
+        p.handshake_version = 2
+    params = prefill(p, "vm", 1)
+    d.admit("vm", params)
+    d.schedule("vm")
+    comps = pump(p, [d], lambda: bool(d.counters.get("handshake_failed:version_mismatch")))
+    comps = pump(p, [d], lambda: bool(comps), sink=comps)
+    assert [(c.state, c.reason) for c in comps] == [("failed", "version_mismatch")]
+    assert d.counters.get("handshake_retry", 0) == 0  # never retried, never proceeded
+
+
+def test_layout_mismatch_fails_requests() -> None:
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=8, block_bytes=BB)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=2 * BB)
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        params = prefill(p, "lm", 1)
+        d.admit("lm", params)
+        comps = pump(p, [d], lambda: bool(d.counters.get("handshake_failed:layout_mismatch")))
+        comps = pump(p, [d], lambda: bool(comps), sink=comps)
+        assert [(c.state, c.reason) for c in comps] == [("failed", "layout_mismatch")]
+        assert p.counters.get("handshake_refused") == 1
+    finally:
+        d.close(1.0)
+        p.close()
+
+
+def test_fan_in_two_readers_and_siblings() -> None:
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=32, block_bytes=BB)
+    d0 = ConsumerAdapter(uniq("D0"), CFG, num_blocks=32, block_bytes=BB, tp_rank=0, tp_size=2)
+    d1 = ConsumerAdapter(uniq("D1"), CFG, num_blocks=32, block_bytes=BB, tp_rank=1, tp_size=2)
+    try:
+        for d in (d0, d1):
+            d.add_engine(p.name, p.host, p.port)
+        fan = prefill(p, "fan", 3, expected=2)
+        # n=3 siblings sharing the same prompt blocks; D reads one member only.
+        blocks = p.allocate(2)
+        assert blocks is not None
+        for i, b in enumerate(blocks):
+            p.region.kv[b] = fill_pattern("grp", i, BB)
+        sibs = [p.register(f"s{k}", blocks, group="grp") for k in range(3)]
+        assert all(s is not None for s in sibs)
+        for d in (d0, d1):
+            d.admit("fan", fan)
+            d.schedule("fan")
+        for k, s in enumerate(sibs):
+            assert s is not None
+            d0.admit(f"s{k}", s)
+            d0.schedule(f"s{k}")
+        comps = pump(p, [d0, d1], lambda: p.pool.held_count == 0)
+        comps = pump(p, [d0, d1], lambda: len(comps) >= 5, sink=comps)
+        got = sorted((c.request_id, c.reason) for c in comps)
+        assert got.count(("fan", "pulled")) == 2
+        sib = [c for c in comps if c.request_id.startswith("s")]
+        assert sorted(c.reason for c in sib) == ["pulled", "sibling_local", "sibling_local"]
+        assert all(verified(d0, c, "grp") for c in sib if c.reason == "pulled")
+        assert p.ledger.frees["transferred"] == 2  # fan + the pulled sibling
+        assert p.ledger.frees["sibling"] + p.ledger.frees["released"] == 2
+        assert p.free_blocks == 32 and p.pool.violations == 0
+        assert p.check_invariants() == []
+    finally:
+        for d in (d0, d1):
+            d.close(1.0)
+        p.close()
+
+
+def test_heartbeats_keep_queued_request_alive_and_are_chunked() -> None:
+    small = Config(initial_lease=1.5, lease_extension=1.5, heartbeat_interval=0.2,
+                   abort_grace=1.5, max_delay=0.1, max_read_time=0.5, clock_drift=0.1,
+                   max_message_bytes=64)
+    p = ProducerAdapter(uniq("P"), small, num_blocks=64, block_bytes=BB)
+    sizes: list[int] = []
+
+    def spy(kind: str, engine: str, buf: bytes) -> list[bytes]:
+        if kind == "heartbeat":
+            sizes.append(len(buf))
+        return [buf]
+
+    d = ConsumerAdapter(uniq("D"), small, num_blocks=64, block_bytes=BB, fault_hook=spy)
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        params = [prefill(p, f"q{i}", 1) for i in range(20)]
+        for i, pr in enumerate(params):
+            d.admit(f"q{i}", pr)
+        t_end = time.monotonic() + 2 * small.initial_lease  # well past the initial lease
+        pump(p, [d], lambda: time.monotonic() > t_end, timeout=10)
+        assert sum(p.ledger.frees.values()) == 0  # renewed, not expired
+        assert sizes and max(sizes) <= 64  # every heartbeat fits the cap
+        assert len(sizes) >= 5  # 20 handles need several chunks per round
+        for i in range(20):
+            d.schedule(f"q{i}")
+        comps = pump(p, [d], lambda: p.pool.held_count == 0)
+        comps = pump(p, [d], lambda: len(comps) == 20, sink=comps)
+        assert {c.reason for c in comps} == {"pulled"}
+    finally:
+        d.close(1.0)
+        p.close()
+
+
+def test_dead_producer_does_not_delay_other_handshakes() -> None:
+    """A P that accepts the connection but never answers must not hold up a live P."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted, never answered
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=8, block_bytes=BB)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB, handshake_timeout=1.0,
+                        handshake_attempts=2, backoff=0.05)
+    try:
+        d.add_engine("deadP", "127.0.0.1", silent.getsockname()[1])
+        d.add_engine(p.name, p.host, p.port)
+        dead = TransferParams(engine="deadP", epoch=1, handle=1, blocks=(0,), initial_term=30.0,
+                              generations=(0,))
+        d.admit("to-dead", dead)  # its handshake starts first
+        d.schedule("to-dead")
+        live = prefill(p, "to-live", 1)
+        d.admit("to-live", live)
+        d.schedule("to-live")
+        comps = pump(p, [d], lambda: len(comps) == 2, sink=(comps := []))
+        order = [(c.request_id, c.reason) for c in comps]
+        assert order[0] == ("to-live", "pulled")
+        assert ("to-dead", "handshake_timeout") in order
+    finally:
+        d.close(1.0)
+        p.close()
+        silent.close()
+
+
+def test_producer_abort_waits_for_reader_then_frees(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, d = pair
+    params = prefill(p, "ab", 2)
+    d.admit("ab", params)
+    p.abort("ab")
+    assert p.ledger.state(params.handle) == "aborted"
+    d.schedule("ab")
+    comps = pump(p, [d], lambda: p.pool.held_count == 0)
+    comps = pump(p, [d], lambda: bool(comps), sink=comps)
+    assert p.ledger.frees["transferred"] + p.ledger.frees["released"] == 1
+    assert p.ledger.frees["aborted"] == 0 and p.pool.violations == 0
+
+
+def test_consumer_abort_before_read_releases(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    p, d = pair
+    params = prefill(p, "da", 2)
+    d.admit("da", params)
+    pump(p, [d], lambda: d.state("da") == "waiting")
+    d.abort("da")
+    comps = pump(p, [d], lambda: p.pool.held_count == 0)
+    comps = pump(p, [d], lambda: bool(comps), sink=comps)
+    assert [(c.state, c.reason) for c in comps] == [("failed", "aborted")]
+    assert p.ledger.frees["released"] == 1
