@@ -1,0 +1,1120 @@
+"""Stateful fuzzing of the real P and D machines through the simulator's faulty network.
+
+Three layers, all reusable by the tests (``tests/test_fuzz.py``, ``tests/test_mutants.py``)
+and by ``kvproto fuzz``:
+
+* ``FuzzSim`` -- a ``Simulator`` subclass in which *nothing* is random: every choice the
+  simulator would take from its RNG (which message to deliver, drop or duplicate, when a
+  READ completes, whether a handshake succeeds, when D admits transfer params...) is an
+  explicit method the fuzzer calls. The timing assumptions are enforced, not sampled: a
+  message not delivered, dropped or duplicated by ``sent + max_delay`` is delivered then,
+  a READ not completed by ``start + max_read_time`` completes then, and so do transfer
+  params (``max_delay`` after hand-out) and lagging P registrations.
+* ``Oracle`` + ``observed_ledger_class`` -- wraps any ``Ledger`` class (the real one, or a
+  mutant from ``kvproto.mutants``) and checks, around every P event, that each request's
+  state change is a row of ``P_TRANSITIONS`` for that event (with the matching ``free:``
+  effect), plus two liveness-style properties that the real machine guarantees:
+  *PromptFree* (a request all of whose expected readers have reported -- counting early
+  reports that the staging policy must keep -- is freed by that very event) and
+  *ExpiredFreed* (after a tick at ``now`` no held request has a deadline ``<= now``).
+* ``LifecycleMachine`` -- the hypothesis ``RuleBasedStateMachine``: rules for every
+  event and fault, invariants after every step, a no-leak teardown.
+
+Invariant names used in failure messages (the mutant tests match on them):
+``NoDoubleFree``, ``Conservation``, ``NoFreeUnderRead``, ``StagingBounded``,
+``TombstonesBounded``, ``LegalTransition``, ``LedgerInvariants``, ``PromptFree``,
+``ExpiredFreed``, ``NoLeak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import io
+import json
+import logging
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Final, cast
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvproto import wire
+from kvproto.lifecycle import (
+    ABORT,
+    ABORTED,
+    DONE,
+    EXPIRED,
+    FREED,
+    HEARTBEAT,
+    HELD_STATES,
+    LEASED,
+    NOTIFIED,
+    P_TRANSITIONS,
+    REGISTER,
+    REGISTERED,
+    RELEASE,
+    SIBLING,
+    TERMINAL_STATES,
+    TICK,
+    UNREGISTERED,
+    Ack,
+    Config,
+    DEffect,
+    Effect,
+    Free,
+    Ledger,
+    PostRead,
+    Rejected,
+    StartHandshake,
+    TransferParams,
+)
+from kvproto.lifecycle import MAX_STAGED_MSGS_PER_HANDLE as _MAX_STAGED_MSGS
+from kvproto.sim import P_NAME, Faults, Msg, Network, Read, Simulator
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# Configurations the fuzzer runs under. Small caps so staging/tombstone/group caps are
+# hit; one config where the extension exceeds the initial term.
+# ---------------------------------------------------------------------------
+
+CONFIGS: Final[dict[str, Config]] = {
+    "default": Config().validate(),
+    "tight": Config(initial_lease=8.0, lease_extension=6.0, heartbeat_interval=2.0,
+                    abort_grace=8.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1,
+                    max_staged=2, max_staged_age=3.0, max_tombstones=3,
+                    max_groups_remembered=2).validate(),
+    "long_extension": Config(initial_lease=6.0, lease_extension=10.0, heartbeat_interval=2.0,
+                             abort_grace=10.0, max_delay=0.5, max_read_time=2.0,
+                             clock_drift=0.1, max_staged=1, max_staged_age=2.0,
+                             max_tombstones=2, max_groups_remembered=1).validate(),
+}
+
+ENGINES: Final = (1, 2)  # D0 has one rank, D1 two (two readers per request)
+CAPACITY: Final = 24
+
+
+class InvariantViolation(AssertionError):
+    """A fuzzer check failed. ``invariant`` is the invariant's name."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------
+# Legality of P transitions: which (src, dst, free reason) each event may produce.
+# ---------------------------------------------------------------------------
+
+Step = tuple[str, str | None]  # (destination, free reason or None)
+
+
+def _row_steps(src: str, event: str) -> set[Step]:
+    out: set[Step] = set()
+    for t in P_TRANSITIONS:
+        if t.src == src and t.event == event:
+            out.add((t.dst, t.effect[5:] if t.effect.startswith("free:") else None))
+    return out
+
+
+def _register_paths() -> set[Step]:
+    """Where one ``register`` event can take an unregistered handle: the register row,
+    then any sequence of staged done/release/heartbeat rows applied in the same event."""
+    out: set[Step] = set()
+    start: list[Step] = [s for s in _row_steps(UNREGISTERED, REGISTER)]
+    seen: set[Step] = set()
+    todo = list(start)
+    while todo:
+        step = todo.pop()
+        if step in seen:
+            continue
+        seen.add(step)
+        out.add(step)
+        dst, _ = step
+        if dst in HELD_STATES:
+            for ev in (DONE, RELEASE, HEARTBEAT):
+                todo.extend(_row_steps(dst, ev))
+    return out
+
+
+_REGISTER_PATHS: Final = _register_paths()
+
+
+def _allowed(event: str, src: str, dst: str, reason: str | None) -> bool:
+    if event == REGISTER and src == UNREGISTERED:
+        return (dst, reason) in _REGISTER_PATHS or (dst == UNREGISTERED and reason is None)
+    return (dst, reason) in _row_steps(src, event)
+
+
+# ---------------------------------------------------------------------------
+# The oracle: a model of what P was told, and the checks around each event.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _StagedModel:
+    since: float
+    msgs: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, reader, expected)
+
+
+class Oracle:
+    """Observes a ledger's events; records violations (it never raises inside the ledger).
+
+    The model is deliberately small and spec-level: which readers P has been told about
+    per request (including early reports, kept under the documented staging policy: the
+    oldest handle is dropped at ``max_staged``, at most 64 messages per handle, entries
+    older than ``max_staged_age`` dropped on tick), and the expected-reader count
+    announced so far.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.violations: list[InvariantViolation] = []
+        self.terminal: dict[int, str] = {}  # handles known terminal (survives tombstone eviction)
+        self.reported: dict[int, set[str]] = {}  # live handle -> readers that reported
+        self.expected: dict[int, int] = {}  # live handle -> expected readers announced
+        self.staged: OrderedDict[int, _StagedModel] = OrderedDict()
+        self.registered: dict[int, str] = {}  # handle -> request id (every valid register)
+        self.groups: dict[int, str | None] = {}
+        self.events = 0
+        self.transitions: dict[tuple[str, str, str], int] = {}  # (src, event, dst) coverage
+
+    def fail(self, invariant: str, detail: str) -> None:
+        log.debug("oracle: %s: %s", invariant, detail)
+        self.violations.append(InvariantViolation(invariant, detail))
+
+    # -- states ---------------------------------------------------------------------
+    def state(self, ledger: Ledger, h: int) -> str:
+        s = ledger.state(h)
+        if s == UNREGISTERED and h in self.terminal:
+            return self.terminal[h]  # its tombstone was evicted at the cap
+        return s
+
+    def pre(self, ledger: Ledger, touched: Iterable[int]) -> dict[int, str]:
+        states = {h: v[0] for h, v in ledger.snapshot().items()}
+        for h in touched:
+            if h not in states:
+                states[h] = self.state(ledger, h)
+        return states
+
+    # -- model updates --------------------------------------------------------------
+    def _stage(self, kind: str, reader: str, h: int, expected: int, now: float) -> None:
+        st_ = self.staged.get(h)
+        if st_ is None:
+            if len(self.staged) >= self.config.max_staged:
+                self.staged.popitem(last=False)
+            st_ = self.staged[h] = _StagedModel(now)
+        if len(st_.msgs) < _MAX_STAGED_MSGS:
+            st_.msgs.append((kind, reader, expected))
+
+    def _report(self, h: int, reader: str, expected: int) -> None:
+        self.reported.setdefault(h, set()).add(reader)
+        if expected > self.expected.get(h, 0):
+            self.expected[h] = expected
+
+    def _model_event(self, kind: str, reader: str, handles: Sequence[int], expected: int,
+                     pre: dict[int, str], now: float) -> None:
+        for h in handles:
+            s = pre[h]
+            if s == UNREGISTERED:
+                self._stage(kind, reader, h, expected, now)
+            elif s in HELD_STATES and kind != HEARTBEAT:
+                self._report(h, reader, expected)
+            elif kind == HEARTBEAT and s in (REGISTERED, LEASED, NOTIFIED) \
+                    and expected > self.expected.get(h, 0):
+                self.expected[h] = expected
+
+    # -- the checks -------------------------------------------------------------------
+    def post(self, ledger: Ledger, event: str, pre: dict[int, str], targets: Sequence[int],
+             out: Sequence[Effect], now: float) -> None:
+        self.events += 1
+        frees: dict[int, str] = {}
+        for eff in out:
+            if isinstance(eff, Free):
+                if eff.handle in frees:
+                    self.fail("NoDoubleFree", f"{event}: handle {eff.handle} freed twice in one event")
+                frees[eff.handle] = eff.reason
+        rejected = any(isinstance(e, Rejected) for e in out)
+        post = {h: self.state(ledger, h) for h in pre}
+        for h, reason in frees.items():
+            if post.get(h) == UNREGISTERED:  # freed, then its tombstone evicted at the cap
+                post[h] = EXPIRED if reason == "expired" else FREED
+        for h in frees:
+            if h not in pre:
+                self.fail("LegalTransition", f"{event}: Free of handle {h} that was not held "
+                          f"before the event (state {self.state(ledger, h)})")
+        target_set = set(targets)
+        cascade_src = {h for h in targets if frees.get(h) == "transferred"} \
+            if event in (DONE, REGISTER) else set()
+        cascade_groups = {self.groups.get(h) for h in cascade_src} - {None}
+        for h, s in pre.items():
+            t = post[h]
+            reason = frees.get(h)
+            if t in TERMINAL_STATES and s not in TERMINAL_STATES:
+                self.terminal[h] = t
+                if reason is None:
+                    self.fail("LegalTransition", f"{event}: handle {h} went {s} -> {t} "
+                              "without a Free effect")
+            if s in TERMINAL_STATES and t != s:
+                self.fail("LegalTransition", f"{event}: terminal handle {h} went {s} -> {t}")
+                continue
+            if h in target_set or event == TICK:
+                if event == TICK and s == t and reason is None:
+                    continue  # nothing due
+                if event == REGISTER and s == t and rejected:
+                    continue  # invalid or duplicate register: counted, changes nothing
+                ok = _allowed(event, s, t, reason)
+                self.transitions[(s, event, t)] = self.transitions.get((s, event, t), 0) + 1
+                if not ok:
+                    self.fail("LegalTransition", f"{event}: handle {h} {s} -> {t}"
+                              f"{' with free:' + reason if reason else ''} is not a row of "
+                              "P_TRANSITIONS")
+            elif s != t or reason is not None:
+                if self.groups.get(h) in cascade_groups \
+                        and (t, reason) in _row_steps(s, SIBLING):
+                    self.transitions[(s, SIBLING, t)] = \
+                        self.transitions.get((s, SIBLING, t), 0) + 1
+                    continue
+                self.fail("LegalTransition", f"{event}: handle {h} not named by the event "
+                          f"went {s} -> {t} (free {reason})")
+        for h, s in post.items():
+            if s in TERMINAL_STATES:
+                self.reported.pop(h, None)
+                self.expected.pop(h, None)
+
+    def check_prompt_free(self, ledger: Ledger, where: str) -> None:
+        for h, (_st, exp, _fin, _rel, _dl) in ledger.snapshot().items():
+            want = max(exp, self.expected.get(h, 0))
+            got = self.reported.get(h, set())
+            if want and len(got) >= want:
+                self.fail("PromptFree", f"after {where}: handle {h} is still held "
+                          f"({_st}) although all {want} expected readers reported "
+                          f"({sorted(got)})")
+
+    def check_expired_freed(self, ledger: Ledger, now: float) -> None:
+        for h, (s, _exp, _fin, _rel, dl) in ledger.snapshot().items():
+            if dl <= now:
+                self.fail("ExpiredFreed", f"after tick at {now:.6g}: handle {h} ({s}) is still "
+                          f"held with deadline {dl:.6g} <= now")
+
+    # -- per-event hooks (called by ObservedLedger) ---------------------------------------
+    def on_register(self, ledger: Ledger, pre: dict[int, str], h: int, rid: str,
+                    group: str | None, expected: int, out: Sequence[Effect], now: float) -> None:
+        self.post(ledger, REGISTER, pre, [h], out, now)
+        if pre.get(h) != UNREGISTERED or any(isinstance(e, Rejected) for e in out):
+            return
+        self.registered[h] = rid
+        self.groups[h] = group
+        st_ = self.staged.pop(h, None)
+        if self.state(ledger, h) in TERMINAL_STATES:
+            return
+        self.expected[h] = max(expected, self.expected.get(h, 0))
+        if st_ is not None:
+            for kind, reader, exp in st_.msgs:
+                if kind != HEARTBEAT:
+                    self._report(h, reader, exp)
+        self.check_prompt_free(ledger, f"register of handle {h}")
+
+    def on_message(self, ledger: Ledger, kind: str, pre: dict[int, str], reader: str,
+                   handles: Sequence[int], expected: int, out: Sequence[Effect],
+                   now: float) -> None:
+        self._model_event(kind, reader, handles, expected, pre, now)
+        self.post(ledger, kind, pre, handles, out, now)
+        if kind == HEARTBEAT:
+            acks = [e for e in out if isinstance(e, Ack)]
+            if len(acks) != 1:
+                self.fail("LegalTransition", f"heartbeat produced {len(acks)} acks")
+            else:
+                refused = set(acks[0].refused)
+                for h in handles:
+                    should = pre[h] in (ABORTED, EXPIRED, FREED)
+                    if (h in refused) != should:
+                        self.fail("LegalTransition", f"heartbeat: handle {h} in {pre[h]} was "
+                                  f"{'refused' if h in refused else 'granted'}")
+        self.check_prompt_free(ledger, f"{kind} from {reader} for {list(handles)}")
+
+    def on_abort(self, ledger: Ledger, pre: dict[int, str], h: int | None,
+                 out: Sequence[Effect], now: float) -> None:
+        self.post(ledger, ABORT, pre, [] if h is None else [h], out, now)
+
+    def on_tick(self, ledger: Ledger, pre: dict[int, str], out: Sequence[Effect],
+                now: float) -> None:
+        self.post(ledger, TICK, pre, [], out, now)
+        limit = now - self.config.max_staged_age
+        while self.staged:
+            h0, st_ = next(iter(self.staged.items()))
+            if st_.since > limit:
+                break
+            self.staged.popitem(last=False)
+        self.check_expired_freed(ledger, now)
+
+
+class ObservedLedger(Ledger):
+    """Mixin over a ledger class: every public event goes through the oracle.
+
+    Use ``observed_ledger_class(cls)`` to put it in front of a mutant's overrides.
+    """
+
+    oracle: Oracle | None = None
+
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+                 group: str | None = None, expected: int = 0) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().register(handle, request_id, blocks, now, group=group,
+                                    expected=expected)
+        touched = [handle] if isinstance(handle, int) else []
+        pre = o.pre(self, touched)
+        out = super().register(handle, request_id, blocks, now, group=group, expected=expected)
+        o.on_register(self, pre, handle, request_id, group, expected, out, self.now)
+        return out
+
+    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().done(reader, handle, expected, now)
+        pre = o.pre(self, [handle])
+        out = super().done(reader, handle, expected, now)
+        o.on_message(self, DONE, pre, reader, [handle], expected, out, self.now)
+        return out
+
+    def release(self, reader: str, handles: Sequence[int], expected: int,
+                now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().release(reader, handles, expected, now)
+        pre = o.pre(self, handles)
+        out = super().release(reader, handles, expected, now)
+        o.on_message(self, RELEASE, pre, reader, handles, expected, out, self.now)
+        return out
+
+    def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
+                  now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().heartbeat(reader, seq, handles, expected, now)
+        pre = o.pre(self, handles)
+        out = super().heartbeat(reader, seq, handles, expected, now)
+        o.on_message(self, HEARTBEAT, pre, reader, handles, expected, out, self.now)
+        return out
+
+    def abort(self, request_id: str, now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().abort(request_id, now)
+        h = self.handle_of(request_id)
+        pre = o.pre(self, [] if h is None else [h])
+        out = super().abort(request_id, now)
+        o.on_abort(self, pre, h, out, self.now)
+        return out
+
+    def tick(self, now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().tick(now)
+        pre = o.pre(self, [])
+        out = super().tick(now)
+        o.on_tick(self, pre, out, self.now)
+        return out
+
+    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
+        o = self.oracle
+        if o is None:
+            return super().reject(reason, peer, detail, now)
+        pre = o.pre(self, [])
+        out = super().reject(reason, peer, detail, now)
+        o.post(self, "reject", pre, [], out, self.now)
+        return out
+
+
+_OBSERVED: dict[type[Ledger], type[ObservedLedger]] = {}
+
+
+def observed_ledger_class(base: type[Ledger]) -> type[ObservedLedger]:
+    """``ObservedLedger`` in front of ``base`` (the real ledger or a mutant)."""
+    if issubclass(base, ObservedLedger):
+        return base
+    cls = _OBSERVED.get(base)
+    if cls is None:
+        if base is Ledger:
+            cls = ObservedLedger
+        else:
+            cls = cast(type[ObservedLedger],
+                       type(f"Observed{base.__name__}", (ObservedLedger, base), {}))
+        _OBSERVED[base] = cls
+    return cls
+
+
+# ---------------------------------------------------------------------------
+# The simulator, with every random choice made explicit.
+# ---------------------------------------------------------------------------
+
+
+class FuzzNetwork(Network):
+    """Nothing random: every message waits for the fuzzer (deliver/drop/duplicate) and is
+    delivered at ``sent + max_delay`` at the latest (the timing assumption)."""
+
+    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+        self.sent += 1
+        self._seq += 1
+        heapq.heappush(self.queue, Msg(now + self.max_delay, self._seq, src, dst, data))
+
+    def take(self, i: int) -> Msg:
+        m = self.queue.pop(i)
+        heapq.heapify(self.queue)
+        return m
+
+    def duplicate(self, i: int) -> None:
+        m = self.queue[i]
+        self._seq += 1
+        self.duplicated += 1
+        heapq.heappush(self.queue, Msg(m.at, self._seq, m.src, m.dst, m.data))
+
+
+@dataclass
+class PendingRegister:
+    deadline: float
+    handle: int
+    rid: str
+    blocks: tuple[int, ...]
+    group: str | None
+    expected: int
+    ranks: tuple[str, ...]
+
+
+@dataclass
+class PendingAdmit:
+    deadline: float
+    rank: str
+    rid: str
+    params: TransferParams
+
+
+class FuzzSim(Simulator):
+    """The simulator with explicit choices (see the module docstring)."""
+
+    def __init__(self, config: Config, *, ledger_cls: type[Ledger] = Ledger,
+                 capacity: int = CAPACITY, engines: tuple[int, ...] = ENGINES,
+                 sink: Callable[..., None] | None = None, register_lag: float = 1.0) -> None:
+        super().__init__(0, config=config, faults=Faults.none(), capacity=capacity,
+                         engines=engines)
+        self.net = FuzzNetwork(self.rng, self.faults, self.config.max_delay)
+        cls = observed_ledger_class(ledger_cls)
+        self.ledger = cls(self.config, self.pool, sink=sink)
+        self.oracle = Oracle(self.config)
+        self.ledger.oracle = self.oracle
+        self.register_lag = register_lag
+        self.pending_regs: list[PendingRegister] = []
+        self.pending_admits: list[PendingAdmit] = []
+        self.pending_hs: list[str] = []  # ranks whose handshake with P is in progress
+        self.next_d_tick = 0.0
+
+    # -- effects --------------------------------------------------------------------------
+    def _d_effects(self, rank: str, effects: list[DEffect]) -> None:
+        rest: list[DEffect] = []
+        for eff in effects:
+            if isinstance(eff, StartHandshake):
+                if rank not in self.pending_hs:
+                    self.pending_hs.append(rank)
+            elif isinstance(eff, PostRead):
+                gens = tuple(self.gens[b] for b in eff.blocks)
+                self.reads[(rank, eff.request_id)] = Read(
+                    rank, eff.request_id, eff.handle, eff.blocks, gens, self.now,
+                    self.now + self.config.max_read_time)
+            else:
+                rest.append(eff)
+        if rest:
+            super()._d_effects(rank, rest)
+
+    # -- queries ----------------------------------------------------------------------------
+    def live_ranks(self) -> list[str]:
+        return [r for names in self.engine_ranks.values() for r in names
+                if r not in self.crashed]
+
+    def waiting(self) -> list[tuple[str, str]]:
+        return [(rk, rid) for rk in self.live_ranks()
+                for rid, r in sorted(self.ranks[rk].reqs.items()) if r.state == "waiting"]
+
+    def read_keys(self) -> list[tuple[str, str]]:
+        return sorted(self.reads)
+
+    def d_requests(self) -> list[tuple[str, str]]:
+        return [(rk, rid) for rk in self.live_ranks() for rid in sorted(self.ranks[rk].reqs)]
+
+    # -- P side --------------------------------------------------------------------------
+    def hand_out(self, blocks: tuple[int, ...], engine: str, n: int, expected_known: bool,
+                 register_now: bool) -> list[str]:
+        """Prefill finished: P hands transfer params to D (admitted within max_delay) and
+        registers now or, if not ``register_now``, within ``register_lag``."""
+        ranks = tuple(self.engine_ranks[engine])
+        self._next_req += 1
+        parent = f"req{self._next_req}"
+        group = parent if n > 1 else None
+        rids: list[str] = []
+        self.reserved.update(blocks)
+        for i in range(n):
+            rid = f"{i}_{parent}" if n > 1 else parent
+            h = self.ledger.new_handle()
+            pr = PendingRegister(self.now + self.register_lag, h, rid, blocks, group,
+                                 len(ranks) if expected_known else 0, ranks)
+            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
+                                    expected=len(ranks), group=group,
+                                    generations=tuple(self.gens[b] for b in blocks))
+            for rk in ranks:
+                self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
+                                                        rk, rid, params))
+            if register_now:
+                self._register(pr)
+            else:
+                self.pending_regs.append(pr)
+            rids.append(rid)
+        self.stats.requests += n
+        return rids
+
+    def _register(self, pr: PendingRegister) -> None:
+        self.reserved.difference_update(pr.blocks)
+        for other in self.pending_regs:  # siblings still pending keep the reservation
+            self.reserved.update(other.blocks)
+        self._p_effects(self.ledger.register(pr.handle, pr.rid, pr.blocks, self.now,
+                                             group=pr.group, expected=pr.expected))
+
+    def register_pending(self, i: int) -> None:
+        self._register(self.pending_regs.pop(i))
+
+    def free_for_new(self) -> list[int]:
+        return [b for b in self.pool.free_blocks() if b not in self.reserved]
+
+    # -- D side --------------------------------------------------------------------------
+    def admit(self, i: int) -> None:
+        pa = self.pending_admits.pop(i)
+        if pa.rank in self.crashed:
+            return
+        self._d_effects(pa.rank, self.ranks[pa.rank].admit(pa.rid, pa.params, self.now))
+
+    def drop_admit(self, i: int) -> None:
+        """The router lost the params: this rank never learns of the request."""
+        self.pending_admits.pop(i)
+
+    def handshake(self, i: int, ok: bool) -> None:
+        rk = self.pending_hs.pop(i)
+        if rk in self.crashed:
+            return
+        if ok:
+            self.known_peers.add(rk)
+        self._d_effects(rk, self.ranks[rk].handshake_result(P_NAME, ok, self.now))
+
+    def schedule(self, rank: str, rid: str) -> None:
+        self._d_effects(rank, self.ranks[rank].schedule(rid, self.now))
+
+    def complete_read(self, key: tuple[str, str], ok: bool) -> None:
+        r = self.reads[key]
+        if ok:
+            self._finish_read(key, r)
+            return
+        del self.reads[key]
+        if r.reader in self.crashed:
+            return
+        self._d_effects(r.reader, self.ranks[r.reader].read_result(r.rid, False, self.now))
+
+    def d_tick(self, rank: str) -> None:
+        self._d_effects(rank, self.ranks[rank].tick(self.now))
+
+    # -- network -------------------------------------------------------------------------
+    def deliver(self, m: Msg) -> None:
+        if m.dst == P_NAME:
+            self.p_receive(m.src, m.data)
+        elif m.dst not in self.crashed and m.dst in self.ranks:
+            try:
+                a = wire.decode(m.data, epoch=self.epoch)
+            except wire.WireError:
+                return
+            if a.kind == wire.KIND_ACK:
+                self._d_effects(m.dst, self.ranks[m.dst].ack(P_NAME, a.seq, a.term_ms / 1000,
+                                                             a.handles, self.now))
+
+    # -- time ----------------------------------------------------------------------------
+    def _next_forced(self) -> float:
+        times = [math.inf]
+        if self.net.queue:
+            times.append(self.net.queue[0].at)
+        times.extend(r.end for r in self.reads.values())
+        times.extend(p.deadline for p in self.pending_admits)
+        times.extend(p.deadline for p in self.pending_regs)
+        times.extend(t for t, _ in self.restarts)
+        return min(times)
+
+    def _run_forced(self, d_ticks: bool) -> None:
+        now = self.now
+        for pr in [p for p in self.pending_regs if p.deadline <= now]:
+            self.pending_regs.remove(pr)
+            self._register(pr)
+        while self.restarts and self.restarts[0][0] <= now:
+            _, old = self.restarts.pop(0)
+            self._restart(old)
+        for pa in [p for p in self.pending_admits if p.deadline <= now]:
+            self.admit(self.pending_admits.index(pa))
+        for key, r in sorted(self.reads.items(), key=lambda kv: (kv[1].end, kv[0])):
+            if r.end <= now and key in self.reads:
+                self.complete_read(key, True)
+        for m in self.net.due(now):
+            self.deliver(m)
+        if d_ticks:
+            for rk in self.live_ranks():
+                self.d_tick(rk)
+        self._p_effects(self.ledger.tick(now))
+
+    def advance(self, dt: float, *, d_ticks: bool = True) -> None:
+        """Let ``dt`` seconds pass. Events the timing assumptions force (deliveries, READ
+        completions, admissions, registrations, restarts) happen at their forced times;
+        with ``d_ticks`` every D rank ticks at least every heartbeat interval."""
+        target = self.now + max(0.0, dt)
+        while True:
+            nxt = self._next_forced()
+            if d_ticks:
+                nxt = min(nxt, self.now + self.config.heartbeat_interval)
+            if nxt > target:
+                break
+            self.now = max(self.now, nxt)
+            self._run_forced(d_ticks)
+        self.now = target
+        self._run_forced(d_ticks)
+
+    def settle(self) -> None:
+        """End of a run: resolve everything D still has, then let every lease, grace and
+        staging age run out."""
+        cfg = self.config
+        for _ in range(64):
+            while self.pending_hs:
+                self.handshake(0, True)
+            while self.pending_regs:
+                self.register_pending(0)
+            while self.pending_admits:
+                self.admit(0)
+            for rk, rid in self.waiting():
+                self.schedule(rk, rid)
+            if not (self.d_requests() or self.reads or self.net.queue or self.pending_hs
+                    or self.pending_admits):
+                break
+            self.advance(cfg.max_read_time / 2 + cfg.max_delay)
+        horizon = max(cfg.lease_horizon, cfg.abort_grace) + cfg.max_staged_age + \
+            cfg.max_read_time + 4 * cfg.max_delay + 1
+        self.advance(horizon)
+
+
+# ---------------------------------------------------------------------------
+# The hypothesis state machine.
+# ---------------------------------------------------------------------------
+
+_IDX = st.integers(min_value=0, max_value=255)
+
+
+class FuzzCounters:
+    """Global progress counters (examples started, rule steps run)."""
+
+    examples = 0
+    steps = 0
+    progress: Callable[[], None] | None = None
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Drives the real P ledger and D consumers (or a mutant ledger) through FuzzSim.
+
+    Parameterise with ``machine_class(ledger_cls, ...)``.
+    """
+
+    LEDGER_CLS: ClassVar[type[Ledger]] = Ledger
+    CONFIG_NAMES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
+    JOURNAL: ClassVar[bool] = False
+    last_journal: ClassVar[io.StringIO | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        FuzzCounters.examples += 1
+        self.sim = self._make(CONFIGS[self.CONFIG_NAMES[0]])
+
+    def _make(self, config: Config) -> FuzzSim:
+        sink = None
+        if self.JOURNAL:
+            from kvproto.journal import JournalWriter
+
+            buf = io.StringIO()
+            writer = JournalWriter(buf, config, CAPACITY,
+                                   {"source": "fuzz", "ledger": self.LEDGER_CLS.__name__})
+            type(self).last_journal = buf
+            sink = writer.sink
+        return FuzzSim(config, ledger_cls=self.LEDGER_CLS, sink=sink)
+
+    @initialize(name=st.sampled_from(list(CONFIGS)))
+    def choose_config(self, name: str) -> None:
+        if name in self.CONFIG_NAMES:
+            self.sim = self._make(CONFIGS[name])
+
+    # -- helpers ----------------------------------------------------------------------
+    @property
+    def cfg(self) -> Config:
+        return self.sim.config
+
+    # -- P: register ---------------------------------------------------------------------
+    @rule(engine=st.sampled_from([f"D{i}" for i in range(len(ENGINES))]),
+          nblocks=st.integers(1, 4), start=_IDX, siblings=st.sampled_from([1, 1, 2, 3]),
+          expected_known=st.booleans(), register_now=st.booleans(), share=st.booleans(),
+          share_idx=_IDX)
+    def register(self, engine: str, nblocks: int, start: int, siblings: int,
+                 expected_known: bool, register_now: bool, share: bool, share_idx: int) -> None:
+        sim = self.sim
+        free = sim.free_for_new()
+        if len(free) < nblocks:
+            return
+        k = start % len(free)
+        blocks = tuple((free[k:] + free[:k])[:nblocks])
+        live = sim.ledger.live_handles()
+        if share and live:  # prefix sharing with a held request
+            other = sim.ledger._live[live[share_idx % len(live)]].blocks
+            extra = other[share_idx % len(other)]
+            if extra not in blocks:
+                blocks = (*blocks, extra)
+        sim.hand_out(blocks, engine, siblings, expected_known, register_now)
+
+    @precondition(lambda self: bool(self.sim.pending_regs))
+    @rule(i=_IDX)
+    def register_late(self, i: int) -> None:
+        self.sim.register_pending(i % len(self.sim.pending_regs))
+
+    @rule(i=_IDX, known=st.booleans())
+    def abort_p(self, i: int, known: bool) -> None:
+        rids = sorted(self.sim.oracle.registered.values())
+        if known and rids:
+            self.sim.abort_p(rids[i % len(rids)])
+        else:
+            self.sim.abort_p(f"unknown-{i}")
+
+    # -- D -------------------------------------------------------------------------------
+    @precondition(lambda self: bool(self.sim.pending_admits))
+    @rule(i=_IDX)
+    def admit(self, i: int) -> None:
+        self.sim.admit(i % len(self.sim.pending_admits))
+
+    @precondition(lambda self: bool(self.sim.pending_hs))
+    @rule(i=_IDX, ok=st.booleans())
+    def handshake(self, i: int, ok: bool) -> None:
+        self.sim.handshake(i % len(self.sim.pending_hs), ok)
+
+    @precondition(lambda self: bool(self.sim.waiting()))
+    @rule(i=_IDX)
+    def schedule(self, i: int) -> None:
+        w = self.sim.waiting()
+        self.sim.schedule(*w[i % len(w)])
+
+    @precondition(lambda self: bool(self.sim.reads))
+    @rule(i=_IDX, ok=st.sampled_from([True, True, False]))
+    def complete_read(self, i: int, ok: bool) -> None:
+        keys = self.sim.read_keys()
+        self.sim.complete_read(keys[i % len(keys)], ok)
+
+    @precondition(lambda self: bool(self.sim.d_requests()))
+    @rule(i=_IDX)
+    def abort_d(self, i: int) -> None:
+        reqs = self.sim.d_requests()
+        rk, rid = reqs[i % len(reqs)]
+        engine = rk.split(".", 1)[0]
+        self.sim.abort_d(engine, rid)
+
+    @rule(i=_IDX)
+    def d_tick(self, i: int) -> None:
+        ranks = self.sim.live_ranks()
+        if ranks:
+            self.sim.d_tick(ranks[i % len(ranks)])
+
+    @precondition(lambda self: len(self.sim.live_ranks()) > 0)
+    @rule(i=_IDX)
+    def crash_d(self, i: int) -> None:
+        ranks = self.sim.live_ranks()
+        self.sim.crash(ranks[i % len(ranks)])
+
+    # -- time ----------------------------------------------------------------------------
+    @rule(frac=st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5, 1.0, 1.5, 3.0]),
+          d_ticks=st.booleans())
+    def advance(self, frac: float, d_ticks: bool) -> None:
+        """Tick by an arbitrary amount: a fraction of the shortest lease term."""
+        cfg = self.cfg
+        self.sim.advance(frac * min(cfg.initial_lease, cfg.lease_extension), d_ticks=d_ticks)
+
+    @rule(dt=st.floats(min_value=0.0, max_value=2.0, allow_nan=False))
+    def advance_by_delay(self, dt: float) -> None:
+        self.sim.advance(dt * self.cfg.max_delay, d_ticks=False)
+
+    @precondition(lambda self: self.sim.ledger.next_deadline() is not None)
+    @rule(offset=st.sampled_from([-1e-6, 0.0, 1e-6]))
+    def advance_to_deadline(self, offset: float) -> None:
+        """Land exactly on (or just around) P's next deadline: boundary conditions."""
+        nd = self.sim.ledger.next_deadline()
+        assert nd is not None
+        self.sim.advance(max(0.0, nd + offset - self.sim.now), d_ticks=False)
+
+    # -- network faults ----------------------------------------------------------------
+    @precondition(lambda self: bool(self.sim.net.queue))
+    @rule(i=_IDX)
+    def deliver(self, i: int) -> None:
+        """Deliver any pending message now (any order: reordering)."""
+        q = self.sim.net
+        self.sim.deliver(q.take(i % len(q.queue)))
+
+    @precondition(lambda self: bool(self.sim.net.queue))
+    @rule(i=_IDX)
+    def drop(self, i: int) -> None:
+        q = self.sim.net
+        q.take(i % len(q.queue))
+        q.lost += 1
+
+    @precondition(lambda self: bool(self.sim.net.queue))
+    @rule(i=_IDX)
+    def duplicate(self, i: int) -> None:
+        q = self.sim.net
+        q.duplicate(i % len(q.queue))
+
+    @precondition(lambda self: bool(self.sim.pending_admits))
+    @rule(i=_IDX)
+    def drop_params(self, i: int) -> None:
+        self.sim.drop_admit(i % len(self.sim.pending_admits))
+
+    @rule(kind=st.sampled_from(["random", "header", "truncated", "epoch"]),
+          data=st.binary(max_size=24), src_idx=_IDX)
+    def malformed(self, kind: str, data: bytes, src_idx: int) -> None:
+        sim = self.sim
+        if kind == "header":
+            data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 1 + src_idx % 5, sim.epoch) + data
+        elif kind == "truncated" and sim.net.queue:
+            m = sim.net.queue[src_idx % len(sim.net.queue)]
+            data = m.data[: max(0, len(m.data) - 1 - len(data) % 4)]
+        elif kind == "epoch":
+            data = wire.encode_done((sim.epoch + 1 + src_idx) & 0xFFFFFFFF, 1 + src_idx, 1)
+        try:
+            wire.decode(data, max_bytes=sim.config.max_message_bytes, epoch=sim.epoch)
+        except wire.WireError:
+            peers = sorted(sim.known_peers) + ["stranger"]
+            sim.stats.malformed += 1
+            sim.p_receive(peers[src_idx % len(peers)], data)
+        # else: the bytes happen to be a valid message; injecting it would forge a report
+
+    # -- invariants ------------------------------------------------------------------------
+    def _raise_first(self) -> None:
+        sim = self.sim
+        o = sim.oracle
+        if sim.stats.violations:
+            v = sim.stats.violations[0]
+            name = "NoFreeUnderRead" if ("NoFreeUnderRead" in v or "fenced" in v) else \
+                v.split(":", 1)[0].split()[-1]
+            raise InvariantViolation(name, v)
+        if o.violations:
+            raise o.violations[0]
+
+    @invariant()
+    def safety(self) -> None:
+        FuzzCounters.steps += 1
+        if FuzzCounters.progress is not None:
+            FuzzCounters.progress()
+        sim = self.sim
+        pool = sim.pool
+        if pool.violations:
+            raise InvariantViolation("NoDoubleFree", f"{pool.violations} double free(s)")
+        held, free = pool.recount()
+        if pool.held_count + pool.free_count != pool.capacity or held != pool.held_count:
+            raise InvariantViolation("Conservation", f"held {pool.held_count}/{held} + free "
+                                     f"{pool.free_count}/{free} != {pool.capacity}")
+        L = sim.ledger
+        if L.staged_count > L.config.max_staged:
+            raise InvariantViolation("StagingBounded", f"{L.staged_count} > {L.config.max_staged}")
+        if L.tombstone_count > L.config.max_tombstones:
+            raise InvariantViolation("TombstonesBounded",
+                                     f"{L.tombstone_count} > {L.config.max_tombstones}")
+        self._raise_first()
+        errs = L.check_invariants()
+        if errs:
+            raise InvariantViolation("LedgerInvariants", "; ".join(errs))
+
+    def teardown(self) -> None:
+        sim = self.sim
+        self._raise_first()
+        sim.settle()
+        self._raise_first()
+        L = sim.ledger
+        leaks: list[str] = []
+        if sim.pool.held_count or L.held_requests:
+            leaks.append(f"{L.held_requests} requests / {sim.pool.held_count} blocks held")
+        if L.staged_count:
+            leaks.append(f"{L.staged_count} staged entries")
+        for h in sim.oracle.registered:
+            s = sim.oracle.state(L, h)
+            if s not in TERMINAL_STATES:
+                leaks.append(f"handle {h} in {s}")
+        for rk, rid in sim.d_requests():
+            leaks.append(f"D {rk} still tracks {rid} ({sim.ranks[rk].state(rid)})")
+        if sim.reads or sim.net.queue:
+            leaks.append(f"{len(sim.reads)} READs / {len(sim.net.queue)} messages pending")
+        errs = L.check_invariants()
+        if errs:
+            raise InvariantViolation("LedgerInvariants", "; ".join(errs))
+        if leaks:
+            raise InvariantViolation("NoLeak", "after settling: " + "; ".join(leaks[:8]))
+
+
+def machine_class(ledger_cls: type[Ledger] = Ledger, *,
+                  configs: Sequence[str] | None = None,
+                  journal: bool = False) -> type[LifecycleMachine]:
+    """A ``LifecycleMachine`` subclass over ``ledger_cls`` (a mutant, or the real one)."""
+    names = tuple(configs) if configs else tuple(CONFIGS)
+    for n in names:
+        if n not in CONFIGS:
+            raise ValueError(f"unknown fuzz config {n!r} (known: {', '.join(CONFIGS)})")
+    attrs: dict[str, Any] = {"LEDGER_CLS": ledger_cls, "CONFIG_NAMES": names,
+                             "JOURNAL": journal}
+    return type(f"LifecycleMachine_{ledger_cls.__name__}", (LifecycleMachine,), attrs)
+
+
+# ---------------------------------------------------------------------------
+# Budgets.
+# ---------------------------------------------------------------------------
+
+CI_EXAMPLES: Final = 60
+CI_STEPS: Final = 40
+
+
+def ci_settings(max_examples: int = CI_EXAMPLES, steps: int = CI_STEPS) -> settings:
+    """Deterministic, database-free settings for CI (derandomized)."""
+    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
+                    derandomize=True, database=None, print_blob=False,
+                    suppress_health_check=list(HealthCheck))
+
+
+def run_fuzz(machine: type[LifecycleMachine], stg: settings, seed: int | None = None) -> None:
+    """Run ``machine`` under ``stg``; raise on the first (shrunk) failure."""
+    factory: Any = machine
+    if seed is not None:
+        def factory_fn() -> LifecycleMachine:
+            return machine()
+        factory = hypothesis_seed(seed)(factory_fn)
+    run_state_machine_as_test(factory, settings=stg)
+
+
+# ---------------------------------------------------------------------------
+# CLI: kvproto fuzz
+# ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=int, default=1000, help="examples to run (default 1000)")
+    p.add_argument("--steps", type=int, default=60, help="max rule steps per example (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    p.add_argument("--config", action="append", choices=sorted(CONFIGS),
+                   help="fuzz only under this config (repeatable; default: all)")
+    p.add_argument("--mutant", default=None,
+                   help="fuzz a mutant ledger from kvproto.mutants instead of the real one")
+    p.add_argument("--out", default="fuzz-failures",
+                   help="directory for the example database and failing journals")
+    p.add_argument("--no-shrink", action="store_true", help="report the first failure unshrunk")
+
+
+@dataclass
+class _Progress:
+    stream: Any
+    t0: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+    total: int = 0
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self.last >= 1.0:
+            self.last = now
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        el = max(1e-9, time.perf_counter() - self.t0)
+        ex, steps = FuzzCounters.examples, FuzzCounters.steps
+        print(f"[fuzz] {'done: ' if final else ''}{ex} examples ({ex / el:.1f}/s), {steps} steps "
+              f"({steps / el:.0f}/s), {el:.0f}s", file=self.stream, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.examples < 1 or args.steps < 1:
+        print("kvproto fuzz: --examples and --steps must be >= 1", file=sys.stderr)
+        return 2
+    ledger_cls: type[Ledger] = Ledger
+    if args.mutant:
+        from kvproto import mutants
+
+        found = mutants.MUTANTS.get(args.mutant)
+        if found is None:
+            print(f"kvproto fuzz: unknown mutant {args.mutant!r} "
+                  f"(known: {', '.join(mutants.MUTANTS)})", file=sys.stderr)
+            return 2
+        ledger_cls = found.ledger_cls
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    db_dir = out / "hypothesis-db"
+    machine = machine_class(ledger_cls, configs=args.config, journal=True)
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    if not args.no_shrink:
+        phases.append(Phase.shrink)
+    stg = settings(max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
+                   database=DirectoryBasedExampleDatabase(str(db_dir)), phases=phases,
+                   suppress_health_check=list(HealthCheck), print_blob=True)
+    prog = _Progress(sys.stderr)
+    FuzzCounters.examples = FuzzCounters.steps = 0
+    FuzzCounters.progress = prog
+    try:
+        run_fuzz(machine, stg, seed=args.seed)
+    except Exception as e:  # noqa: BLE001 - any failure of the run is reported the same way
+        prog.report(final=True)
+        journal_path = out / f"failing-seed{args.seed}.jsonl"
+        buf = machine.last_journal
+        if buf is not None:
+            journal_path.write_text(buf.getvalue(), encoding="utf-8")
+        name = getattr(e, "invariant", type(e).__name__)
+        print(f"kvproto fuzz: FAILED ({name}): {e}", file=sys.stderr)
+        print(f"kvproto fuzz: example database: {db_dir}", file=sys.stderr)
+        if buf is not None:
+            print(f"kvproto fuzz: P journal of the failing example: {journal_path} "
+                  f"(kvproto replay {journal_path})", file=sys.stderr)
+        return 1
+    finally:
+        FuzzCounters.progress = None
+    prog.report(final=True)
+    el = max(1e-9, time.perf_counter() - prog.t0)
+    print(json.dumps({"examples": FuzzCounters.examples, "steps": FuzzCounters.steps,
+                      "seconds": round(el, 2),
+                      "examples_per_s": round(FuzzCounters.examples / el, 2),
+                      "steps_per_s": round(FuzzCounters.steps / el, 1),
+                      "ledger": ledger_cls.__name__, "ok": True}))
+    return 0
+
+
+__all__ = [
+    "CONFIGS",
+    "FuzzSim",
+    "InvariantViolation",
+    "LifecycleMachine",
+    "ObservedLedger",
+    "Oracle",
+    "ci_settings",
+    "machine_class",
+    "observed_ledger_class",
+    "run_fuzz",
+]
