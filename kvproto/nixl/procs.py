@@ -141,13 +141,13 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     from kvproto.nixl.consumer import ConsumerAdapter
 
     cfg = Config.from_dict(config)
-    stall = opts.get("stall")  # tests: "before_gen" -> report and stop polling
-
-    stalled: list[str] = []
+    stall = opts.get("stall")  # tests: "before_gen" -> report, block until told to resume
 
     def phase(ph: str, rid: str) -> None:
         if stall == ph:
-            stalled.append(rid)
+            conn.send(("stalled", rid))
+            while not conn.poll(0.05):
+                pass  # not polling NIXL: the READ sequence cannot progress from our side
 
     device = str(opts.get("device") or default_device())
     d = ConsumerAdapter(name, cfg, num_blocks=num_blocks, block_bytes=block_bytes,
@@ -163,12 +163,6 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     stop = False
     try:
         while not stop:
-            if stalled:
-                conn.send(("stalled", stalled[0]))
-                while not conn.poll(0.05):
-                    pass  # no polling: the READ never completes from our side
-                stall = None
-                stalled.clear()
             comps = d.poll()
             now = time.monotonic()
             for rid in [r for r, t in sched_at.items() if t <= now]:

@@ -1,0 +1,237 @@
+"""Cross-process NIXL tests: P and D in separate OS processes (spawn), killed with -9."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from kvproto.lifecycle import Config, TransferParams
+
+pytest.importorskip("nixl._api")
+
+from kvproto.nixl.consumer import Completion, ConsumerAdapter  # noqa: E402
+from kvproto.nixl.procs import consumer_main, producer_main  # noqa: E402
+
+pytestmark = pytest.mark.nixl
+
+CFG = Config(initial_lease=2.5, lease_extension=2.0, heartbeat_interval=0.3, abort_grace=2.5,
+             max_delay=0.2, max_read_time=1.0, clock_drift=0.1)
+BB = 8192
+_ids = itertools.count()
+CTX = mp.get_context("spawn")
+
+
+def uniq(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_ids)}"
+
+
+class Proc:
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.inbox: list[tuple[Any, ...]] = []
+
+    def recv(self, kind: str, timeout: float = 30.0) -> tuple[Any, ...]:
+        for i, m in enumerate(self.inbox):
+            if m[0] == kind:
+                return self.inbox.pop(i)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.conn.poll(0.05):
+                m = self.conn.recv()
+                if m[0] == kind:
+                    return m  # type: ignore[no-any-return]
+                self.inbox.append(m)
+            elif not self.proc.is_alive():
+                raise AssertionError(f"process exited ({self.proc.exitcode}) waiting for {kind}")
+        raise AssertionError(f"no {kind!r} within {timeout}s")
+
+    def call(self, *cmd: Any, reply: str, timeout: float = 30.0) -> tuple[Any, ...]:
+        self.conn.send(cmd)
+        return self.recv(reply, timeout)
+
+    def kill(self) -> None:
+        if self.proc.is_alive() and self.proc.pid is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        self.kill()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.stop()
+    for p in started:
+        assert not p.proc.is_alive()
+
+
+def start_p(procs: list[Proc], name: str, **opts: Any) -> tuple[Proc, str, int]:
+    p = Proc(producer_main, name, CFG.to_dict(), 8, BB, {"device": "cpu", **opts})
+    procs.append(p)
+    _, host, port, _epoch = p.recv("ready")
+    return p, host, port
+
+
+def register(p: Proc, rid: str, n: int) -> TransferParams:
+    _, _, pd = p.call("register", rid, n, None, 0, rid, None, reply="registered")
+    assert pd is not None
+    return TransferParams.from_dict(pd)
+
+
+def stats(p: Proc) -> dict[str, Any]:
+    return p.call("stats", reply="stats")[1]  # type: ignore[no-any-return]
+
+
+def wait_stats(p: Proc, pred: Callable[[dict[str, Any]], bool], timeout: float = 15.0
+               ) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = stats(p)
+        if pred(s):
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"P stats condition not reached: {stats(p)}")
+
+
+def pump_d(d: ConsumerAdapter, until: Callable[[list[Completion]], bool],
+           timeout: float = 15.0) -> list[Completion]:
+    out: list[Completion] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        out += d.poll()
+        if until(out):
+            return out
+        time.sleep(0.001)
+    raise AssertionError(f"D condition not reached; completions {out}")
+
+
+def test_d_killed_mid_read_p_frees_after_lease_no_double_free(procs: list[Proc]) -> None:
+    pname, dname = uniq("P"), uniq("D")
+    p, host, port = start_p(procs, pname)
+    d = Proc(consumer_main, dname, CFG.to_dict(), 8, BB, {pname: (host, port)},
+             {"device": "cpu", "stall": "before_gen"})
+    procs.append(d)
+    d.recv("ready")
+    params = register(p, "r1", 4)
+    d.conn.send(("admit", "r1", params.to_dict(), "r1", 0.0))
+    assert d.recv("stalled")[1] == "r1"  # the data READ landed; the stamp READ not posted
+    assert stats(p)["held"] == 4
+    d.kill()  # kill -9 in the middle of the READ sequence
+    s = wait_stats(p, lambda s: s["held"] == 0)
+    assert s["frees"]["expired"] == 1 and s["frees"]["transferred"] == 0
+    assert s["violations"] == 0 and s["adapter"].get("double_free", 0) == 0
+    assert s["free"] == s["capacity"] == 8
+    assert s["invariants"] == []
+
+
+def test_p_killed_d_fails_requests_promptly(procs: list[Proc]) -> None:
+    pname = uniq("P")
+    p, host, port = start_p(procs, pname)
+    params = [register(p, f"q{i}", 1) for i in range(3)]
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB)
+    try:
+        d.add_engine(pname, host, port)
+        for i, pr in enumerate(params):
+            d.admit(f"q{i}", pr)  # queued on D: no READ in flight to report an error
+        pump_d(d, lambda _: d.engines[pname].state == "ready")
+        p.kill()
+        t0 = time.monotonic()
+        comps = pump_d(d, lambda c: len(c) == 3)
+        waited = time.monotonic() - t0
+        # Failed by the peer loss itself, not by waiting out the lease.
+        assert sorted((c.request_id, c.state, c.reason) for c in comps) == [
+            (f"q{i}", "failed", "peer_lost") for i in range(3)]
+        assert waited < CFG.initial_lease  # sanity; the reason above is the real check
+        assert d.counters.get("peer_lost") == 1
+    finally:
+        d.close(1.0)
+
+
+def test_version_mismatch_handshake_cross_process(procs: list[Proc]) -> None:
+    pname = uniq("P")
+    p, host, port = start_p(procs, pname, handshake_version=2)
+    params = register(p, "v", 1)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB)
+    try:
+        d.add_engine(pname, host, port)
+        d.admit("v", params)
+        d.schedule("v")
+        comps = pump_d(d, lambda c: len(c) == 1)
+        assert [(c.state, c.reason) for c in comps] == [("failed", "version_mismatch")]
+        s = stats(p)
+        assert s["adapter"].get("handshake_refused") == 1 and s["held"] == 1
+    finally:
+        d.close(1.0)
+
+
+def test_malformed_notification_from_live_peer_cross_process(procs: list[Proc]) -> None:
+    pname, dname = uniq("P"), uniq("D")
+    p, host, port = start_p(procs, pname)
+    d = Proc(consumer_main, dname, CFG.to_dict(), 8, BB, {pname: (host, port)},
+             {"device": "cpu"})
+    procs.append(d)
+    d.recv("ready")
+    params = register(p, "m", 2)
+    d.conn.send(("admit", "m", params.to_dict(), "m", None))  # admitted, never scheduled
+    wait_stats(p, lambda s: dname in s["peers"])
+    for junk in (b"not a kvproto message", b"KV\x01\x07" + params.epoch.to_bytes(4, "big"),
+                 b"KV\x01"):
+        d.conn.send(("send_raw", pname, junk))
+    s = wait_stats(p, lambda s: sum(v for k, v in s["ledger"].items()
+                                    if k.startswith("rejected:")) >= 3)
+    assert s["ledger"].get("rejected:bad_magic") == 1
+    assert s["ledger"].get("rejected:unknown_kind") == 1
+    assert s["ledger"].get("rejected:truncated") == 1
+    assert sum(s["frees"].values()) == 0 and s["held"] == 2
+    # The peer is still served normally afterwards.
+    d.conn.send(("abort", "m"))
+    s = wait_stats(p, lambda s: s["held"] == 0)
+    assert s["frees"]["released"] == 1 and s["violations"] == 0
+
+
+def test_fenced_race_cross_process(procs: list[Proc]) -> None:
+    """D's READ stalls past the lease (assumption violated); P expires the request and
+    reuses its blocks for another prompt; D's stamp check fails the request closed."""
+    pname = uniq("P")
+    p, host, port = start_p(procs, pname)
+    params = register(p, "victim", 8)  # all 8 blocks: the next prompt must reuse them
+
+    def stall(phase: str, rid: str) -> None:
+        if phase == "before_gen":
+            wait_stats(p, lambda s: s["frees"]["expired"] == 1)
+            other = register(p, "intruder", 8)
+            assert set(other.blocks) == set(params.blocks)
+
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB, phase_hook=stall)
+    try:
+        d.add_engine(pname, host, port)
+        d.admit("victim", params)
+        d.schedule("victim")
+        comps = pump_d(d, lambda c: len(c) == 1, timeout=30)
+        assert [(c.request_id, c.state, c.reason) for c in comps] == [
+            ("victim", "failed", "fenced")]
+        assert comps[0].local_blocks is None  # never served
+        s = stats(p)
+        assert s["violations"] == 0 and s["invariants"] == []
+    finally:
+        d.close(1.0)
