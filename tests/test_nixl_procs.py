@@ -8,7 +8,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -17,8 +16,8 @@ from kvproto.lifecycle import Config, TransferParams
 
 pytest.importorskip("nixl._api")
 
-from kvproto.nixl.consumer import Completion, ConsumerAdapter  # noqa: E402
-from kvproto.nixl.procs import consumer_main, producer_main  # noqa: E402
+from kvproto.nixl.consumer import Completion, ConsumerAdapter
+from kvproto.nixl.procs import consumer_main, producer_main
 
 pytestmark = pytest.mark.nixl
 
