@@ -1,0 +1,288 @@
+"""Event journal and ``kvproto replay`` (issue 2, section 4).
+
+A journal written by the simulator replays clean; any tampering (a changed effect, a
+dropped line, an inserted double free) exits 1 naming the line; unreadable lines exit 2
+with their line number; an invalid config in the header is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvproto.cli import main
+from kvproto.journal import JournalError, JournalWriter, read_journal, replay, to_json
+from kvproto.lifecycle import BlockPool, Config, Free, Ledger
+
+
+@pytest.fixture(scope="module")
+def sim_journal(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Lines of a journal recorded by ``kvproto simulate`` (one seed, 30 s, with faults)."""
+    path = tmp_path_factory.mktemp("journal") / "sim.jsonl"
+    assert main(["-q", "simulate", "--seeds", "1", "--duration", "30", "--json",
+                 "--journal", str(path)]) == 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) > 100
+    return lines
+
+
+def run_replay(tmp_path: Path, lines: list[str], capsys: pytest.CaptureFixture[str],
+               *extra: str) -> tuple[int, str, str]:
+    path = tmp_path / "j.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rc = main(["-q", "replay", str(path), *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def line_of(lines: list[str], pred: Any) -> int:
+    """0-based index of the first body line whose parsed object satisfies ``pred``."""
+    for i, raw in enumerate(lines[1:], start=1):
+        if pred(json.loads(raw)):
+            return i
+    raise AssertionError("no such line in the journal")
+
+
+def has_free(d: dict[str, Any], event_type: str | None = None) -> bool:
+    return any(e["type"] == "free" for e in d["effects"]) and (
+        event_type is None or d["event"]["type"] == event_type)
+
+
+def first_diverged_line(err: str) -> int:
+    m = re.search(r"DIVERGED line (\d+):", err)
+    assert m is not None, err
+    return int(m.group(1))
+
+
+# ---------------------------------------------------------------------------
+# Clean replay
+# ---------------------------------------------------------------------------
+
+
+def test_simulator_journal_replays_clean(sim_journal: list[str], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_replay(tmp_path, sim_journal, capsys)
+    assert rc == 0, err
+    assert f"{len(sim_journal) - 1} events replayed" in err
+    assert err.rstrip().endswith("ok")
+    # the replayed effects are printed as JSON Lines, equal to the recorded ones
+    recorded = [e for raw in sim_journal[1:] for e in json.loads(raw)["effects"]]
+    printed = [json.loads(x) for x in out.splitlines()]
+    assert printed == recorded
+
+
+def test_replay_no_effects_prints_only_the_verdict(sim_journal: list[str], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_replay(tmp_path, sim_journal, capsys, "--no-effects")
+    assert (rc, out) == (0, "")
+    assert "ok" in err
+
+
+def test_journal_writer_records_every_event_and_effect() -> None:
+    buf = io.StringIO()
+    writer = JournalWriter(buf, Config(), 8, {"source": "test"})
+    ledger = Ledger(Config(), BlockPool(8), sink=writer.sink)
+    ledger.register(1, "a:b,c", (0, 1), 0.0, expected=1)
+    ledger.heartbeat("d0", 1, (1, 2), 1, 1.0)
+    ledger.abort("a:b,c", 2.0)
+    effects = ledger.done("d0", 1, 1, 3.0)
+    ledger.tick(4.0)
+    writer.close()
+    assert writer.events == 5
+    lines = buf.getvalue().splitlines()
+    header = json.loads(lines[0])
+    assert header["kvproto_journal"] == 1 and header["capacity"] == 8
+    assert header["config"] == Config().to_dict() and header["meta"] == {"source": "test"}
+    body = [json.loads(x) for x in lines[1:]]
+    assert [d["n"] for d in body] == [1, 2, 3, 4, 5]
+    assert [d["event"]["type"] for d in body] == ["register", "heartbeat", "abort", "done",
+                                                 "tick"]
+    assert body[3]["effects"] == [to_json(e) for e in effects]
+    assert isinstance(effects[0], Free)
+    result = replay(io.StringIO(buf.getvalue()))
+    assert result.ok and result.events == 5
+    assert result.frees == {"transferred": 1}
+
+
+def test_read_journal_yields_line_numbers_events_and_effects() -> None:
+    buf = io.StringIO()
+    writer = JournalWriter(buf, Config(), 4)
+    ledger = Ledger(Config(), BlockPool(4), sink=writer.sink)
+    ledger.register(1, "r", (0,), 0.0, expected=1)
+    ledger.done("d0", 1, 1, 1.0)
+    header, body = read_journal(io.StringIO(buf.getvalue()))
+    rows = list(body)
+    assert header["capacity"] == 4
+    assert [(n, type(ev).__name__, [type(e).__name__ for e in effs]) for n, ev, effs in rows] \
+        == [(2, "Register", []), (3, "Done", ["Free"])]
+
+
+# ---------------------------------------------------------------------------
+# Tampered journals: exit 1, naming the line
+# ---------------------------------------------------------------------------
+
+
+def test_changed_effect_is_reported_with_its_line(sim_journal: list[str], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    i = line_of(lines, lambda d: has_free(d, "done"))
+    d = json.loads(lines[i])
+    d["effects"][0]["reclaimed"] = []  # claim the blocks were not reclaimed
+    lines[i] = json.dumps(d)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert first_diverged_line(err) == i + 1
+    assert f"DIVERGED line {i + 1}: done effects differ" in err
+    assert "FAILED" in err
+
+
+def test_changed_free_reason_to_an_early_expiry_is_a_violation(
+        sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A recorded expiry before the lease deadline is a free under a possible READ."""
+    lines = list(sim_journal)
+    i = line_of(lines, lambda d: has_free(d, "done"))
+    d = json.loads(lines[i])
+    d["effects"][0]["reason"] = "expired"
+    lines[i] = json.dumps(d)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert f"VIOLATION line {i + 1}: NoFreeUnderRead: recorded free" in err
+    assert first_diverged_line(err) == i + 1
+
+
+def test_dropped_line_is_reported(sim_journal: list[str], tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    # drop the registration of a request that is later freed
+    i = line_of(lines, lambda d: d["event"]["type"] == "register" and not d["effects"]
+                and d["event"]["group"] is None)
+    handle = json.loads(lines[i])["event"]["handle"]
+    j = line_of(lines, lambda d: any(e["type"] == "free" and e["handle"] == handle
+                                     for e in d["effects"]))
+    del lines[i]
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert i <= first_diverged_line(err) <= j  # at the latest where its free was recorded
+
+
+def test_inserted_double_free_is_reported_with_its_line(
+        sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    i = line_of(lines, lambda d: has_free(d, "done"))
+    lines.insert(i + 1, lines[i])  # the same done, recorded as freeing the blocks again
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert first_diverged_line(err) == i + 2
+    assert f"DIVERGED line {i + 2}: done effects differ" in err
+
+
+def test_inserted_double_free_by_tick_is_reported(
+        sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    i = line_of(lines, lambda d: has_free(d))
+    d = json.loads(lines[i])
+    tick = {"n": 0, "event": {"type": "tick", "now": d["event"]["now"]},
+            "effects": [e for e in d["effects"] if e["type"] == "free"]}
+    lines.insert(i + 1, json.dumps(tick))
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert f"DIVERGED line {i + 2}: tick effects differ" in err
+
+
+# ---------------------------------------------------------------------------
+# Unreadable journals: exit 2 with the line number
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ("not json", r"line 5: Expecting value"),
+    ('{"n": 4}', r"line 5: line must be an object with an 'event'"),
+    ('{"event": {"type": "teleport", "now": 1}}', r"line 5: unknown event type 'teleport'"),
+    ('{"event": {"type": "tick"}}', r"line 5: event 'tick' lacks field 'now'"),
+    ('{"event": {"type": "tick", "now": 1, "colour": 2}}', r"line 5: .*unknown fields"),
+    ('{"event": {"type": "tick", "now": "soon"}}', r"line 5: event time must be a finite"),
+    ('{"event": {"type": "tick", "now": 1e999}}', r"line 5: event time must be a finite"),
+    ('{"event": {"type": "tick", "now": 1}, "effects": [{"type": "boom"}]}',
+     r"line 5: unknown effect type 'boom'"),
+])
+def test_malformed_line_is_reported_with_its_line_number(
+        sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        bad: str, message: str) -> None:
+    lines = list(sim_journal)
+    lines[4] = bad
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 2
+    assert re.search(message, err), err
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: event fields are not type-checked when read, so a wrongly typed field (here "
+    "heartbeat handles: 5) makes the machine raise TypeError during replay; it is reported "
+    "as a VIOLATION (exit 1) instead of a malformed line (exit 2)"))
+def test_wrongly_typed_field_is_a_malformed_line(
+        sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    lines[4] = json.dumps({"event": {"type": "heartbeat", "reader": "d0", "seq": 1,
+                                     "handles": 5, "expected": 1, "now": 0.35},
+                           "effects": []})
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 2
+    assert "line 5" in err
+
+
+def test_blank_lines_are_skipped(sim_journal: list[str], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    lines = list(sim_journal)
+    lines.insert(3, "   ")
+    rc, _, _ = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 0
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    (None, r"line 1: empty journal"),
+    ("{", r"line 1: header is not JSON"),
+    ('{"kvproto_journal": 99}', r"line 1: not a kvproto journal"),
+    ('{"kvproto_journal": 1, "config": {}, "capacity": 0}', r"line 1: header capacity"),
+])
+def test_bad_header_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               header: str | None, message: str) -> None:
+    path = tmp_path / "j.jsonl"
+    path.write_text("" if header is None else header + "\n", encoding="utf-8")
+    assert main(["-q", "replay", str(path)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"lease_extension": 6.0}, r"lease_extension \(6.0\) must exceed heartbeat_interval"),
+    ({"abort_grace": 1.0}, r"abort_grace \(1.0\) must be >="),
+    ({"lease_time": 30}, r"unknown config keys: lease_time"),
+    ({"initial_lease": "30"}, r"initial_lease must be a number"),
+])
+def test_invalid_config_in_header_is_refused(sim_journal: list[str], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str],
+                                             config: dict[str, Any], message: str) -> None:
+    lines = list(sim_journal)
+    header = json.loads(lines[0])
+    header["config"].update(config)
+    lines[0] = json.dumps(header)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 2
+    assert "line 1: invalid config in header" in err
+    assert re.search(message, err), err
+
+
+def test_missing_journal_file_is_a_usage_error(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-q", "replay", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot open" in capsys.readouterr().err
+
+
+def test_replay_raises_journal_error_for_unreadable_input() -> None:
+    with pytest.raises(JournalError) as info:
+        replay(io.StringIO('{"kvproto_journal": 1, "config": {}, "capacity": 4}\nxx\n'))
+    assert info.value.line == 2
