@@ -6,13 +6,15 @@ Default config: initial term 30 s aged by max_delay 1 s, max_read_time 5 s, cloc
 
 from __future__ import annotations
 
+import heapq
+import types
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from conftest import ENGINE, EPOCH, ConsumerFactory, finished, params, releases
 
-from kvproto import wire
+from kvproto import lifecycle, wire
 from kvproto.lifecycle import (
     D_DONE,
     D_FAILED,
@@ -473,3 +475,29 @@ def test_failed_group_read_lets_another_sibling_read(consumer: Consumer) -> None
 def test_consumer_table_rows_are_unique() -> None:
     keys = [(t.src, t.event, t.guard) for t in D_TRANSITIONS]
     assert len(keys) == len(set(keys))
+
+
+# ---------------------------------------------------------------------------
+# Hot-path cost on D: tick between heartbeats does no heap work when nothing is due
+# ---------------------------------------------------------------------------
+
+
+def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
+        consumer: Consumer, monkeypatch: pytest.MonkeyPatch) -> None:
+    ready(consumer)
+    for h in range(1, 10_001):
+        consumer.admit(f"r{h}", params(h), 0.0)
+    assert len(heartbeats(consumer.tick(0.0))) == 1
+    pops = 0
+    real_pop = heapq.heappop
+
+    def counting_pop(heap: list[Any]) -> Any:
+        nonlocal pops
+        pops += 1
+        return real_pop(heap)
+
+    monkeypatch.setattr(lifecycle, "heapq", types.SimpleNamespace(
+        heappop=counting_pop, heappush=heapq.heappush))
+    for t in (1.0, 2.0, 4.9):
+        assert consumer.tick(t) == []
+    assert pops == 0
