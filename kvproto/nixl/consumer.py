@@ -156,7 +156,8 @@ class ConsumerAdapter:
                  device: str = "cpu", clock: Clock = time.monotonic, tp_rank: int = 0,
                  tp_size: int = 1, handshake_timeout: float = 2.0, handshake_attempts: int = 4,
                  backoff: float = 0.1, peer_timeout: float | None = None,
-                 fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None) -> None:
+                 fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None,
+                 progress_thread: bool = False) -> None:
         self.name = name
         self.config = config.validate()
         self.clock = clock
@@ -164,7 +165,7 @@ class ConsumerAdapter:
         # each machine heartbeat (one seq) is exactly one wire message.
         chunk = max(1, (config.max_message_bytes - 23) // MAX_VARINT_BYTES)
         self.machine = Consumer(name, config, heartbeat_chunk=chunk)
-        self.agent = make_agent(name)
+        self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
         self.local_kv, self.local_gen = self.region.local_dlists()
         self.tp_rank = tp_rank

@@ -67,12 +67,13 @@ class ProducerAdapter:
                  sink: Callable[[Event, list[Effect]], None] | None = None,
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  fault_hook: InHook | None = None, strict_pool: bool = True,
-                 observer: EffectObserver | None = None) -> None:
+                 observer: EffectObserver | None = None,
+                 progress_thread: bool = False) -> None:
         self.name = name
         self.config = config.validate()
         self.clock = clock
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
-        self.agent = make_agent(name)
+        self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
         self.pool = BlockPool(num_blocks, strict=strict_pool)
         self.ledger = Ledger(config, self.pool, sink=sink)
