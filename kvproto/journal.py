@@ -71,6 +71,35 @@ def to_json(obj: Event | Effect) -> dict[str, Any]:
     return d
 
 
+def _check_type(name: str, v: Any, annotation: str) -> Any:
+    """Check a JSON value against a dataclass field annotation (as written in lifecycle)."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_num(x: Any) -> bool:
+        return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+    ok: bool
+    if annotation == "int":
+        ok = is_int(v)
+    elif annotation == "float":
+        ok = is_num(v)
+    elif annotation == "str":
+        ok = isinstance(v, str)
+    elif annotation == "str | None":
+        ok = v is None or isinstance(v, str)
+    elif annotation == "int | None":
+        ok = v is None or is_int(v)
+    elif annotation == "tuple[int, ...]":
+        ok = isinstance(v, list) and all(is_int(x) for x in v)
+        v = tuple(v) if ok else v
+    else:  # pragma: no cover - a new field type must be added here
+        raise ValueError(f"field {name!r} has an unsupported type {annotation}")
+    if not ok:
+        raise ValueError(f"field {name!r} must be {annotation}, got {v!r}")
+    return v
+
+
 def _from_json(d: Any, table: dict[str, type], what: str) -> Any:
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be an object")
@@ -83,10 +112,7 @@ def _from_json(d: Any, table: dict[str, type], what: str) -> Any:
             if f.default is not f.default_factory:  # has a default
                 continue
             raise ValueError(f"{what} {d['type']!r} lacks field {f.name!r}")
-        v = d[f.name]
-        if isinstance(v, list):
-            v = tuple(v)
-        kwargs[f.name] = v
+        kwargs[f.name] = _check_type(f.name, d[f.name], str(f.type))
     extra = set(d) - {"type"} - {f.name for f in fields(cls)}
     if extra:
         raise ValueError(f"{what} {d['type']!r} has unknown fields {sorted(extra)}")

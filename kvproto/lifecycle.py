@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Final, NamedTuple
 
+from kvproto.wire import chunk_handles
+
 # ---------------------------------------------------------------------------
 # Names. One name, one thing: these strings are the state/event names used in
 # the table, the journal, the TLA+ spec and spec/PROTOCOL.md.
@@ -181,7 +183,8 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(HANDSHAKING, HANDSHAKE_FAILED, "failed", D_FAILED, "", "handshake, version or layout mismatch: recompute"),
     _T(WAITING, SCHEDULE, "lease_covers_read", READING, "read", "post the READ with the done notification attached"),
     _T(WAITING, SCHEDULE, "lease_short", D_FAILED, "release", "lease less max READ time and drift does not cover a READ"),
-    _T(WAITING, SCHEDULE, "sibling_local", D_DONE, "release", "a sibling's KV is local: served from prefix, never pulled"),
+    _T(WAITING, SCHEDULE, "sibling_local", D_DONE, "release", "a sibling's KV landed: served from prefix, never pulled"),
+    _T(WAITING, SCHEDULE, "sibling_in_flight", WAITING, "", "the group's READ is in flight: schedule again later"),
     _T(READING, READ_OK, "ok", D_DONE, "done", "data landed (and generations matched)"),
     _T(READING, READ_OK, "abort_pending", D_FAILED, "done", "aborted during the READ: P may free now"),
     _T(READING, READ_FAILED, "fenced", D_FAILED, "release", "generation stamps changed: never served"),
@@ -543,7 +546,9 @@ class Ledger:
         self._by_rid: dict[str, int] = {}
         self._heap: list[tuple[float, int]] = []  # (deadline or earlier, handle); lazy
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
-        self._tomb: OrderedDict[int, str] = OrderedDict()  # handle -> terminal state
+        # handle -> (terminal state, request id); request id -> handle, both capped together
+        self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._tomb_rid: dict[str, int] = {}
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
         self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
         self._next_handle = 1
@@ -563,7 +568,7 @@ class Ledger:
         if r is not None:
             return r.state
         t = self._tomb.get(handle)
-        return t if t is not None else UNREGISTERED
+        return t[0] if t is not None else UNREGISTERED
 
     def deadline(self, handle: int) -> float | None:
         r = self._live.get(handle)
@@ -657,10 +662,13 @@ class Ledger:
                 if not members:
                     del self._groups[r.group]
         tomb = self._tomb
-        tomb[r.handle] = row.dst
+        tomb[r.handle] = (row.dst, r.rid)
+        self._tomb_rid[r.rid] = r.handle
         if len(tomb) > self.config.max_tombstones:
-            tomb.popitem(last=False)
+            old, (_, old_rid) = tomb.popitem(last=False)
             self._count("tombstone_evicted")
+            if self._tomb_rid.get(old_rid) == old:
+                del self._tomb_rid[old_rid]
         reclaimed = self.pool._drop(r.blocks)
         self.frees[reason] += 1
         out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
@@ -787,6 +795,8 @@ class Ledger:
                     self._count("stale")
                     continue
                 if kind == HEARTBEAT:
+                    if exp > r.expected:
+                        self._announce(r, exp)
                     self._renew(r, t)
                 else:
                     self._finish(r, kind, reader, exp, now, out)
@@ -835,7 +845,8 @@ class Ledger:
         if t is None:
             self._stage(event, reader, handle, expected, now)
             return "early"
-        row = P_TABLE[(t, event, "late" if t == EXPIRED else "stale")]
+        st = t[0]
+        row = P_TABLE[(st, event, "late" if st == EXPIRED else "stale")]
         self._apply_effect_counter(row)
         return row.guard
 
@@ -888,8 +899,10 @@ class Ledger:
         h = self._by_rid.get(request_id)
         r = self._live.get(h) if h is not None else None
         if r is None:
-            row = P_TABLE[(UNREGISTERED, ABORT, "unknown")]
-            self._apply_effect_counter(row)
+            th = self._tomb_rid.get(request_id)
+            t = self._tomb.get(th) if th is not None else None
+            key = (t[0], ABORT, "stale") if t is not None else (UNREGISTERED, ABORT, "unknown")
+            self._apply_effect_counter(P_TABLE[key])
             return self._emit(Abort(request_id, now), out)
         guard = "again" if r.state == ABORTED else "hold"
         row = P_TABLE[(r.state, ABORT, guard)]
@@ -1080,7 +1093,19 @@ class _Peer:
     reqs: dict[int, _DReq] = field(default_factory=dict)  # handle -> request
 
 
-MAX_OUTSTANDING_HEARTBEATS: Final = 16  # per peer; older unacked batches are forgotten
+# Per peer: heartbeat messages awaiting their ack. Entries older than one lease extension
+# are pruned (such an ack could not extend anything); beyond the cap the oldest are
+# forgotten and their acks ignored (D keeps its smaller estimate: safe).
+MAX_OUTSTANDING_HEARTBEATS: Final = 4096
+
+
+def _prune_outstanding(peer: _Peer, older_than: float) -> None:
+    out = peer.outstanding
+    while out:
+        first = next(iter(out.values()))
+        if first.sent_at >= older_than:
+            break
+        out.popitem(last=False)
 
 
 class Consumer:
@@ -1096,6 +1121,9 @@ class Consumer:
 
     def __init__(self, reader: str, config: Config, *,
                  heartbeat_chunk: int | None = None) -> None:
+        """``heartbeat_chunk`` optionally caps the handles per heartbeat further; every
+        SendHeartbeat always fits one wire message of ``config.max_message_bytes``, so
+        that one ack answers exactly the handles of one message."""
         self.reader = reader
         self.config = config.validate()
         self.reqs: dict[str, _DReq] = {}
@@ -1130,8 +1158,10 @@ class Consumer:
         peer = self.peers.get(p.engine)
         if peer is not None and peer.reqs.get(p.handle) is r:
             del peer.reqs[p.handle]
-        if p.group is not None and r.state == D_FAILED \
+        if p.group is not None and r.state == D_FAILED and reason != "aborted" \
                 and self._group_owner.get((p.engine, p.group)) == r.rid:
+            # Only a READ that did not land gives up the group: a landed READ (even one
+            # aborted meanwhile) told P "done", and P may free the other members.
             del self._group_owner[(p.engine, p.group)]
         key = f"{r.state}:{reason}"
         self.finished[key] = self.finished.get(key, 0) + 1
@@ -1198,6 +1228,12 @@ class Consumer:
         p = r.params
         if p.group is not None:
             owner = self._group_owner.get((p.engine, p.group))
+            if owner is not None and owner != rid and owner in self.reqs:
+                # The owner's READ has not landed yet (if it fails, this member may
+                # become the owner): not done, not read; the scheduler retries later.
+                self._go(r, SCHEDULE, "sibling_in_flight")
+                self._count("sibling_in_flight")
+                return out
             if owner is not None and owner != rid:
                 self._go(r, SCHEDULE, "sibling_local")
                 out.append(SendRelease(rid, p.engine, p.handle, p.expected))
@@ -1322,8 +1358,9 @@ class Consumer:
             self._release(r, "lease_lost", out)
         if now >= self._next_hb:
             self._next_hb = now + cfg.heartbeat_interval
-            chunk = self.heartbeat_chunk or 1 << 30
+            cap = self.heartbeat_chunk or 1 << 30
             for engine, peer in self.peers.items():
+                _prune_outstanding(peer, now - cfg.lease_extension)
                 if not peer.ready or not peer.reqs:
                     continue
                 by_expected: dict[int, list[int]] = {}
@@ -1332,13 +1369,15 @@ class Consumer:
                         by_expected.setdefault(r.params.expected, []).append(h)
                 for expected, handles in by_expected.items():
                     handles.sort()
-                    for i in range(0, len(handles), chunk):
-                        part = tuple(handles[i:i + chunk])
-                        peer.seq = (peer.seq + 1) & 0xFFFFFFFF
-                        peer.outstanding[peer.seq] = _HbSent(now, part)
-                        while len(peer.outstanding) > MAX_OUTSTANDING_HEARTBEATS:
-                            peer.outstanding.popitem(last=False)
-                        out.append(SendHeartbeat(engine, peer.seq, part, expected))
+                    for run in chunk_handles(handles, cfg.max_message_bytes):
+                        for i in range(0, len(run), cap):
+                            part = tuple(run[i:i + cap])
+                            peer.seq = (peer.seq + 1) & 0xFFFFFFFF
+                            peer.outstanding[peer.seq] = _HbSent(now, part)
+                            if len(peer.outstanding) > MAX_OUTSTANDING_HEARTBEATS:
+                                peer.outstanding.popitem(last=False)
+                                self._count("heartbeat_memory_evicted")
+                            out.append(SendHeartbeat(engine, peer.seq, part, expected))
         return out
 
 

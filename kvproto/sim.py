@@ -178,7 +178,8 @@ class Simulator:
         self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
         self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
                                   tuple[str, ...]]] = []
-        self.reserved: set[int] = set()
+        # blocks the engine pins for registrations that lag their params (engine refs)
+        self.reserved: dict[int, int] = {}
         self.restarts: list[tuple[float, str]] = []
         self.incarnation: dict[str, int] = {}
 
@@ -223,8 +224,10 @@ class Simulator:
                 log.debug("P rejected %s from %s: %s", eff.reason, eff.peer, eff.detail)
 
     def _on_free(self, eff: Free) -> None:
-        reclaimed = set(eff.reclaimed)
-        for b in eff.reclaimed:
+        # The engine still pins blocks it handed out for a registration that lags: the
+        # lifecycle dropped its hold, but those blocks are not reused (nor re-stamped).
+        reclaimed = {b for b in eff.reclaimed if b not in self.reserved}
+        for b in reclaimed:
             self.gens[b] += 1  # bump before the block can be reused
         for r in self.reads.values():
             if reclaimed.intersection(r.blocks):
@@ -264,7 +267,8 @@ class Simulator:
             self.p_agenda.append((self.now + lag, h, rid, blocks, group, expected, tuple(ranks)))
             # P holds the blocks from the moment it hands out params; reserve them in the
             # simulator so they are not handed to another request meanwhile.
-            self.reserved.update(blocks)
+            for b in blocks:
+                self.reserved[b] = self.reserved.get(b, 0) + 1
             params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
                                     expected=len(ranks), group=group,
                                     generations=tuple(self.gens[b] for b in blocks))
@@ -405,7 +409,11 @@ class Simulator:
             if due:
                 self.p_agenda = [a for a in self.p_agenda if a[0] > now]
                 for _, h, rid, blocks, group, expected, ranks in due:
-                    self.reserved.difference_update(blocks)
+                    for b in blocks:
+                        if self.reserved[b] == 1:
+                            del self.reserved[b]
+                        else:
+                            self.reserved[b] -= 1
                     self._p_effects(self.ledger.register(h, rid, blocks, now, group=group,
                                                          expected=expected))
                     if self.ledger.state(h) in HELD_STATES:
@@ -443,6 +451,9 @@ class Simulator:
                     heapq.heappush(self.agenda, (now + 0.5, self._aseq, rk, what))
                 else:
                     self._d_effects(rk, c.schedule(rid, now))
+                    if c.state(rid) == "waiting":  # e.g. a sibling's READ in flight: retry
+                        self._aseq += 1
+                        heapq.heappush(self.agenda, (now + 0.2, self._aseq, rk, what))
         # READs completing
         for key, r in sorted(self.reads.items(), key=lambda kv: kv[1].end):
             if r.end <= now:

@@ -177,6 +177,13 @@ def _batched(kind: int, epoch: int, prefixes: Sequence[int],
     return out
 
 
+def chunk_handles(sorted_handles: Sequence[int], max_bytes: int) -> list[Sequence[int]]:
+    """Split sorted handles into runs that each fit one heartbeat/release message of at
+    most ``max_bytes``. D chunks its batches with this, so one message = one seq = one
+    ack, and a lost message never lets D believe a renewal P did not grant."""
+    return _chunk(sorted_handles, max_bytes - _RESERVE)
+
+
 def encode_heartbeat(epoch: int, seq: int, handles: Iterable[int], expected: int,
                      max_bytes: int) -> list[bytes]:
     """``heartbeat``: renew the leases of ``handles``. Chunked so that no message exceeds
@@ -367,10 +374,15 @@ def decode_handshake(buf: bytes) -> Handshake:
     """Parse and validate a handshake payload; raise WireError with a clear reason."""
     if len(buf) > MAX_HANDSHAKE_BYTES:
         raise WireError("oversized", f"handshake of {len(buf)} bytes")
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"non-finite number {name}")
+
     try:
-        d = json.loads(bytes(buf).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = json.loads(bytes(buf).decode("utf-8"), parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise WireError("malformed_handshake", f"not JSON: {e}") from None
+    except RecursionError:
+        raise WireError("malformed_handshake", "JSON nested too deeply") from None
     if not isinstance(d, dict) or "kvproto" not in d:
         raise WireError("malformed_handshake", "not a kvproto handshake object")
     if d["kvproto"] != HANDSHAKE_VERSION:
@@ -384,7 +396,7 @@ def decode_handshake(buf: bytes) -> Handshake:
                        agent_metadata=base64.b64decode(d["agent_metadata"], validate=True),
                        role=str(d["role"]), extra=dict(d.get("extra") or {}),
                        version=int(d["kvproto"]))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WireError("malformed_handshake", f"bad field: {e}") from None
     if hs.role not in ("producer", "consumer"):
         raise WireError("malformed_handshake", f"unknown role {hs.role!r}")
