@@ -120,9 +120,10 @@ def _from_json(d: Any, table: dict[str, type], what: str) -> Any:
 
 
 def event_from_json(d: Any) -> Event:
-    now = d.get("now") if isinstance(d, dict) else None
-    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-        raise ValueError(f"event time must be a finite number, got {now!r}")
+    if isinstance(d, dict) and "now" in d:
+        now = d["now"]
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ValueError(f"event time must be a finite number, got {now!r}")
     ev: Event = _from_json(d, _EVENT_TYPES, "event")
     return ev
 
