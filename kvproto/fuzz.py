@@ -318,11 +318,13 @@ class Oracle:
     # -- per-event hooks (called by ObservedLedger) ---------------------------------------
     def on_register(self, ledger: Ledger, pre: dict[int, str], h: int, rid: str,
                     group: str | None, expected: int, out: Sequence[Effect], now: float) -> None:
+        fresh = pre.get(h) == UNREGISTERED and not any(isinstance(e, Rejected) for e in out)
+        if fresh:
+            self.groups[h] = group  # before post(): a staged done may cascade to siblings
         self.post(ledger, REGISTER, pre, [h], out, now)
-        if pre.get(h) != UNREGISTERED or any(isinstance(e, Rejected) for e in out):
+        if not fresh:
             return
         self.registered[h] = rid
-        self.groups[h] = group
         st_ = self.staged.pop(h, None)
         if self.state(ledger, h) in TERMINAL_STATES:
             return
@@ -344,11 +346,15 @@ class Oracle:
                 self.fail("LegalTransition", f"heartbeat produced {len(acks)} acks")
             else:
                 refused = set(acks[0].refused)
+                pending = set(acks[0].pending)
                 for h in handles:
-                    should = pre[h] in (ABORTED, EXPIRED, FREED)
-                    if (h in refused) != should:
+                    want = "refused" if pre[h] in (ABORTED, EXPIRED, FREED) else \
+                        "pending" if pre[h] == UNREGISTERED else "granted"
+                    got = "refused" if h in refused else "pending" if h in pending else \
+                        "granted"
+                    if want != got:
                         self.fail("LegalTransition", f"heartbeat: handle {h} in {pre[h]} was "
-                                  f"{'refused' if h in refused else 'granted'}")
+                                  f"{got}, not {want}")
         self.check_prompt_free(ledger, f"{kind} from {reader} for {list(handles)}")
 
     def on_abort(self, ledger: Ledger, pre: dict[int, str], h: int | None,
@@ -569,7 +575,6 @@ class FuzzSim(Simulator):
         parent = f"req{self._next_req}"
         group = parent if n > 1 else None
         rids: list[str] = []
-        self.reserved.update(blocks)
         for i in range(n):
             rid = f"{i}_{parent}" if n > 1 else parent
             h = self.ledger.new_handle()
@@ -581,6 +586,10 @@ class FuzzSim(Simulator):
             for rk in ranks:
                 self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
                                                         rk, rid, params))
+            # The engine pins the blocks from hand-out to registration (the simulator's
+            # reservation, a count per block).
+            for b in blocks:
+                self.reserved[b] = self.reserved.get(b, 0) + 1
             if register_now:
                 self._register(pr)
             else:
@@ -590,9 +599,11 @@ class FuzzSim(Simulator):
         return rids
 
     def _register(self, pr: PendingRegister) -> None:
-        self.reserved.difference_update(pr.blocks)
-        for other in self.pending_regs:  # siblings still pending keep the reservation
-            self.reserved.update(other.blocks)
+        for b in pr.blocks:
+            if self.reserved[b] == 1:
+                del self.reserved[b]
+            else:
+                self.reserved[b] -= 1
         self._p_effects(self.ledger.register(pr.handle, pr.rid, pr.blocks, self.now,
                                              group=pr.group, expected=pr.expected))
 
@@ -647,8 +658,8 @@ class FuzzSim(Simulator):
             except wire.WireError:
                 return
             if a.kind == wire.KIND_ACK:
-                self._d_effects(m.dst, self.ranks[m.dst].ack(P_NAME, a.seq, a.term_ms / 1000,
-                                                             a.handles, self.now))
+                self._d_effects(m.dst, self.ranks[m.dst].ack(
+                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
 
     # -- time ----------------------------------------------------------------------------
     def _next_forced(self) -> float:
