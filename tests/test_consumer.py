@@ -317,38 +317,52 @@ def test_heartbeats_are_chunked_by_the_caller(make_consumer: ConsumerFactory) ->
     assert consumer.counters["ack_unknown"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Consumer ignores config.max_message_bytes (heartbeat_chunk defaults to unlimited, "
-    "and the simulator never sets it), so one SendHeartbeat can need several wire chunks; "
-    "encode_heartbeat numbers them seq, seq+1, ... which collide with the next batch, and "
-    "ack(seq) is applied to every handle of the batch, including those in a lost chunk: D "
-    "then believes a lease P never renewed (READ after P's free)"))
-def test_lost_heartbeat_chunk_never_lets_d_believe_an_unrenewed_lease(
+def test_every_heartbeat_fits_one_wire_message(make_consumer: ConsumerFactory) -> None:
+    """One SendHeartbeat = one wire message = one seq = one ack, whatever the caller's
+    heartbeat_chunk: D chunks by ``max_message_bytes`` itself."""
+    consumer = make_consumer(max_message_bytes=64)
+    ready(consumer)
+    handles = [1000 + 200 * i for i in range(30)]  # two varint bytes per delta
+    for h in handles:
+        consumer.admit(f"r{h}", params(h), 0.0)
+    hbs = heartbeats(consumer.tick(0.0))
+    assert len(hbs) >= 2
+    assert [hb.seq for hb in hbs] == list(range(1, len(hbs) + 1))
+    assert sorted(h for hb in hbs for h in hb.handles) == handles
+    for hb in hbs:
+        (buf,) = wire.encode_heartbeat(EPOCH, hb.seq, hb.handles, hb.expected, 64)
+        assert len(buf) <= 64
+
+
+def test_lost_heartbeat_message_never_lets_d_believe_an_unrenewed_lease(
         make_consumer: ConsumerFactory) -> None:
+    """Regression: one SendHeartbeat used to need several wire chunks numbered seq, seq+1,
+    ...; the ack of the first chunk renewed (in D's belief) the handles of a lost one."""
     overrides: dict[str, Any] = {"initial_lease": 10.0, "lease_extension": 20.0,
                                  "abort_grace": 20.0, "max_message_bytes": 64}
     config = replace(Config(), **overrides)
     consumer = make_consumer(**overrides)
     ledger = Ledger(config, BlockPool(64))
     ready(consumer)
-    handles = [1000 + 200 * i for i in range(30)]  # two varint bytes per delta
+    handles = [1000 + 200 * i for i in range(30)]
     for i, h in enumerate(handles):
         ledger.register(h, f"r{h}", (i,), 0.0, expected=1)
         consumer.admit(f"r{h}", params(h, term=10.0), 0.0)
-    (hb,) = heartbeats(consumer.tick(0.0))
-    chunks = wire.encode_heartbeat(EPOCH, hb.seq, hb.handles, hb.expected,
-                                   config.max_message_bytes)
-    assert len(chunks) >= 2
-    first = wire.decode(chunks[0])  # delivered; the other chunks are lost
-    (ack,) = ledger.heartbeat("d0", first.seq, first.handles, first.expected, 0.1)
-    assert isinstance(ack, Ack)
-    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.2)
-    lost = [h for h in handles if h not in first.handles]
-    for h in lost:
-        deadline = ledger.deadline(h)
-        lease_end = consumer.lease_end(f"r{h}")
-        assert deadline is not None and lease_end is not None
-        assert lease_end <= deadline, f"D believes {lease_end} for handle {h}, P {deadline}"
+    first, *lost = heartbeats(consumer.tick(0.0))
+    assert lost
+    for buf in wire.encode_heartbeat(EPOCH, first.seq, first.handles, first.expected,
+                                     config.max_message_bytes):
+        m = wire.decode(buf)  # delivered; the other messages are lost
+        (ack,) = ledger.heartbeat("d0", m.seq, m.handles, m.expected, 0.1)
+        assert isinstance(ack, Ack)
+        consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.2, pending=ack.pending)
+    assert consumer.lease_end(f"r{first.handles[0]}") == 19.5  # 0 + 20 - drift 0.5
+    for hb in lost:
+        for h in hb.handles:
+            deadline = ledger.deadline(h)
+            lease_end = consumer.lease_end(f"r{h}")
+            assert deadline is not None and lease_end is not None
+            assert lease_end <= deadline, f"D believes {lease_end} for {h}, P {deadline}"
 
 
 def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
@@ -440,18 +454,41 @@ def test_no_second_read_while_a_sibling_is_reading(consumer: Consumer) -> None:
     assert not any(isinstance(e, PostRead) for e in consumer.schedule("2_p", 1.5))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SUSPECTED BUG: schedule() finishes a sibling as done/sibling_local as soon as another "
-    "member owns the group, even while the owner's READ is still in flight; if that READ "
-    "then fails, the sibling was reported done ('KV is local') although nothing landed"))
-def test_sibling_is_not_done_before_the_group_read_landed(consumer: Consumer) -> None:
+def test_sibling_waits_while_the_group_read_is_in_flight(consumer: Consumer) -> None:
+    """Regression: a sibling used to finish done/sibling_local while the group's only
+    READ was still in flight (and could still fail)."""
     ready(consumer)
     consumer.admit("1_p", params(1, group="p"), 0.0)
     consumer.admit("2_p", params(2, group="p"), 0.0)
     consumer.schedule("1_p", 1.0)
-    effects = consumer.schedule("2_p", 1.5)
-    consumer.read_result("1_p", False, 2.0)  # the group's only READ failed
-    assert ("2_p", D_DONE, "sibling_local") not in finished(effects)
+    assert consumer.schedule("2_p", 1.5) == []
+    assert consumer.state("2_p") == WAITING
+    assert consumer.counters["sibling_in_flight"] == 1
+    (hb,) = heartbeats(consumer.tick(2.0))
+    assert hb.handles == (1, 2)  # the waiting sibling is still renewed
+
+
+def test_sibling_reads_itself_when_the_group_read_failed(consumer: Consumer) -> None:
+    ready(consumer)
+    consumer.admit("1_p", params(1, group="p"), 0.0)
+    consumer.admit("2_p", params(2, group="p"), 0.0)
+    consumer.schedule("1_p", 1.0)
+    consumer.schedule("2_p", 1.5)
+    consumer.read_result("1_p", False, 2.0)
+    assert consumer.schedule("2_p", 2.5) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
+
+
+def test_landed_read_aborted_meanwhile_still_serves_the_group(consumer: Consumer) -> None:
+    """P was told done (the notification travelled with the READ) and may free the other
+    members, so they must not be read again: they are served from the landed prefix."""
+    ready(consumer)
+    consumer.admit("1_p", params(1, group="p"), 0.0)
+    consumer.admit("2_p", params(2, group="p"), 0.0)
+    consumer.schedule("1_p", 1.0)
+    consumer.abort("1_p", 1.2)
+    assert consumer.read_result("1_p", True, 2.0) == [Finished("1_p", D_FAILED, "aborted")]
+    assert consumer.schedule("2_p", 2.5) == [
+        SendRelease("2_p", ENGINE, 2, 1), Finished("2_p", D_DONE, "sibling_local")]
 
 
 def test_sibling_groups_are_per_engine(consumer: Consumer) -> None:
@@ -487,7 +524,8 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
     ready(consumer)
     for h in range(1, 10_001):
         consumer.admit(f"r{h}", params(h), 0.0)
-    assert len(heartbeats(consumer.tick(0.0))) == 1
+    hbs = heartbeats(consumer.tick(0.0))
+    assert sorted(h for hb in hbs for h in hb.handles) == list(range(1, 10_001))
     pops = 0
     real_pop = heapq.heappop
 

@@ -220,12 +220,9 @@ def test_malformed_line_is_reported_with_its_line_number(
     assert re.search(message, err), err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: event fields are not type-checked when read, so a wrongly typed field (here "
-    "heartbeat handles: 5) makes the machine raise TypeError during replay; it is reported "
-    "as a VIOLATION (exit 1) instead of a malformed line (exit 2)"))
 def test_wrongly_typed_field_is_a_malformed_line(
         sim_journal: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a wrongly typed field made the machine raise during replay (exit 1)."""
     lines = list(sim_journal)
     lines[4] = json.dumps({"event": {"type": "heartbeat", "reader": "d0", "seq": 1,
                                      "handles": 5, "expected": 1, "now": 0.35},

@@ -131,14 +131,9 @@ def test_simulator_reports_a_free_under_an_in_flight_read() -> None:
     assert any("NoFreeUnderRead" in v for v in sim.stats.violations)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (sim.py new_request): with register lag, P hands out params before the ledger "
-    "holds the blocks; the simulator's 'reserved' set only keeps them from new allocations. "
-    "A prefix-shared block taken from another live request is reclaimed (generation bumped) "
-    "when that request is freed, under D's READ of the not-yet-registered request. "
-    "Seed 20: handle 1 (transferred) frees a block of handle 16 (params out at t=5.9, "
-    "registration due t=6.84) at t=6.7; 47 violations over seeds 1..200"))
 def test_simulate_seed_20_has_no_free_under_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: with a lagging registration, a prefix-shared block was reclaimed under
+    D's READ of the not-yet-registered request (seed 20, t=6.7)."""
     rc, out, _ = run_cli(capsys, "--seed", "20", "--seeds", "1", "--duration", "10", "--json")
     summary = json.loads(out)
     assert summary["violation_details"] == []
