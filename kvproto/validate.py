@@ -129,7 +129,9 @@ def choose_scale(values: Iterable[float]) -> int:
     vals = list(values)
     for k in range(7):
         scale = int(10**k)
-        if all(abs(v * scale - round(v * scale)) < 1e-6 for v in vals):
+        # tolerance: float noise of decimal times (0.1 + 0.2), relative to the value
+        if all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale))
+               for v in vals):
             return scale
     raise TraceError("times are not multiples of a microsecond; cannot express them in "
                      "integer time units")

@@ -1,0 +1,242 @@
+"""``kvproto validate``: TLC checks recorded journals against the spec (issue 4, section 2).
+
+Real simulator journals must be accepted; tampered ones must be rejected at the right
+line. All journals of a test go to TLC in one batch (SANY time dominates)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvproto import validate as va
+from kvproto.conformance import TLCMissing
+from kvproto.journal import JournalWriter
+from kvproto.lifecycle import BlockPool, Config, Ledger
+from kvproto.sim import Faults, Simulator
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------
+# Journals.
+# ---------------------------------------------------------------------------
+
+
+def sim_journal(path: Path, seed: int, duration: float, *, faults: bool = True) -> Path:
+    cfg = Config()
+    with JournalWriter(path, cfg, 256, {"source": "test", "seed": seed}) as w:
+        sim = Simulator(seed, config=cfg, faults=Faults() if faults else Faults.none(),
+                        capacity=256, journal=w.sink)
+        sim.run(duration)
+    return path
+
+
+def scripted_journal(path: Path) -> Path:
+    """A short hand-driven journal touching every kind of step: staged early messages, a
+    sibling group transferred by two readers, heartbeats (granted, refused, pending), an
+    expiry, an abort freed at its deadline, duplicate and invalid registers, rejects."""
+    cfg = Config(initial_lease=10.0, lease_extension=8.0, abort_grace=10.0,
+                 heartbeat_interval=2.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1,
+                 max_staged_age=6.0)
+    with JournalWriter(path, cfg, 16, {"source": "scripted"}) as w:
+        L = Ledger(cfg, BlockPool(16), sink=w.sink)
+        L.done("dB", 5, 2, 0.5)  # early: staged
+        L.register(1, "a", (0, 1), 1.0, group="g", expected=2)
+        L.register(2, "b", (0, 2), 1.0, group="g", expected=2)
+        L.register(3, "c", (3,), 1.0)
+        L.register(4, "d", (4, 5), 1.0, expected=1)
+        L.register(4, "d", (4, 5), 1.2)  # duplicate handle: rejected
+        L.register(9, "z", (99,), 1.2)  # invalid block id: rejected
+        L.tick(1.5)
+        L.heartbeat("dA", 1, (1, 2, 3, 5), 2, 2.0)  # 5 is pending (staged)
+        L.abort("d", 2.5)
+        L.heartbeat("dA", 2, (4,), 1, 2.7)  # refused: aborted
+        L.done("dA", 1, 2, 3.0)
+        L.reject("bad_magic", "dX", "3 bytes", 3.1)
+        L.done("dB", 1, 2, 3.2)  # all done: frees 1 (transferred) and 2 (sibling)
+        L.register(5, "e", (6,), 3.3, expected=2)  # applies the staged done
+        L.release("dA", (5,), 2, 3.4)  # all finished: released
+        for t in range(4, 16):
+            L.tick(float(t))  # 3 expires at 11, the aborted 4 is freed at 12.5 -> 13
+        L.done("dA", 3, 1, 16.0)  # late
+    return path
+
+
+def read_lines(p: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in p.read_text().splitlines()]
+
+
+def write_lines(p: Path, rows: list[dict[str, Any]]) -> Path:
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def first_line(rows: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool]) -> int:
+    """0-based index into rows (the journal line number is index + 1)."""
+    for i, r in enumerate(rows):
+        if i and pred(r):
+            return i
+    raise AssertionError("no such line in the journal")
+
+
+def frees_of(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in row["effects"] if e["type"] == "free"]
+
+
+# ---------------------------------------------------------------------------
+# Unit tests (no TLC).
+# ---------------------------------------------------------------------------
+
+
+def test_choose_scale() -> None:
+    assert va.choose_scale([30.0, 20.0, 0.0]) == 1
+    assert va.choose_scale([30.0, 0.1, 12.3]) == 10
+    assert va.choose_scale([0.25]) == 100
+    with pytest.raises(va.TraceError):
+        va.choose_scale([1e-7])
+    assert va.choose_scale([0.1 + 0.2, 1234.5]) == 10
+
+
+def test_trace_mapping(tmp_path: Path) -> None:
+    tr = va.journal_to_trace(scripted_journal(tmp_path / "s.jsonl"))
+    assert tr.scale == 10
+    assert tr.constants["InitialLease"] == "100" and tr.constants["LeaseExtension"] == "80"
+    assert '"h1"' in tr.constants["Requests"] and '"h9"' not in tr.constants["Requests"]
+    assert tr.constants["Readers"] == '{"dA", "dB"}'
+    assert tr.lines[0] == 2 and len(tr.steps) == len(read_lines(tmp_path / "s.jsonl")) - 1
+    assert tr.steps[0].startswith('[type |-> "done", dt |-> 0, r |-> "h5"')
+    reject = next(s for s in tr.steps if '"stutter"' in s)
+    assert "frees |-> <<>>" in reject
+
+
+def test_bad_input_exit_codes(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kvproto_journal": 1, "config": {}, "capacity": 4}\nnot json\n')
+    args = argparse.Namespace(journals=[str(bad)], batch_bytes=va.DEFAULT_BATCH_BYTES, keep=None)
+    assert va.run(args) == va.EXIT_BAD_INPUT
+    args.journals = [str(tmp_path / "missing.jsonl")]
+    assert va.run(args) == va.EXIT_BAD_INPUT
+
+
+# ---------------------------------------------------------------------------
+# TLC.
+# ---------------------------------------------------------------------------
+
+
+def run_validate(paths: list[Path]) -> list[va.Verdict]:
+    try:
+        return va.validate(paths)
+    except TLCMissing as e:  # pragma: no cover - depends on the machine
+        pytest.skip(str(e))
+
+
+@pytest.mark.tlc
+def test_accepts_real_journals(tmp_path: Path) -> None:
+    paths = [sim_journal(tmp_path / f"sim{s}.jsonl", s, 6.0) for s in (1, 2, 3)]
+    paths.append(sim_journal(tmp_path / "clean.jsonl", 4, 6.0, faults=False))
+    paths.append(scripted_journal(tmp_path / "scripted.jsonl"))
+    n_frees = sum(len(frees_of(r)) for p in paths for r in read_lines(p)[1:])
+    assert n_frees > 20  # the journals exercise the lifecycle, not just ticks
+    verdicts = run_validate(paths)
+    for v in verdicts:
+        log.info("%s", v.describe())
+    assert [v.allowed for v in verdicts] == [True] * len(paths), \
+        "\n".join(v.describe() for v in verdicts)
+    assert [v.steps for v in verdicts] == [len(read_lines(p)) - 1 for p in paths]
+
+
+def _tamper_extra_free(rows: list[dict[str, Any]]) -> tuple[int, str]:
+    """Copy the first transferred free onto an earlier tick while the request is held."""
+    i = first_line(rows, lambda r: any(f["reason"] == "transferred" for f in frees_of(r)))
+    free = next(f for f in frees_of(rows[i]) if f["reason"] == "transferred")
+    h = free["handle"]
+    reg = first_line(rows, lambda r: r["event"]["type"] == "register"
+                     and r["event"]["handle"] == h)
+    j = max(k for k in range(reg + 1, i) if rows[k]["event"]["type"] == "tick")
+    rows[j]["effects"].append(dict(free))
+    return j, "free of a request the spec does not free"
+
+
+def _tamper_done_twice(rows: list[dict[str, Any]]) -> tuple[int, str]:
+    """Duplicate a done line that freed its request: the same done counted twice."""
+    i = first_line(rows, lambda r: r["event"]["type"] == "done" and bool(frees_of(r)))
+    rows.insert(i + 1, json.loads(json.dumps(rows[i])))
+    return i + 1, "free of a request the spec does not free"
+
+
+def _tamper_early_expiry(rows: list[dict[str, Any]]) -> tuple[int, str]:
+    """Move an expiry free to the tick before: a free before the deadline."""
+    i = first_line(rows, lambda r: any(f["reason"] == "expired" for f in frees_of(r)))
+    free = next(f for f in frees_of(rows[i]) if f["reason"] == "expired")
+    rows[i]["effects"].remove(free)
+    j = max(k for k in range(1, i) if rows[k]["event"]["type"] == "tick")
+    rows[j]["effects"].append(free)
+    return j, "free of a request the spec does not free"
+
+
+def _tamper_ack(rows: list[dict[str, Any]]) -> tuple[int, str]:
+    """An ack that renews an aborted request."""
+    i = first_line(rows, lambda r: r["event"]["type"] == "heartbeat"
+                   and any(e["type"] == "ack" and e["refused"] for e in r["effects"]))
+    for e in rows[i]["effects"]:
+        if e["type"] == "ack":
+            e["refused"] = []
+    return i, "ack refuses a different set"
+
+
+TAMPERS: dict[str, Callable[[list[dict[str, Any]]], tuple[int, str]]] = {
+    "extra_free": _tamper_extra_free,
+    "done_counted_twice": _tamper_done_twice,
+    "free_before_deadline": _tamper_early_expiry,
+    "ack_renews_aborted": _tamper_ack,
+}
+
+
+@pytest.mark.tlc
+def test_rejects_tampered_journals(tmp_path: Path) -> None:
+    base = read_lines(scripted_journal(tmp_path / "scripted.jsonl"))
+    sim = read_lines(sim_journal(tmp_path / "sim.jsonl", 1, 6.0))
+    paths: list[Path] = []
+    expect: list[tuple[int, str]] = []
+    for name, tamper in TAMPERS.items():
+        for src, rows in (("scripted", base), ("sim", sim)):
+            rows = json.loads(json.dumps(rows))
+            try:
+                idx, why = tamper(rows)
+            except (AssertionError, ValueError):
+                assert src == "sim", f"{name} must apply to the scripted journal"
+                continue  # this simulator run has no such line
+            paths.append(write_lines(tmp_path / f"{name}-{src}.jsonl", rows))
+            expect.append((idx + 1, why))
+    assert len(paths) >= len(TAMPERS) + 2
+    verdicts = run_validate(paths)
+    for v, (line, why), p in zip(verdicts, expect, paths, strict=True):
+        log.info("%s", v.describe())
+        assert not v.allowed, f"{p.name} was accepted"
+        assert v.line == line, f"{p.name}: reported line {v.line}, tampered line {line}\n" \
+            + v.describe()
+        assert why in v.why, v.describe()
+        assert v.event == json.loads(p.read_text().splitlines()[line - 1])["event"]
+
+
+@pytest.mark.tlc
+def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = scripted_journal(tmp_path / "good.jsonl")
+    rows = read_lines(good)
+    idx, _ = _tamper_done_twice(rows)
+    bad = write_lines(tmp_path / "bad.jsonl", rows)
+    args = argparse.Namespace(journals=[str(good), str(bad)], batch_bytes=1, keep=None)
+    try:
+        code = va.run(args)  # batch_bytes=1: one TLC run per journal
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    out = capsys.readouterr().out
+    assert code == va.EXIT_NOT_ALLOWED, out
+    assert "good.jsonl: OK" in out
+    assert f"bad.jsonl: NOT ALLOWED at line {idx + 1}" in out
