@@ -31,6 +31,7 @@ from kvproto.lifecycle import (
     Config,
     ConfigError,
     DoubleFree,
+    Effect,
     Free,
     Ledger,
     Rejected,
@@ -271,10 +272,11 @@ def test_renewed_lease_never_hides_an_expired_one(make_ledger: LedgerFactory) ->
     ledger.register(1, "A", (0,), 0.0)  # deadline 10
     ledger.register(2, "B", (1,), 1.0)  # deadline 11
     ledger.heartbeat("d0", 1, (1,), 1, 5.0)  # A renewed far: deadline 105
-    assert ledger.tick(10.0) == []
-    assert ledger.tick(10.999) == []
+    assert ledger.tick(5.0) == []
+    # A's old deadline (10) is still first in line when B's (11) passes
     assert frees(ledger.tick(11.0)) == [(2, "expired")]
     assert ledger.state(1) == LEASED
+    assert ledger.tick(104.9) == []
     assert frees(ledger.tick(105.0)) == [(1, "expired")]
 
 
@@ -284,7 +286,7 @@ def test_expired_leases_behind_many_renewed_ones_all_expire_on_time(
                          abort_grace=100.0)
     for h in range(1, 101):
         ledger.register(h, f"r{h}", (h,), 0.0)
-    renewed = tuple(range(1, 101, 2))
+    renewed = tuple(range(1, 101, 2))  # every other request, including the first
     ledger.heartbeat("d0", 1, renewed, 1, 1.0)
     expired = frees(ledger.tick(10.0))
     assert sorted(h for h, _ in expired) == list(range(2, 101, 2))
@@ -575,19 +577,23 @@ def test_held_plus_free_equals_capacity_after_every_operation(
     now = 0.0
     for op, h, reader, expected, dt, blocks, group in ops:
         now += dt
+        effects: list[Effect]
         if op == "register":
-            ledger.register(h, f"r{h}", blocks, now, group=group, expected=expected)
+            effects = ledger.register(h, f"r{h}", blocks, now, group=group, expected=expected)
         elif op == "done":
-            ledger.done(reader, h, expected, now)
+            effects = ledger.done(reader, h, expected, now)
         elif op == "release":
-            ledger.release(reader, (h,), expected, now)
+            effects = ledger.release(reader, (h,), expected, now)
         elif op == "heartbeat":
-            ledger.heartbeat(reader, 0, (h, h + 1), expected, now)
+            effects = ledger.heartbeat(reader, 0, (h, h + 1), expected, now)
         elif op == "abort":
-            ledger.abort(f"r{h}", now)
+            effects = ledger.abort(f"r{h}", now)
         else:
-            ledger.tick(now)
+            effects = ledger.tick(now)
         assert_conserved(ledger)
+        for e in effects:
+            if isinstance(e, Free) and e.reason in ("expired", "aborted"):
+                assert e.deadline <= now, f"{e} freed before its deadline at {now}"
     ledger.tick(now + 1000.0)
     assert ledger.held_requests == 0
     assert ledger.pool.held_count == 0
@@ -677,6 +683,17 @@ def test_tombstone_cap_evicts_oldest_and_counts(make_ledger: LedgerFactory) -> N
     assert (ledger.state(2), ledger.state(3)) == (FREED, FREED)
     ledger.done("d1", 3, 1, 2.0)
     assert ledger.counters["stale"] == 1
+
+
+def test_next_deadline_is_the_earliest_lease_or_staging_age(make_ledger: LedgerFactory) -> None:
+    ledger = make_ledger(max_staged_age=5.0)
+    assert ledger.next_deadline() is None
+    ledger.register(1, "req", (0,), 0.0)
+    assert ledger.next_deadline() == 30.0
+    ledger.done("d0", 9, 1, 2.0)  # staged
+    assert ledger.next_deadline() == 7.0
+    ledger.tick(7.0)
+    assert ledger.next_deadline() == 30.0
 
 
 def test_adapter_rejection_is_counted_and_changes_nothing(ledger: Ledger) -> None:
