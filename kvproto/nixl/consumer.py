@@ -59,7 +59,6 @@ from kvproto.nixl.channel import Client, parse_refusal
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     KIND_ACK,
-    MAX_VARINT_BYTES,
     Handshake,
     WireError,
     check_layouts,
@@ -106,6 +105,7 @@ class _Engine:
         "host",
         "last_ack",
         "name",
+        "next_check",
         "next_try",
         "port",
         "region",
@@ -129,6 +129,7 @@ class _Engine:
         self.remote_kv: Any = None
         self.remote_gen: Any = None
         self.last_ack = 0.0
+        self.next_check = 0.0
         self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
 
 
@@ -161,13 +162,12 @@ class ConsumerAdapter:
         self.name = name
         self.config = config.validate()
         self.clock = clock
-        # One chunk always fits one message, even at the worst-case varint size, so that
-        # each machine heartbeat (one seq) is exactly one wire message.
-        chunk = max(1, (config.max_message_bytes - 23) // MAX_VARINT_BYTES)
-        self.machine = Consumer(name, config, heartbeat_chunk=chunk)
+        # The machine chunks heartbeats so that each one (one seq) is one wire message.
+        self.machine = Consumer(name, config)
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
         self.local_kv, self.local_gen = self.region.local_dlists()
+        self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.handshake_timeout = handshake_timeout
@@ -212,8 +212,14 @@ class ConsumerAdapter:
 
     def schedule(self, rid: str) -> None:
         """D's scheduler wants this KV. Applied as soon as the request is waiting."""
-        self._want[rid] = None
-        self._schedule_ready(self.clock())
+        st = self.machine.state(rid)
+        if st == WAITING:
+            now = self.clock()
+            self._apply(self.machine.schedule(rid, now), now)
+            st = self.machine.state(rid)
+        if st in (WAITING, "handshaking", "new"):
+            # Retried by poll: after the handshake, or while a sibling's READ is in flight.
+            self._want[rid] = None
 
     def abort(self, rid: str) -> None:
         now = self.clock()
@@ -249,8 +255,9 @@ class ConsumerAdapter:
         for rid in list(self._want):
             st = self.machine.state(rid)
             if st == WAITING:
-                del self._want[rid]
                 self._apply(self.machine.schedule(rid, now), now)
+                if self.machine.state(rid) != WAITING:  # else: a sibling is in flight
+                    self._want.pop(rid, None)
             elif st not in ("handshaking", "new"):
                 del self._want[rid]
 
@@ -438,6 +445,9 @@ class ConsumerAdapter:
 
     # -- peer liveness ---------------------------------------------------------------------
     def _check_peer(self, e: _Engine, now: float) -> None:
+        if now < e.next_check:
+            return
+        e.next_check = now + 0.02  # a syscall per engine, at most 50 times a second
         if e.client is not None and not e.client.alive():
             self._lose(e.name, now, "handshake channel closed")
             return
@@ -463,9 +473,12 @@ class ConsumerAdapter:
         """Release handles no READ uses any more; retry failed handle releases."""
         if self.zombies:
             self.zombies = [x for x in self.zombies if (x.poll(), x.release())[1] is False]
+        stale = [e for e in self.engines.values() if e.stale_handles]
+        if not stale:
+            return
         busy = {r.engine for r in self.reads.values()}
-        for e in self.engines.values():
-            if e.stale_handles and e.name not in busy:
+        for e in stale:
+            if e.name not in busy:
                 for h in e.stale_handles:
                     try:
                         self.agent.release_dlist_handle(h)
@@ -488,7 +501,7 @@ class ConsumerAdapter:
             why = "engine not ready"
         elif p.epoch != e.epoch:
             why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
-        elif any(not 0 <= b < e.region.num_blocks for b in pr.blocks):
+        elif nblocks and (min(pr.blocks) < 0 or max(pr.blocks) >= e.region.num_blocks):
             why = "block id outside P's layout"
         elif len(p.generations) != nblocks:
             why = "params carry no generation per block"
@@ -569,9 +582,12 @@ class ConsumerAdapter:
         del self.reads[rd.rid]
         for extra in rd.extra:
             self._send_raw(rd.engine, extra)
-        got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
-                                           device=self.region.gen.device)].tolist()
-        fenced = tuple(int(g) for g in got) != tuple(rd.params.generations)
+        if self._gen_view is not None:  # DRAM: a numpy view of the registered stamps
+            got = self._gen_view[rd.local].tolist()
+        else:  # pragma: no cover - VRAM
+            got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
+                                               device=self.region.gen.device)].tolist()
+        fenced = got != list(rd.params.generations)
         if fenced:
             self._count("fenced")
             log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
@@ -617,7 +633,7 @@ class ConsumerAdapter:
                     continue
                 e.last_ack = now
                 self._apply(self.machine.ack(name, msg.seq, msg.term_ms / 1000.0, msg.handles,
-                                             now), now)
+                                             now, pending=msg.pending), now)
 
     # -- teardown --------------------------------------------------------------------------
     @property

@@ -81,7 +81,9 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         device=device, fault_hook=hook,
                         sink=writer.sink if writer is not None else None,
                         strict_pool=False, observer=observe,
-                        epoch=opts.get("epoch"))
+                        epoch=opts.get("epoch"),
+                        progress_thread=bool(opts.get("progress_thread", False)))
+    idle_sleep = float(opts.get("idle_sleep", 0.0005))
     if opts.get("handshake_version"):
         p.handshake_version = int(opts["handshake_version"])
     conn.send(("ready", p.host, p.port, p.epoch))
@@ -141,10 +143,12 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         "invariants": p.check_invariants(), "faults": dict(faults),
                         "stranded_block_seconds": stats["stranded_block_seconds"],
                         "peers": sorted(p.peers), "t": time.monotonic()}))
+                elif op == "pause":  # benchmarks/tests: stop polling for a while
+                    time.sleep(float(cmd[1]))
                 elif op == "stop":
                     stop = True
             if not busy:
-                time.sleep(0.0005)
+                time.sleep(idle_sleep)
     finally:
         if writer is not None:
             writer.close()

@@ -75,6 +75,7 @@ class ProducerAdapter:
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
+        self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
         self.pool = BlockPool(num_blocks, strict=strict_pool)
         self.ledger = Ledger(config, self.pool, sink=sink)
         self.tp_rank = tp_rank
@@ -138,7 +139,10 @@ class ProducerAdapter:
         or None if the ledger rejected or immediately freed the request."""
         now = self.clock()
         handle = self.ledger.new_handle()
-        gens = tuple(int(g) for g in self.region.gen[list(blocks)].tolist()) if blocks else ()
+        if self._gen_view is not None:
+            gens = tuple(self._gen_view[list(blocks)].tolist()) if blocks else ()
+        else:  # pragma: no cover - VRAM only
+            gens = tuple(int(g) for g in self.region.gen[list(blocks)].tolist()) if blocks else ()
         effects = self.ledger.register(handle, request_id, blocks, now, group=group,
                                        expected=expected)
         self._apply(effects, now)
@@ -200,9 +204,14 @@ class ProducerAdapter:
         for e in effects:
             if isinstance(e, Free):
                 if e.reclaimed:
-                    idx = torch.tensor(e.reclaimed, dtype=torch.int64, device=self.region.gen.device)
-                    self.region.gen[idx] += 1  # bump BEFORE the blocks can be reused
-                    if self.region.gen.is_cuda:  # pragma: no cover - VRAM only
+                    # Bump BEFORE the blocks can be reused: a READ racing this free then
+                    # reads a changed stamp and fails closed.
+                    if self._gen_view is not None:
+                        self._gen_view[list(e.reclaimed)] += 1
+                    else:  # pragma: no cover - VRAM only
+                        idx = torch.tensor(e.reclaimed, dtype=torch.int64,
+                                           device=self.region.gen.device)
+                        self.region.gen[idx] += 1
                         torch.cuda.synchronize(self.region.gen.device)
                     for b in e.reclaimed:
                         self._return_block(b)
@@ -217,7 +226,8 @@ class ProducerAdapter:
                 self.observer(e, now)
 
     def _send_ack(self, a: Ack) -> None:
-        for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes):
+        for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes,
+                              pending=a.pending):
             try:
                 self.agent.send_notif(a.reader, buf)
                 self._count("acks_sent")

@@ -1,0 +1,350 @@
+"""``kvproto bench transfer``: raw NIXL READs against the kvproto-managed path.
+
+One run, same agents and block layout for both sides of each comparison:
+
+* throughput at large blocks (default 256 KiB): a raw loop of prepared READs (post all,
+  poll until done, release) against the managed path (admit, schedule, data READ, stamp
+  READ carrying ``done``, generation check, P frees on ``done``), same requests and sizes;
+* control-plane overhead at small blocks (4 KiB, one block per request): requests/s;
+* handshake latency: a fresh D agent until the P engine is usable (metadata loaded,
+  remote descriptor lists prepared);
+* heartbeat bytes/s with 10^4 requests in flight (the real encoder and machine).
+
+P runs in its own process (spawn); D runs here. These are figures, not tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from kvproto.lifecycle import Config, Consumer, TransferParams
+
+log = logging.getLogger(__name__)
+
+BENCH_CONFIG = Config(initial_lease=30.0, lease_extension=20.0, heartbeat_interval=5.0,
+                      abort_grace=30.0, max_delay=1.0, max_read_time=5.0, clock_drift=0.5)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-kib", type=int, default=256, help="large block size, KiB (256)")
+    p.add_argument("--blocks-per-request", type=int, default=16, help="blocks per request (16)")
+    p.add_argument("--requests", type=int, default=48, help="requests per throughput round (48)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per side; median reported (5)")
+    p.add_argument("--small-requests", type=int, default=400,
+                   help="requests per small-block round (400)")
+    p.add_argument("--in-flight", type=int, default=10000,
+                   help="in-flight requests for the heartbeat figure (10000)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+class _P:
+    def __init__(self, name: str, num_blocks: int, block_bytes: int,
+                 opts: dict[str, Any] | None = None) -> None:
+        from kvproto.nixl.procs import producer_main
+
+        ctx = mp.get_context("spawn")
+        self.conn: Connection
+        self.conn, child = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(
+            target=producer_main, args=(child, name, BENCH_CONFIG.to_dict(), num_blocks,
+                                        block_bytes, {"device": "cpu", **(opts or {})}),
+            daemon=True)
+        self.proc.start()
+        child.close()
+        self.name = name
+        m = self.conn.recv()
+        assert m[0] == "ready", m
+        self.host, self.port = m[1], int(m[2])
+
+    def register_many(self, rids: list[str], nblocks: int) -> list[TransferParams]:
+        for rid in rids:
+            self.conn.send(("register", rid, nblocks, None, 1, rid, None))
+        out: list[TransferParams] = []
+        while len(out) < len(rids):
+            m = self.conn.recv()
+            if m[0] != "registered":
+                continue
+            if m[2] is None:
+                raise RuntimeError(f"P could not register {m[1]} (out of blocks?)")
+            out.append(TransferParams.from_dict(m[2]))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        self.conn.send(("stats",))
+        while True:
+            m = self.conn.recv()
+            if m[0] == "stats":
+                return m[1]  # type: ignore[no-any-return]
+
+    def wait_reclaimed(self, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.stats()["held"] == 0:
+                return
+            time.sleep(0.01)
+        raise RuntimeError("P did not reclaim its blocks")
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _consumer(name: str, num_blocks: int, block_bytes: int, p: _P) -> Any:
+    from kvproto.nixl.consumer import ConsumerAdapter
+
+    d = ConsumerAdapter(name, BENCH_CONFIG, num_blocks=num_blocks, block_bytes=block_bytes,
+                        progress_thread=bool(os.environ.get("KVB_PT")))
+    d.add_engine(p.name, p.host, p.port)
+    return d
+
+
+def _handshake(d: Any, p: _P, timeout: float = 30.0) -> float:
+    """Admit one request; return the seconds until the engine was usable."""
+    [params] = p.register_many([f"hs-{d.name}"], 1)
+    t0 = time.perf_counter()
+    d.admit(f"hs-{d.name}", params)
+    end = time.monotonic() + timeout
+    while d.engines[p.name].state != "ready":
+        d.poll()
+        if time.monotonic() > end:
+            raise RuntimeError("handshake did not complete")
+    dt = time.perf_counter() - t0
+    d.schedule(f"hs-{d.name}")
+    _drain(d, 1)
+    return dt
+
+
+def _drain(d: Any, n: int, timeout: float = 120.0,
+           layout: dict[str, tuple[int, ...]] | None = None) -> list[Any]:
+    out: list[Any] = []
+    end = time.monotonic() + timeout
+    while len(out) < n:
+        out += d.poll()
+        if time.monotonic() > end:
+            raise RuntimeError(f"only {len(out)}/{n} completions")
+    for c in out:
+        if layout is not None and c.local_blocks is not None:
+            layout[c.request_id] = c.local_blocks
+        d.free_local(c.request_id)
+    bad = [c for c in out if c.reason != "pulled"]
+    if bad:
+        raise RuntimeError(f"managed path failed: {bad[:3]}")
+    return out
+
+
+def _raw_round(d: Any, engine: str, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
+               *, stamps: bool = False) -> float:
+    """Post one prepared READ per request (all at once), poll to completion, release.
+    ``pairs`` are (local blocks, remote blocks): the managed round's exact layout. With
+    ``stamps``, each completed data READ is followed by a READ of the blocks' generation
+    stamps (the fail-closed check's transfer, without the lifecycle)."""
+    from kvproto.nixl.agent import DONE, Xfer
+
+    e = d.engines[engine]
+    bb = d.region.block_bytes
+    t0 = time.perf_counter()
+    pending: list[tuple[Xfer, int, bool]] = []
+    done: list[Xfer] = []
+    for j, (local, remote) in enumerate(pairs):
+        x = Xfer.make_read(d.agent, d.local_kv, list(local),
+                           e.remote_kv, list(remote), b"", len(remote) * bb)
+        assert isinstance(x, Xfer)
+        x.post()
+        pending.append((x, j, True))
+    while pending:
+        nxt: list[tuple[Xfer, int, bool]] = []
+        for x, j, is_data in pending:
+            st = x.poll()
+            if st.startswith("error"):
+                raise RuntimeError(f"raw READ failed: {st}")
+            if st != DONE:
+                nxt.append((x, j, is_data))
+                continue
+            done.append(x)
+            if is_data and stamps:
+                local, remote = pairs[j]
+                g = Xfer.make_read(d.agent, d.local_gen, list(local), e.remote_gen,
+                                   list(remote), b"", 0)
+                assert isinstance(g, Xfer)
+                g.post()
+                nxt.append((g, j, False))
+        pending = nxt
+    dt = time.perf_counter() - t0
+    for x in done:
+        x.release()
+    return dt
+
+
+def _managed_round(d: Any, params: list[TransferParams], tag: str
+                   ) -> tuple[float, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    layout: dict[str, tuple[int, ...]] = {}
+    t0 = time.perf_counter()
+    for i, pr in enumerate(params):
+        rid = f"{tag}-{i}"
+        d.admit(rid, pr)
+        d.schedule(rid)
+    _drain(d, len(params), layout=layout)
+    dt = time.perf_counter() - t0
+    return dt, [(layout[f"{tag}-{i}"], pr.blocks) for i, pr in enumerate(params)]
+
+
+def throughput(block_bytes: int, k: int, nreq: int, rounds: int, tag: str,
+               popts: dict[str, Any] | None = None) -> dict[str, Any]:
+    nblocks = k * nreq
+    p = _P(f"bench-P-{tag}-{os.getpid()}", nblocks + 1, block_bytes, popts)
+    d = _consumer(f"bench-D-{tag}-{os.getpid()}", nblocks, block_bytes, p)
+    try:
+        hs = _handshake(d, p)
+        p.wait_reclaimed()
+        raw_t: list[float] = []
+        stamp_t: list[float] = []
+        man_t: list[float] = []
+        pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for r in range(rounds + 1):  # round 0 warms all paths up
+            params = p.register_many([f"{tag}{r}-{i}" for i in range(nreq)], k)
+            # Raw reads the managed round's exact (local, P) blocks: same descriptors,
+            # no lifecycle. The order alternates so drift in machine load hits all sides.
+            raw_first = r % 2 == 1
+            if raw_first:
+                raw = _raw_round(d, p.name, pairs)
+                stamp = _raw_round(d, p.name, pairs, stamps=True)
+            man, pairs = _managed_round(d, params, f"m{r}")
+            p.wait_reclaimed()
+            if not raw_first:
+                stamp = _raw_round(d, p.name, pairs, stamps=True)
+                raw = _raw_round(d, p.name, pairs)
+            if r:
+                man_t.append(man)
+                raw_t.append(raw)
+                stamp_t.append(stamp)
+        nbytes = nblocks * block_bytes
+        raw_med = statistics.median(raw_t)
+        man_med = statistics.median(man_t)
+        stamp_med = statistics.median(stamp_t)
+        return {"handshake_s": hs, "raw_s": raw_med, "managed_s": man_med,
+                "raw_gbps": nbytes / raw_med / 1e9, "kvproto_gbps": nbytes / man_med / 1e9,
+                "raw_stamps_gbps": nbytes / stamp_med / 1e9, "raw_stamps_rps": nreq / stamp_med,
+                "raw_rps": nreq / raw_med, "kvproto_rps": nreq / man_med,
+                "raw_rounds_s": raw_t, "managed_rounds_s": man_t}
+    finally:
+        d.close(5.0)
+        p.stop()
+
+
+def handshake_latency(n: int = 5) -> list[float]:
+    p = _P(f"bench-Phs-{os.getpid()}", 64, 4096)
+    out: list[float] = []
+    try:
+        for i in range(n):
+            d = _consumer(f"bench-Dhs{i}-{os.getpid()}", 8, 4096, p)
+            try:
+                out.append(_handshake(d, p))
+            finally:
+                d.close(2.0)
+    finally:
+        p.stop()
+    return out
+
+
+def heartbeat_bytes(in_flight: int, cfg: Config = BENCH_CONFIG) -> dict[str, Any]:
+    """Bytes per second of heartbeats (and acks) with ``in_flight`` requests queued on D."""
+    from kvproto.lifecycle import Ack, BlockPool, Ledger, SendHeartbeat
+    from kvproto.wire import encode_ack, encode_heartbeat
+
+    c = Consumer("D0", cfg)
+    ledger = Ledger(cfg, BlockPool(1))
+    for h in range(1, in_flight + 1):
+        ledger.register(h, f"r{h}", (0,), 0.0)
+        c.admit(f"r{h}", TransferParams("P0", 7, h, (0,), cfg.initial_lease), 0.0)
+    c.handshake_result("P0", True, 0.0)
+    hb_bytes = ack_bytes = msgs = 0
+    for eff in c.tick(1.0):
+        if isinstance(eff, SendHeartbeat):
+            for m in encode_heartbeat(7, eff.seq, eff.handles, eff.expected,
+                                      cfg.max_message_bytes):
+                hb_bytes += len(m)
+                msgs += 1
+            for a in ledger.heartbeat("D0", eff.seq, eff.handles, eff.expected, 1.0):
+                if isinstance(a, Ack):
+                    ack_bytes += sum(len(m) for m in encode_ack(
+                        7, a.seq, a.term, a.refused, cfg.max_message_bytes, pending=a.pending))
+    # The textual upstream form for comparison: "HB:" + ",".join(request ids), with
+    # typical 40-character request ids (an estimate, not a measurement of upstream).
+    text = 3 + in_flight * 41
+    iv = cfg.heartbeat_interval
+    return {"in_flight": in_flight, "heartbeat_interval_s": iv,
+            "bytes_per_round": hb_bytes, "messages_per_round": msgs,
+            "bytes_per_request": hb_bytes / in_flight,
+            "heartbeat_bytes_per_s": hb_bytes / iv, "ack_bytes_per_s": ack_bytes / iv,
+            "upstream_text_bytes_per_s_estimate": text / iv}
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvproto.nixl.agent import nixl_available
+
+    if not nixl_available():
+        print("kvproto bench transfer: the nixl package is not importable", file=sys.stderr)
+        return 3
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    t0 = time.monotonic()
+    big = throughput(args.block_kib * 1024, args.blocks_per_request, args.requests,
+                     args.rounds, "big")
+    small = throughput(4096, 1, args.small_requests, args.rounds, "small")
+    hs = handshake_latency()
+    hb = heartbeat_bytes(args.in_flight)
+    res: dict[str, Any] = {
+        "block_bytes": args.block_kib * 1024, "blocks_per_request": args.blocks_per_request,
+        "requests_per_round": args.requests, "rounds": args.rounds,
+        "raw_gbps": round(big["raw_gbps"], 4), "kvproto_gbps": round(big["kvproto_gbps"], 4),
+        "ratio": round(big["kvproto_gbps"] / big["raw_gbps"], 4),
+        "small_block_bytes": 4096,
+        "small_block_rps_raw": round(small["raw_rps"], 1),
+        "small_block_rps_kvproto": round(small["kvproto_rps"], 1),
+        "small_block_ratio": round(small["kvproto_rps"] / small["raw_rps"], 4),
+        "handshake_ms": round(statistics.median(hs) * 1000, 2),
+        "handshake_ms_all": [round(x * 1000, 2) for x in hs],
+        "heartbeat_bytes_per_s": round(hb["heartbeat_bytes_per_s"], 1),
+        "heartbeat": hb,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    kib = args.block_kib
+    print("kvproto bench transfer (P in its own process, D here; loopback, UCX defaults)")
+    print(f"  {kib} KiB blocks x {args.blocks_per_request}/request x {args.requests} requests,"
+          f" median of {args.rounds} rounds")
+    print(f"    raw NIXL READ loop        {res['raw_gbps']:8.3f} GB/s")
+    print(f"    kvproto-managed path      {res['kvproto_gbps']:8.3f} GB/s   ratio {res['ratio']:.3f}")
+    print(f"  4 KiB blocks, 1 block/request x {args.small_requests} requests")
+    print(f"    raw                       {res['small_block_rps_raw']:10.1f} requests/s")
+    print(f"    kvproto                   {res['small_block_rps_kvproto']:10.1f} requests/s"
+          f"   ratio {res['small_block_ratio']:.3f}")
+    print(f"  handshake latency (median)  {res['handshake_ms']:8.2f} ms  {res['handshake_ms_all']}")
+    print(f"  heartbeats at {hb['in_flight']} in flight: {hb['heartbeat_bytes_per_s']:.0f} B/s"
+          f" ({hb['bytes_per_request']:.2f} B/request per {hb['heartbeat_interval_s']:g}s round,"
+          f" {hb['messages_per_round']} messages); acks {hb['ack_bytes_per_s']:.0f} B/s;"
+          f" textual upstream form ~{hb['upstream_text_bytes_per_s_estimate']:.0f} B/s")
+    print(f"  load average {res['loadavg_1m']} on {res['cpu_count']} CPUs; {res['wall_s']} s")
+    return 0
