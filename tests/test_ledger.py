@@ -206,6 +206,16 @@ def test_tick_respects_a_renewed_deadline(ledger: Ledger) -> None:
     assert frees(ledger.tick(45.0)) == [(1, "expired")]
 
 
+def test_tick_never_frees_a_renewed_lease_before_its_new_deadline(ledger: Ledger) -> None:
+    ledger.register(1, "req", (0,), 0.0)
+    ledger.heartbeat("d0", 1, (1,), 1, 10.001)  # renewed just past the initial deadline
+    deadline = ledger.deadline(1)
+    assert deadline is not None and 30.0 < deadline < 30.01
+    assert ledger.tick(30.0) == []  # the initial deadline's heap entry comes due here
+    assert ledger.state(1) == LEASED
+    assert frees(ledger.tick(deadline)) == [(1, "expired")]
+
+
 @pytest.mark.parametrize("kind", ["heartbeat", "done", "release"])
 def test_message_after_expiry_is_late_and_never_resurrects(ledger: Ledger, kind: str) -> None:
     ledger.register(1, "req", (0,), 0.0, expected=1)
