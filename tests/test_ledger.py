@@ -422,6 +422,16 @@ def test_early_heartbeat_is_staged_neither_granted_nor_refused(ledger: Ledger) -
     assert ledger.deadline(1) == 45.0  # max(15 + 30, 0 + 20)
 
 
+def test_staged_heartbeat_renews_from_its_arrival_time(make_ledger: LedgerFactory) -> None:
+    """Applied at registration as if it had been applied when it arrived: D computes its
+    lease from the heartbeat's send time, so P grants arrival + extension, no more."""
+    ledger = make_ledger(initial_lease=10.0, lease_extension=20.0, abort_grace=20.0)
+    ledger.heartbeat("d0", 1, (1,), 1, 2.0)
+    ledger.register(1, "req", (0,), 5.0)
+    assert ledger.deadline(1) == 22.0  # max(5 + 10, 2 + 20)
+    assert ledger.state(1) == LEASED
+
+
 def test_early_done_announces_readers_at_registration(ledger: Ledger) -> None:
     ledger.done("d0", 1, 2, 0.0)
     assert ledger.register(1, "req", (0,), 0.5) == []
