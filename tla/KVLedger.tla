@@ -224,6 +224,13 @@ HeartbeatOp(L, r, d, e) ==
       [] L.pstate[r] = "aborted" -> L
       [] OTHER -> NotLive(L, r, "heartbeat", d, e)
 
+(* Ledger.heartbeat over a whole batch S of handles (handles are independent). *)
+RECURSIVE HeartbeatBatchOp(_, _, _, _)
+HeartbeatBatchOp(L, S, d, e) ==
+    IF S = {} THEN L
+    ELSE LET r == CHOOSE q \in S : TRUE
+         IN  HeartbeatBatchOp(HeartbeatOp(L, r, d, e), S \ {r}, d, e)
+
 (* What the Ack says about r: refused when aborted/expired/freed; an early (staged) or
    dropped-early heartbeat is NOT refused (Python leaves it out of `refused`). *)
 HeartbeatRefused(L, r) == L.pstate[r] \in {"aborted", "expired", "freed"}

@@ -37,9 +37,9 @@ BENCH_CONFIG = Config(initial_lease=30.0, lease_extension=20.0, heartbeat_interv
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, default=256, help="large block size, KiB (256)")
-    p.add_argument("--blocks-per-request", type=int, default=16, help="blocks per request (16)")
-    p.add_argument("--requests", type=int, default=48, help="requests per throughput round (48)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds per side; median reported (5)")
+    p.add_argument("--blocks-per-request", type=int, default=64, help="blocks per request (64)")
+    p.add_argument("--requests", type=int, default=12, help="requests per throughput round (12)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds per side; median reported (9)")
     p.add_argument("--small-requests", type=int, default=400,
                    help="requests per small-block round (400)")
     p.add_argument("--in-flight", type=int, default=10000,
@@ -108,8 +108,7 @@ class _P:
 def _consumer(name: str, num_blocks: int, block_bytes: int, p: _P) -> Any:
     from kvproto.nixl.consumer import ConsumerAdapter
 
-    d = ConsumerAdapter(name, BENCH_CONFIG, num_blocks=num_blocks, block_bytes=block_bytes,
-                        progress_thread=bool(os.environ.get("KVB_PT")))
+    d = ConsumerAdapter(name, BENCH_CONFIG, num_blocks=num_blocks, block_bytes=block_bytes)
     d.add_engine(p.name, p.host, p.port)
     return d
 
@@ -316,6 +315,10 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_round": args.requests, "rounds": args.rounds,
         "raw_gbps": round(big["raw_gbps"], 4), "kvproto_gbps": round(big["kvproto_gbps"], 4),
         "ratio": round(big["kvproto_gbps"] / big["raw_gbps"], 4),
+        "raw_stamps_gbps": round(big["raw_stamps_gbps"], 4),
+        "raw_rounds_ms": [round(x * 1000, 1) for x in big["raw_rounds_s"]],
+        "kvproto_rounds_ms": [round(x * 1000, 1) for x in big["managed_rounds_s"]],
+        "small_block_rps_raw_stamps": round(small["raw_stamps_rps"], 1),
         "small_block_bytes": 4096,
         "small_block_rps_raw": round(small["raw_rps"], 1),
         "small_block_rps_kvproto": round(small["kvproto_rps"], 1),
@@ -336,9 +339,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {kib} KiB blocks x {args.blocks_per_request}/request x {args.requests} requests,"
           f" median of {args.rounds} rounds")
     print(f"    raw NIXL READ loop        {res['raw_gbps']:8.3f} GB/s")
+    print(f"    raw + stamp READ          {res['raw_stamps_gbps']:8.3f} GB/s   (the fail-closed"
+          " check's transfer, no lifecycle)")
     print(f"    kvproto-managed path      {res['kvproto_gbps']:8.3f} GB/s   ratio {res['ratio']:.3f}")
     print(f"  4 KiB blocks, 1 block/request x {args.small_requests} requests")
     print(f"    raw                       {res['small_block_rps_raw']:10.1f} requests/s")
+    print(f"    raw + stamp READ          {res['small_block_rps_raw_stamps']:10.1f} requests/s")
     print(f"    kvproto                   {res['small_block_rps_kvproto']:10.1f} requests/s"
           f"   ratio {res['small_block_ratio']:.3f}")
     print(f"  handshake latency (median)  {res['handshake_ms']:8.2f} ms  {res['handshake_ms_all']}")
