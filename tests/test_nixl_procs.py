@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +20,10 @@ from kvproto.lifecycle import Config, TransferParams
 
 pytest.importorskip("nixl._api")
 
+from kvproto.conformance import TLCMissing
 from kvproto.nixl.consumer import Completion, ConsumerAdapter
 from kvproto.nixl.procs import consumer_main, producer_main
+from kvproto.validate import validate
 
 pytestmark = pytest.mark.nixl
 
@@ -234,3 +240,47 @@ def test_fenced_race_cross_process(procs: list[Proc]) -> None:
         assert s["violations"] == 0 and s["invariants"] == []
     finally:
         d.close(1.0)
+
+
+@pytest.mark.tlc
+def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Path) -> None:
+    """The main job, shortened: ``kvproto demo`` (all five engine processes, kill -9 of C,
+    aborts, siblings, dropped/duplicated notifications) exits 0 with a clean report, and
+    the P adapter's journal is a behaviour of the TLA+ spec (``kvproto validate``)."""
+    journal = tmp_path / "journal.jsonl"
+    cmd = [sys.executable, "-m", "kvproto.cli", "-q", "demo", "--seed", "3", "--duration", "3",
+           "--rate", "25", "--journal", str(journal), "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: killable whole
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"demo did not finish in 240s:\n{out[-2000:]}\n{err[-2000:]}"
+                             ) from None
+    finally:
+        try:  # no engine process may outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    assert "fault: kill -9 of D engine C" in out
+    for needle in ("requests", "completed", "failed (by reason)", "bytes moved", "GB/s",
+                   "frees by reason", "stranded block-seconds", "stale messages",
+                   "double frees", "corrupted blocks served", "all P blocks reclaimed"):
+        assert needle in out, needle
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["clean"] is True
+    assert report["double_frees"] == 0 and report["corrupted_blocks_served"] == 0
+    assert report["all_p_blocks_reclaimed"] is True and report["open"] == 0
+    assert report["completed"] > 0 and report["bytes_moved"] > 0
+    assert report["journal"] == str(journal)
+    lines = journal.read_text().splitlines()
+    assert sum('"type":"register"' in ln for ln in lines) >= 20
+    try:
+        verdicts = validate([journal])
+    except TLCMissing as e:  # pragma: no cover - depends on the machine
+        pytest.skip(str(e))
+    assert [v.allowed for v in verdicts] == [True], verdicts[0].describe()
+    assert verdicts[0].steps == len(lines) - 1

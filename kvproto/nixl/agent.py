@@ -60,6 +60,16 @@ def nixl_available() -> bool:
     return True
 
 
+def quiet_nixl_logging(level: int = logging.WARNING) -> None:
+    """Raise the ``nixl`` logger's level. NIXL configures that logger (INFO, to stdout)
+    when it is first imported, so import it first: setting the level earlier is undone."""
+    try:
+        import nixl._api  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return
+    logging.getLogger("nixl").setLevel(level)
+
+
 def make_agent(name: str, *, progress_thread: bool = False) -> Any:
     """Create a UCX agent named ``name``. UCX environment variables are left alone.
 

@@ -295,7 +295,7 @@ def heartbeat_bytes(in_flight: int, cfg: Config = BENCH_CONFIG) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproto.nixl.agent import nixl_available
+    from kvproto.nixl.agent import nixl_available, quiet_nixl_logging
 
     if not nixl_available():
         print("kvproto bench transfer: the nixl package is not importable", file=sys.stderr)
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+    quiet_nixl_logging()
     t0 = time.monotonic()
     big = throughput(args.block_kib * 1024, args.blocks_per_request, args.requests,
                      args.rounds, "big")

@@ -322,6 +322,8 @@ class Demo:
                 next_progress = t + 2.0
                 self._progress()
             self._poll(0.005)
+        if kill_at is not None:  # the arrivals ended first (--requests): kill C now
+            self._kill_c()
         t_end = self.now()
         self.faults.append((t_end, "workload ends; draining"))
         print(f"[{t_end:6.1f}s] workload done ({n} requests); draining", flush=True)
@@ -496,12 +498,12 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproto.nixl.agent import nixl_available
+    from kvproto.nixl.agent import nixl_available, quiet_nixl_logging
 
     if not nixl_available():
         print("kvproto demo: the nixl package is not importable", file=sys.stderr)
         return 3
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+    quiet_nixl_logging()
     demo = Demo(args)
     try:
         report = demo.run()

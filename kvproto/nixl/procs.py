@@ -29,7 +29,9 @@ def _setup_logging(level: int) -> None:
     # against each other (measured: a 64 KiB pattern fill went from 0.7 ms to 140 ms).
     torch.set_num_threads(1)
     logging.basicConfig(level=level, format=f"%(levelname)s [{os.getpid()}] %(name)s: %(message)s")
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+    from kvproto.nixl.agent import quiet_nixl_logging
+
+    quiet_nixl_logging()  # NIXL logs every agent creation at INFO to stdout otherwise
 
 
 def _fault_rng_hook(drop: float, dup: float, seed: int, stats: dict[str, int]) -> Any:

@@ -51,6 +51,8 @@ from kvproto.wire import (
 
 log = logging.getLogger(__name__)
 
+TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
+
 Clock = Callable[[], float]
 # Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
 # (``[]`` drops, ``[m, m]`` duplicates). Tests and the demo only.
@@ -95,6 +97,13 @@ class ProducerAdapter:
         self._closed = False
 
     # -- helpers ---------------------------------------------------------------------
+    def _now(self) -> float:
+        """The clock in whole milliseconds: every time the ledger sees (and the journal
+        records) then maps to a TLA+ integer in ``kvproto validate``, which rejects times
+        finer than a microsecond; milliseconds keep TLC's 32-bit integers from
+        overflowing for weeks of run time."""
+        return round(self.clock(), TIME_DECIMALS)
+
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
@@ -137,7 +146,7 @@ class ProducerAdapter:
                  expected: int = 0) -> TransferParams | None:
         """Hand ``blocks`` (already filled) to the lifecycle; return D's transfer params,
         or None if the ledger rejected or immediately freed the request."""
-        now = self.clock()
+        now = self._now()
         handle = self.ledger.new_handle()
         if self._gen_view is not None:
             gens = tuple(self._gen_view[list(blocks)].tolist()) if blocks else ()
@@ -153,13 +162,13 @@ class ProducerAdapter:
                               expected=max(1, expected), group=group, generations=gens)
 
     def abort(self, request_id: str) -> None:
-        now = self.clock()
+        now = self._now()
         self._apply(self.ledger.abort(request_id, now), now)
 
     # -- the step loop ---------------------------------------------------------------------
     def poll(self) -> int:
         """One non-blocking step: handshakes, notifications, tick. Returns messages handled."""
-        now = self.clock()
+        now = self._now()
         self.server.poll(now)
         n = 0
         try:
@@ -174,12 +183,17 @@ class ProducerAdapter:
                 for m2 in (self.fault_hook(peer_s, m) if self.fault_hook else [m]):
                     n += 1
                     self._on_message(peer_s, m2, now)
-        self._apply(self.ledger.tick(now), now)
+        # Tick only when the ledger says something can be due (an expiry or a staged
+        # message's age limit); other events carry the time anyway. This keeps the
+        # journal to the events that matter instead of one tick per poll.
+        due = self.ledger.next_deadline()
+        if due is not None and now >= due:
+            self._apply(self.ledger.tick(now), now)
         return n
 
     def tick(self) -> None:
         """Only let time pass (no I/O): expiries and staging cleanup."""
-        now = self.clock()
+        now = self._now()
         self._apply(self.ledger.tick(now), now)
 
     def _on_message(self, peer: str, buf: bytes, now: float) -> None:
@@ -238,7 +252,7 @@ class ProducerAdapter:
 
     # -- handshakes ----------------------------------------------------------------------
     def _on_handshake(self, conn: int, payload: bytes) -> tuple[bytes, str]:
-        now = self.clock()
+        now = self._now()
         try:
             hs = decode_handshake(payload)
             if hs.role != "consumer":
