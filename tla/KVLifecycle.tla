@@ -29,7 +29,7 @@ EXTENDS Naturals, Integers, Sequences, FiniteSets, TLC
 CONSTANTS
     Requests, Readers, Blocks, BlocksOf, GroupOf, NoGroup, RegExpected,
     InitialLease, LeaseExtension, AbortGrace, MaxStaged, MaxStagedMsgs, MaxStagedAge,
-    BugCountMessages, BugDropEarly,
+    BugCountMessages, BugDropEarly, BugAbortFreesNow,
     ReadersOf,          \* [Requests -> SUBSET Readers]: who pulls each request (fan-in)
     HeartbeatInterval,  \* Config.heartbeat_interval
     MaxDelay,           \* Config.max_delay
@@ -425,8 +425,14 @@ Fairness ==
 Spec == Init /\ [][Next]_vars /\ Fairness
 
 -----------------------------------------------------------------------------
-(* Readers are interchangeable when every request is pulled by all of them. *)
+(* Readers are interchangeable when every request is pulled by all of them (safety
+   models only; the readers must then be model values). *)
 ReaderSymmetry == Permutations(Readers)
+
+(* The state as safety checking needs it: the GHOST `reported` is read only by the
+   liveness property ReportedIsFreed, so safety models may leave it out (VIEW). *)
+SafetyView == <<ledgerVars, dVars, msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr,
+                nHsFail, flaw>>
 
 (* Invariants. Each is referenced from spec/TLA.md. *)
 

@@ -1,0 +1,457 @@
+"""``kvproto check``: model-check the TLA+ spec with TLC, or check a user's lease numbers.
+
+Models are the ``MC_*.cfg`` files in ``tla/``; :data:`MODELS` names each one, says what
+it covers and what TLC must conclude about it:
+
+* ``ci`` (the default) and ``live`` must pass: the safety invariants, then liveness
+  (``NoLeak``, ``ReportedIsFreed``) under fairness;
+* ``large`` is the longer documented run (not in CI);
+* the ``bug_*`` models each re-introduce a known upstream bug and must FAIL with the
+  named property. ``kvproto check --bugs`` exits 0 only when every one of them does: a
+  checker that cannot fail proves nothing.
+
+``kvproto check --lease-config FILE`` (or the timing flags) model-checks a user's own
+lease, extension, heartbeat interval and delay bounds: the numbers are turned into
+discrete time units, rounding every term P grants *down* and every delay *up* (so a
+pass is sound for the real numbers), and TLC checks ``NoFreeUnderRead``,
+``RenewalKeepsLease`` and ``NoLeak`` on the ``lease`` model with them.
+
+Exit codes: 0 every model concluded as expected; 1 a property was violated (or a bug
+model was not caught); 2 usage error or bad config file; 3 no Java runtime; 4 TLC crashed
+or could not parse the spec; 5 no tla2tools.jar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from kvproto.lifecycle import Config, ConfigError
+from kvproto.tlc import (
+    SPEC_DIR,
+    MissingJar,
+    MissingJava,
+    Progress,
+    TlcResult,
+    render_trace,
+    run_tlc,
+)
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_VIOLATION = 1
+EXIT_USAGE = 2
+EXIT_NO_JAVA = 3
+EXIT_TLC_CRASH = 4
+EXIT_NO_JAR = 5
+
+
+@dataclass(frozen=True)
+class Model:
+    """A named TLC configuration of ``tla/MC.tla`` and what TLC must conclude."""
+
+    name: str
+    cfg: str  # file name under tla/
+    about: str
+    expect: str | None = None  # None: must pass; else the property that must be violated
+    ci: bool = True  # run by `kvproto check --all` and the test suite
+
+    @property
+    def path(self) -> Path:
+        return SPEC_DIR / self.cfg
+
+
+MODELS: dict[str, Model] = {m.name: m for m in (
+    Model("ci", "MC_ci.cfg",
+          "2 requests x 2 readers (fan-in 2), 1 sibling group sharing a block, early "
+          "messages, 1 loss, 1 duplicate, 1 D crash, 1 abort on P; every safety invariant"),
+    Model("live", "MC_live.cfg",
+          "liveness under fairness of Tick and delivery: NoLeak and ReportedIsFreed "
+          "(1 request x 2 readers, 1 loss, 1 crash, aborts on P and D)"),
+    Model("lease", "MC_lease.cfg",
+          "the model `--lease-config` fills in: 1 request x 2 readers, 1 loss, 1 crash, "
+          "aborts on P and D; safety and NoLeak, with the default Config's numbers"),
+    Model("large", "MC_large.cfg",
+          "the longer run: the ci model plus early messages (staging), aborts on P and D, "
+          "a READ error, a failed handshake, D ranks that start without a handshake",
+          ci=False),
+    Model("bug_count_messages", "MC_bug_count_messages.cfg",
+          "BUG: P counts done messages instead of distinct readers (vLLM's fan-in "
+          "count), so a duplicated done frees blocks another reader is still reading",
+          expect="NoFreeUnderRead"),
+    Model("bug_abort_frees_now", "MC_bug_abort_frees_now.cfg",
+          "BUG: an abort after prefill finished frees the blocks at once, under a READ "
+          "that D started within its lease", expect="NoFreeUnderRead"),
+    Model("bug_drop_early", "MC_bug_drop_early.cfg",
+          "BUG: notifications that arrive before register are dropped, so a request "
+          "every reader reported stays pinned until its lease runs out",
+          expect="ReportedIsFreed"),
+    Model("bug_short_extension", "MC_bug_short_extension.cfg",
+          "BUG: lease extension shorter than heartbeat interval + delay, so P expires "
+          "requests whose reader is alive and heartbeating", expect="RenewalKeepsLease"),
+)}
+
+DEFAULT_MODELS = ("ci",)
+
+# ---------------------------------------------------------------------------
+# A user's lease numbers -> the `lease` model.
+# ---------------------------------------------------------------------------
+
+TIMING_KEYS = ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
+               "max_delay", "max_read_time", "clock_drift")
+# Terms P grants: rounded down (shorter is worse). Delays and bounds: rounded up.
+_TERMS = {"initial_lease": "InitialLease", "lease_extension": "LeaseExtension",
+          "abort_grace": "AbortGrace"}
+_DELAYS = {"heartbeat_interval": "HeartbeatInterval", "max_delay": "MaxDelay",
+           "max_read_time": "MaxReadTime", "clock_drift": "ClockDrift"}
+MAX_UNITS = 6  # the longest term in model time units when --unit is not given
+
+
+class LeaseConfigError(ValueError):
+    """A lease config file or flag that cannot be read (not: a config that is unsafe)."""
+
+
+def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
+    """Read a JSON (or TOML, by extension) file of ``Config`` keys, apply flag overrides.
+
+    The result is *not* validated: checking an unsafe config is the point. Unknown keys,
+    non-numbers and negative values are errors.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise LeaseConfigError(f"cannot read {path}: {e.strerror or e}") from e
+        try:
+            if p.suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+            else:
+                data = json.loads(text)
+        except ValueError as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+            raise LeaseConfigError(f"{path}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}:"
+                                   f" {e}") from e
+        if not isinstance(data, dict):
+            raise LeaseConfigError(f"{path}: expected an object of Config keys, "
+                                   f"got {type(data).__name__}")
+    data = {**data, **overrides}
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise LeaseConfigError(f"unknown config keys: {', '.join(unknown)} "
+                               f"(known: {', '.join(sorted(known))})")
+    for k, v in data.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise LeaseConfigError(f"{k} must be a finite number, got {v!r}")
+        if v < 0:
+            raise LeaseConfigError(f"{k} must be >= 0, got {v}")
+    for k in ("initial_lease", "lease_extension", "heartbeat_interval", "max_read_time"):
+        if k in data and data[k] <= 0:
+            raise LeaseConfigError(f"{k} must be > 0, got {data[k]}")
+    return replace(Config(), **data)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    unit: float  # seconds per model time unit
+    units: dict[str, int]  # TLA+ constant -> units
+    exact: bool  # every number is a whole number of units
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k}={v}" for k, v in self.units.items())
+        return f"1 unit = {self.unit:g} s: {parts}" + ("" if self.exact else
+                                                       " (terms rounded down, delays up)")
+
+
+def quantize(config: Config, unit: float) -> Quantized:
+    if unit <= 0:
+        raise LeaseConfigError(f"--unit must be > 0, got {unit}")
+    units: dict[str, int] = {}
+    exact = True
+    for key, const in _TERMS.items():
+        q = getattr(config, key) / unit
+        units[const] = math.floor(q + 1e-9)
+        exact &= abs(q - round(q)) < 1e-9
+    for key, const in _DELAYS.items():
+        q = getattr(config, key) / unit
+        units[const] = math.ceil(q - 1e-9)
+        exact &= abs(q - round(q)) < 1e-9
+    units["HeartbeatInterval"] = max(units["HeartbeatInterval"], 1)
+    units["MaxReadTime"] = max(units["MaxReadTime"], 1)
+    return Quantized(unit, units, exact)
+
+
+def _rules(u: dict[str, int] | dict[str, float]) -> tuple[bool, ...]:
+    """The timing rules of Config.validate over a set of (unit or second) values."""
+    return (
+        u["LeaseExtension"] > u["HeartbeatInterval"] + u["MaxDelay"] + u["ClockDrift"],
+        u["LeaseExtension"] > u["MaxReadTime"] + 2 * u["MaxDelay"] + u["ClockDrift"],
+        u["InitialLease"] > u["MaxReadTime"] + u["MaxDelay"] + u["ClockDrift"],
+        u["AbortGrace"] >= max(u["InitialLease"], u["LeaseExtension"]),
+    )
+
+
+def choose_unit(config: Config, max_units: int = MAX_UNITS) -> float:
+    """The coarsest unit (fewest states) whose rounding keeps every timing rule of
+    ``Config.validate`` as it is in seconds; an exact common unit if one is small enough."""
+    secs = {c: getattr(config, k) for k, c in {**_TERMS, **_DELAYS}.items()}
+    truth = _rules(secs)
+    longest = max(config.initial_lease, config.lease_extension, config.abort_grace)
+    # An exact common unit (gcd of the numbers as fractions), when it keeps terms small.
+    fr = [Fraction(v).limit_denominator(1000) for v in secs.values() if v > 0]
+    g = fr[0]
+    for f in fr[1:]:
+        g = Fraction(math.gcd(g.numerator * f.denominator, f.numerator * g.denominator),
+                     g.denominator * f.denominator)
+    if g > 0 and longest / float(g) <= max_units + 1e-9:
+        return float(g)
+    best: float | None = None
+    for n in range(1, 4 * max_units + 1):
+        unit = longest / n
+        q = quantize(config, unit)
+        if _rules(q.units) == truth and q.units["HeartbeatInterval"] >= 1:
+            best = unit
+            break
+    return best if best is not None else longest / max_units
+
+
+def lease_cfg_text(q: Quantized) -> str:
+    """The `lease` model's cfg with the quantized numbers substituted."""
+    text = MODELS["lease"].path.read_text()
+    for const, v in q.units.items():
+        text, n = re.subn(rf"(?m)^(\s*){const}\s*=\s*-?\d+\s*$", rf"\g<1>{const} = {v}", text)
+        if n != 1:
+            raise RuntimeError(f"{MODELS['lease'].cfg} has no single line for {const}")
+    return text
+
+
+# ---------------------------------------------------------------------------
+# Running and reporting.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    model: Model
+    result: TlcResult
+    as_expected: bool
+    summary: str
+
+
+def _properties(cfg_text: str) -> list[str]:
+    """PROPERTY names of a cfg (to name a liveness violation: TLC only says which
+    when the config has one)."""
+    out: list[str] = []
+    for line in cfg_text.splitlines():
+        line = line.split("\\*", 1)[0]
+        m = re.match(r"\s*PROPERTY\s+(.*)$", line)
+        if m:
+            out += m.group(1).split()
+    return out
+
+
+def violated_name(res: TlcResult, cfg_text: str) -> str | None:
+    if res.result != "violation":
+        return None
+    if res.kind == "liveness":
+        props = _properties(cfg_text)
+        return props[0] if len(props) == 1 else "Temporal properties"
+    return res.violated
+
+
+def judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
+    name = violated_name(res, cfg_text)
+    stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states, "
+             f"depth {res.depth if res.depth is not None else '?'}, {res.seconds:.1f} s"
+             if isinstance(res.distinct, int) else f"{res.seconds:.1f} s")
+    if res.result == "error":
+        return Outcome(model, res, False, f"TLC failed: {res.message}")
+    if model.expect is None:
+        if res.result == "ok":
+            return Outcome(model, res, True, f"ok: no violation ({stats})")
+        what = name or res.result
+        return Outcome(model, res, False, f"VIOLATION of {what} ({res.kind}; {stats})")
+    if name == model.expect:
+        return Outcome(model, res, True, f"ok: the expected violation of {name} was found "
+                                         f"({stats})")
+    if res.result == "ok":
+        return Outcome(model, res, False, f"NOT CAUGHT: expected a violation of "
+                                          f"{model.expect}, TLC found none ({stats})")
+    return Outcome(model, res, False, f"WRONG VIOLATION: expected {model.expect}, got "
+                                      f"{name or res.result} ({stats})")
+
+
+def check_model(model: Model, *, cfg_text: str | None = None, workers: int | None = None,
+                timeout: float | None = None,
+                on_progress: Callable[[Progress], None] | None = None) -> Outcome:
+    """Run TLC on one model and judge the result against the model's expectation.
+    Raises MissingJava / MissingJar."""
+    text = cfg_text if cfg_text is not None else model.path.read_text()
+    res = run_tlc(model.cfg, cfg_text=text, workers=workers, timeout=timeout,
+                  on_progress=on_progress, name=model.name)
+    return judge(model, res, text)
+
+
+def _progress_printer(name: str, stream: Any) -> Callable[[Progress], None]:
+    def show(p: Progress) -> None:
+        print(f"  [{name} {p.elapsed:6.0f} s] {p.distinct:,} distinct states, {p.generated:,} "
+              f"generated, {p.queue:,} on queue ({p.rate_per_min:,} states/min)",
+              file=stream, flush=True)
+    return show
+
+
+def _outcome_json(o: Outcome) -> dict[str, Any]:
+    r = o.result
+    return {
+        "model": o.model.name, "cfg": f"tla/{o.model.cfg}", "expect": o.model.expect,
+        "result": r.result, "violated": r.violated, "kind": r.kind,
+        "as_expected": o.as_expected, "distinct": r.distinct, "generated": r.generated,
+        "depth": r.depth, "seconds": round(r.seconds, 2), "exit_code": r.exit_code,
+        "summary": o.summary,
+        "trace": [{"step": s.index, "action": s.action, "vars": s.raw} for s in r.trace],
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = ("models:\n" + "\n".join(
+        f"  {m.name:<22} {'must fail: ' + m.expect if m.expect else 'must pass'}"
+        f"{'' if m.ci else ' (long run)'}" for m in MODELS.values()) +
+        "\n\nexit codes: 0 as expected; 1 violation (or a bug model not caught); 2 usage or "
+        "bad config;\n3 no Java runtime; 4 TLC crashed or cannot parse the spec; "
+        "5 no tla2tools.jar")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help=f"models to check (default: {' '.join(DEFAULT_MODELS)}); see below")
+    p.add_argument("--all", action="store_true",
+                   help="every model except the long ones (what CI runs)")
+    p.add_argument("--bugs", action="store_true",
+                   help="the deliberately buggy models: exit 0 only if TLC catches each one")
+    p.add_argument("--list", action="store_true", help="list the models and exit")
+    g = p.add_argument_group("checking your own lease numbers (seconds)")
+    g.add_argument("--lease-config", metavar="FILE",
+                   help="JSON (or .toml) object of kvproto Config keys, e.g. "
+                        '{"initial_lease": 30, "lease_extension": 20, "heartbeat_interval": 5}')
+    for key in TIMING_KEYS:
+        g.add_argument(f"--{key.replace('_', '-')}", type=float, metavar="S", dest=key,
+                       help=f"{key} (overrides the file; default {getattr(Config(), key):g})")
+    g.add_argument("--unit", type=float, metavar="S",
+                   help="seconds per model time unit (default: the coarsest unit that keeps "
+                        "every timing rule as it is in seconds)")
+    p.add_argument("--workers", type=int, metavar="N", help="TLC worker threads (default: cores)")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="give up a model after S seconds (exit 4)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per model on stdout instead of text")
+    p.add_argument("--raw", action="store_true", help="also print TLC's own output")
+
+
+def _lease_mode(args: argparse.Namespace) -> bool:
+    return args.lease_config is not None or any(
+        getattr(args, k, None) is not None for k in TIMING_KEYS) or args.unit is not None
+
+
+def run(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    err = sys.stderr
+    quiet = bool(getattr(args, "quiet", False)) or args.json
+    if args.list:
+        for m in MODELS.values():
+            want = f"must fail: {m.expect}" if m.expect else "must pass"
+            print(f"{m.name:<22} tla/{m.cfg:<30} {want}\n{'':<23}{m.about}", file=out)
+        return EXIT_OK
+    if args.workers is not None and args.workers < 1:
+        print("kvproto check: --workers must be >= 1", file=err)
+        return EXIT_USAGE
+    jobs: list[tuple[Model, str | None]] = []
+    if _lease_mode(args):
+        if args.models or args.all or args.bugs:
+            print("kvproto check: the lease check runs alone (no MODEL, --all or --bugs)",
+                  file=err)
+            return EXIT_USAGE
+        overrides = {k: getattr(args, k) for k in TIMING_KEYS if getattr(args, k) is not None}
+        try:
+            config = load_lease_config(args.lease_config, overrides)
+            unit = args.unit if args.unit is not None else choose_unit(config)
+            q = quantize(config, unit)
+        except LeaseConfigError as e:
+            print(f"kvproto check: bad lease config: {e}", file=err)
+            return EXIT_USAGE
+        try:
+            config.validate()
+            verdict = "Config.validate() accepts these numbers"
+        except ConfigError as e:
+            verdict = f"Config.validate() would refuse these numbers: {e}"
+        if not args.json:
+            print(f"lease check: {q.describe()}", file=out)
+            print(f"  {verdict}", file=out)
+        if q.units["LeaseExtension"] < 1 or q.units["InitialLease"] < 1:
+            print("kvproto check: a term rounds down to 0 units; pass a smaller --unit", file=err)
+            return EXIT_USAGE
+        jobs.append((MODELS["lease"], lease_cfg_text(q)))
+    else:
+        names: list[str] = list(args.models)
+        if args.all:
+            names += [m.name for m in MODELS.values() if m.ci and m.name != "lease"]
+        if args.bugs:
+            names += [m.name for m in MODELS.values() if m.expect]
+        if not names:
+            names = list(DEFAULT_MODELS)
+        unknown = [n for n in names if n not in MODELS]
+        if unknown:
+            print(f"kvproto check: unknown model(s) {', '.join(unknown)} "
+                  f"(known: {', '.join(MODELS)})", file=err)
+            return EXIT_USAGE
+        seen: set[str] = set()
+        for n in names:
+            if n not in seen:
+                seen.add(n)
+                jobs.append((MODELS[n], None))
+    rc = EXIT_OK
+    for model, text in jobs:
+        if not quiet:
+            print(f"checking {model.name} (tla/{model.cfg}): {model.about}", file=err, flush=True)
+        try:
+            o = check_model(model, cfg_text=text, workers=args.workers, timeout=args.timeout,
+                            on_progress=None if quiet else _progress_printer(model.name, err))
+        except MissingJava as e:
+            print(f"kvproto check: {e}", file=err)
+            return EXIT_NO_JAVA
+        except MissingJar as e:
+            print(f"kvproto check: {e}", file=err)
+            return EXIT_NO_JAR
+        res = o.result
+        if args.json:
+            print(json.dumps(_outcome_json(o)), file=out, flush=True)
+        else:
+            print(f"{model.name}: {o.summary}", file=out, flush=True)
+            if res.trace and (not o.as_expected or model.expect is not None):
+                print(f"  counterexample ({len(res.trace)} states; the names are spec/PROTOCOL.md's"
+                      " and each step names the Python it mirrors):", file=out)
+                for line in render_trace(res.trace).splitlines():
+                    print(f"  {line}", file=out)
+            if args.raw:
+                print(res.output, file=out)
+        if res.result == "error":
+            rc = max(rc, EXIT_TLC_CRASH)
+        elif not o.as_expected:
+            rc = max(rc, EXIT_VIOLATION)
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via kvproto.cli
+    p = argparse.ArgumentParser(prog="kvproto check")
+    add_arguments(p)
+    return run(p.parse_args(argv))
