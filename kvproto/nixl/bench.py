@@ -23,13 +23,16 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, TypeVar
 
 from kvproto.lifecycle import Config, Consumer, TransferParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BENCH_CONFIG = Config(initial_lease=30.0, lease_extension=20.0, heartbeat_interval=5.0,
                       abort_grace=30.0, max_delay=1.0, max_read_time=5.0, clock_drift=0.5)
@@ -203,8 +206,19 @@ def _managed_round(d: Any, params: list[TransferParams], tag: str
     return dt, [(layout[f"{tag}-{i}"], pr.blocks) for i, pr in enumerate(params)]
 
 
+def _timed(f: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``f(*args)`` and the CPU seconds this process spent in it."""
+    c0 = time.process_time()
+    out = f(*args)
+    return out, time.process_time() - c0
+
+
 def throughput(block_bytes: int, k: int, nreq: int, rounds: int, tag: str,
                popts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Raw, raw+stamps and managed rounds over the same (local, P) blocks, in an order
+    that alternates every round. Each round gives a paired ratio (raw time / managed
+    time, measured back to back), so load that drifts between rounds (other work on the
+    machine) cancels out; ``ratio`` is the median of those."""
     nblocks = k * nreq
     p = _P(f"bench-P-{tag}-{os.getpid()}", nblocks + 1, block_bytes, popts)
     d = _consumer(f"bench-D-{tag}-{os.getpid()}", nblocks, block_bytes, p)
@@ -214,30 +228,43 @@ def throughput(block_bytes: int, k: int, nreq: int, rounds: int, tag: str,
         raw_t: list[float] = []
         stamp_t: list[float] = []
         man_t: list[float] = []
+        raw_cpu: list[float] = []
+        man_cpu: list[float] = []
         pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for r in range(rounds + 1):  # round 0 warms all paths up
             params = p.register_many([f"{tag}{r}-{i}" for i in range(nreq)], k)
+            if pairs:
+                # Unmeasured: the first READ round after P filled the blocks was measured
+                # 10-20% slower whichever side ran it (a position effect, not a path one).
+                _raw_round(d, p.name, pairs)
             # Raw reads the managed round's exact (local, P) blocks: same descriptors,
             # no lifecycle. The order alternates so drift in machine load hits all sides.
             raw_first = r % 2 == 1
             if raw_first:
-                raw = _raw_round(d, p.name, pairs)
+                raw, rc = _timed(_raw_round, d, p.name, pairs)
                 stamp = _raw_round(d, p.name, pairs, stamps=True)
-            man, pairs = _managed_round(d, params, f"m{r}")
+            (man, pairs), mc = _timed(_managed_round, d, params, f"m{r}")
             p.wait_reclaimed()
             if not raw_first:
                 stamp = _raw_round(d, p.name, pairs, stamps=True)
-                raw = _raw_round(d, p.name, pairs)
+                raw, rc = _timed(_raw_round, d, p.name, pairs)
             if r:
                 man_t.append(man)
                 raw_t.append(raw)
                 stamp_t.append(stamp)
+                raw_cpu.append(rc)
+                man_cpu.append(mc)
         nbytes = nblocks * block_bytes
         raw_med = statistics.median(raw_t)
         man_med = statistics.median(man_t)
         stamp_med = statistics.median(stamp_t)
+        paired = [a / b for a, b in zip(raw_t, man_t, strict=True)]
         return {"handshake_s": hs, "raw_s": raw_med, "managed_s": man_med,
                 "raw_gbps": nbytes / raw_med / 1e9, "kvproto_gbps": nbytes / man_med / 1e9,
+                "ratio_paired": statistics.median(paired),
+                "ratio_of_medians": raw_med / man_med,
+                "cpu_ratio": statistics.median(a / b for a, b in zip(raw_cpu, man_cpu,
+                                                                      strict=True)),
                 "raw_stamps_gbps": nbytes / stamp_med / 1e9, "raw_stamps_rps": nreq / stamp_med,
                 "raw_rps": nreq / raw_med, "kvproto_rps": nreq / man_med,
                 "raw_rounds_s": raw_t, "managed_rounds_s": man_t}
@@ -314,7 +341,9 @@ def run(args: argparse.Namespace) -> int:
         "block_bytes": args.block_kib * 1024, "blocks_per_request": args.blocks_per_request,
         "requests_per_round": args.requests, "rounds": args.rounds,
         "raw_gbps": round(big["raw_gbps"], 4), "kvproto_gbps": round(big["kvproto_gbps"], 4),
-        "ratio": round(big["kvproto_gbps"] / big["raw_gbps"], 4),
+        "ratio": round(big["ratio_paired"], 4),
+        "ratio_of_medians": round(big["ratio_of_medians"], 4),
+        "cpu_ratio": round(big["cpu_ratio"], 4),
         "raw_stamps_gbps": round(big["raw_stamps_gbps"], 4),
         "raw_rounds_ms": [round(x * 1000, 1) for x in big["raw_rounds_s"]],
         "kvproto_rounds_ms": [round(x * 1000, 1) for x in big["managed_rounds_s"]],
@@ -322,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         "small_block_bytes": 4096,
         "small_block_rps_raw": round(small["raw_rps"], 1),
         "small_block_rps_kvproto": round(small["kvproto_rps"], 1),
-        "small_block_ratio": round(small["kvproto_rps"] / small["raw_rps"], 4),
+        "small_block_ratio": round(small["ratio_paired"], 4),
         "handshake_ms": round(statistics.median(hs) * 1000, 2),
         "handshake_ms_all": [round(x * 1000, 2) for x in hs],
         "heartbeat_bytes_per_s": round(hb["heartbeat_bytes_per_s"], 1),
@@ -341,7 +370,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"    raw NIXL READ loop        {res['raw_gbps']:8.3f} GB/s")
     print(f"    raw + stamp READ          {res['raw_stamps_gbps']:8.3f} GB/s   (the fail-closed"
           " check's transfer, no lifecycle)")
-    print(f"    kvproto-managed path      {res['kvproto_gbps']:8.3f} GB/s   ratio {res['ratio']:.3f}")
+    print(f"    kvproto-managed path      {res['kvproto_gbps']:8.3f} GB/s   ratio {res['ratio']:.3f}"
+          f" (median of per-round paired ratios; of medians {res['ratio_of_medians']:.3f};"
+          f" D CPU time ratio {res['cpu_ratio']:.3f})")
     print(f"  4 KiB blocks, 1 block/request x {args.small_requests} requests")
     print(f"    raw                       {res['small_block_rps_raw']:10.1f} requests/s")
     print(f"    raw + stamp READ          {res['small_block_rps_raw_stamps']:10.1f} requests/s")
