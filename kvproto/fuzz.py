@@ -36,7 +36,7 @@ import logging
 import math
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,9 +260,9 @@ class Oracle:
                 frees[eff.handle] = eff.reason
         rejected = any(isinstance(e, Rejected) for e in out)
         post = {h: self.state(ledger, h) for h in pre}
-        for h, reason in frees.items():
+        for h, why in frees.items():
             if post.get(h) == UNREGISTERED:  # freed, then its tombstone evicted at the cap
-                post[h] = EXPIRED if reason == "expired" else FREED
+                post[h] = EXPIRED if why == "expired" else FREED
         for h in frees:
             if h not in pre:
                 self.fail("LegalTransition", f"{event}: Free of handle {h} that was not held "
@@ -372,7 +372,7 @@ class Oracle:
         self.post(ledger, TICK, pre, [], out, now)
         limit = now - self.config.max_staged_age
         while self.staged:
-            h0, st_ = next(iter(self.staged.items()))
+            st_ = next(iter(self.staged.values()))
             if st_.since > limit:
                 break
             self.staged.popitem(last=False)
@@ -482,12 +482,29 @@ def observed_ledger_class(base: type[Ledger]) -> type[ObservedLedger]:
 
 class FuzzNetwork(Network):
     """Nothing random: every message waits for the fuzzer (deliver/drop/duplicate) and is
-    delivered at ``sent + max_delay`` at the latest (the timing assumption)."""
+    delivered at ``sent + max_delay`` at the latest (the timing assumption).
+
+    Fault bursts: while ``drop_next`` (``dup_next``) is positive, each message sent is
+    lost (sent twice) and the count goes down by one -- a flaky link for the next few
+    messages, whichever they turn out to be."""
+
+    drop_next: int = 0
+    dup_next: int = 0
 
     def send(self, now: float, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
-        self._seq += 1
-        heapq.heappush(self.queue, Msg(now + self.max_delay, self._seq, src, dst, data))
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.lost += 1
+            return
+        copies = 1
+        if self.dup_next > 0:
+            self.dup_next -= 1
+            self.duplicated += 1
+            copies = 2
+        for _ in range(copies):
+            self._seq += 1
+            heapq.heappush(self.queue, Msg(now + self.max_delay, self._seq, src, dst, data))
 
     def take(self, i: int) -> Msg:
         m = self.queue.pop(i)
@@ -523,6 +540,9 @@ class PendingAdmit:
 class FuzzSim(Simulator):
     """The simulator with explicit choices (see the module docstring)."""
 
+    net: FuzzNetwork
+    ledger: ObservedLedger
+
     def __init__(self, config: Config, *, ledger_cls: type[Ledger] = Ledger,
                  capacity: int = CAPACITY, engines: tuple[int, ...] = ENGINES,
                  sink: Callable[..., None] | None = None, register_lag: float = 1.0) -> None:
@@ -548,6 +568,15 @@ class FuzzSim(Simulator):
                     self.pending_hs.append(rank)
             elif isinstance(eff, PostRead):
                 gens = tuple(self.gens[b] for b in eff.blocks)
+                dreq = self.ranks[rank].reqs.get(eff.request_id)
+                want = dreq.params.generations if dreq is not None else ()
+                if want and want != gens:
+                    # D posts a READ its lease covers, on blocks P has given back since it
+                    # handed them out: a free the reader, within the timing assumptions,
+                    # can observe (the READ would be fenced at best).
+                    self._violation(f"NoFreeUnderRead: {rank} starts a READ of handle "
+                                    f"{eff.handle} within its lease on blocks freed since "
+                                    "hand-out")
                 self.reads[(rank, eff.request_id)] = Read(
                     rank, eff.request_id, eff.handle, eff.blocks, gens, self.now,
                     self.now + self.config.max_read_time)
@@ -603,6 +632,8 @@ class FuzzSim(Simulator):
                 self.pending_regs.append(pr)
             rids.append(rid)
         self.stats.requests += n
+        if n > 1:
+            self.stats.siblings += n
         return rids
 
     def _register(self, pr: PendingRegister) -> None:
@@ -655,14 +686,15 @@ class FuzzSim(Simulator):
     def d_tick(self, rank: str) -> None:
         self._d_effects(rank, self.ranks[rank].tick(self.now))
 
-    def progress_items(self) -> int:
-        return len(self.pending_admits) + len(self.pending_hs) + len(self.waiting()) + \
-            len(self.reads) + len(self.net.queue)
+    def progress_items(self, *, schedule: bool = True) -> int:
+        return len(self.pending_admits) + len(self.pending_hs) + \
+            (len(self.waiting()) if schedule else 0) + len(self.reads) + len(self.net.queue)
 
-    def progress(self, i: int) -> None:
-        """Item ``i`` (modulo their number) of: admissions, handshakes (ok), schedules,
-        READ completions (ok), deliveries."""
-        n = self.progress_items()
+    def progress(self, i: int, *, schedule: bool = True) -> None:
+        """Item ``i`` (modulo their number) of: admissions, handshakes (ok), schedules
+        (unless not ``schedule``: D's scheduler pulls nothing new), READ completions (ok),
+        deliveries."""
+        n = self.progress_items(schedule=schedule)
         if not n:
             return
         i %= n
@@ -674,7 +706,7 @@ class FuzzSim(Simulator):
             self.handshake(i, True)
             return
         i -= len(self.pending_hs)
-        w = self.waiting()
+        w = self.waiting() if schedule else []
         if i < len(w):
             self.schedule(*w[i])
             return
@@ -776,11 +808,20 @@ _IDX = st.integers(min_value=0, max_value=255)
 
 
 class FuzzCounters:
-    """Global progress counters (examples started, rule steps run)."""
+    """Global progress counters (examples started, state-machine steps run) and what the
+    examples exercised, summed at each teardown: ``coverage`` counts P transitions
+    (``"register: unregistered -> registered"``), faults (``"fault:lost"``...) and D
+    outcomes (``"d:done"``, ``"d:failed:..."``)."""
 
     examples = 0
     steps = 0
     progress: Callable[[], None] | None = None
+    coverage: ClassVar[Counter[str]] = Counter()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.examples = cls.steps = 0
+        cls.coverage = Counter()
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -794,6 +835,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     JOURNAL: ClassVar[bool] = False
     DISABLED: ClassVar[frozenset[str]] = frozenset()  # invariants not checked
     last_journal: ClassVar[io.StringIO | None] = None
+    _JOURNAL_OWNER: ClassVar[type[LifecycleMachine] | None] = None  # set by run_fuzz(seed=)
 
     def __init__(self) -> None:
         super().__init__()
@@ -808,7 +850,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             buf = io.StringIO()
             writer = JournalWriter(buf, config, CAPACITY,
                                    {"source": "fuzz", "ledger": self.LEDGER_CLS.__name__})
-            type(self).last_journal = buf
+            owner = type(self)._JOURNAL_OWNER or type(self)
+            owner.last_journal = buf
             sink = writer.sink
         return FuzzSim(config, ledger_cls=self.LEDGER_CLS, sink=sink)
 
@@ -880,12 +923,33 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- D -------------------------------------------------------------------------------
     @precondition(lambda self: self.sim.progress_items() > 0)
-    @rule(i=_IDX)
-    def progress(self, i: int) -> None:
-        """The next natural step of any one item: admit params, a successful handshake,
-        schedule a waiting request, complete a READ, deliver a message. (Each also has its
-        own rule with the faulty alternatives; this one keeps long happy paths likely.)"""
-        self.sim.progress(i)
+    @rule(picks=st.lists(_IDX, min_size=1, max_size=8))
+    def progress(self, picks: list[int]) -> None:
+        """A burst of natural steps, one per pick, each of any one item: admit params, a
+        successful handshake, schedule a waiting request, complete a READ, deliver a
+        message. No time passes. (Each also has its own rule with the faulty
+        alternatives; this one keeps long happy paths -- and D running ahead of a lagging
+        registration -- likely within a few rule steps.) The safety checks run after
+        every sub-step."""
+        for i in picks:
+            if not self.sim.progress_items():
+                break
+            self.sim.progress(i)
+            self.check_safety()
+
+    @precondition(lambda self: self.sim.progress_items() > 0)
+    @rule(i=_IDX, schedule=st.booleans())
+    def drain(self, i: int, schedule: bool) -> None:
+        """Natural steps until nothing is left that needs no time to pass (at most 64):
+        with a registration lagging, D admits, reads and reports before P registers --
+        the early-notification race. Without ``schedule`` D's scheduler pulls nothing new
+        (admitted requests stay queued, heartbeated as time passes). The safety checks
+        run after every sub-step."""
+        for k in range(64):
+            if not self.sim.progress_items(schedule=schedule):
+                break
+            self.sim.progress(i + k, schedule=schedule)
+            self.check_safety()
 
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)
@@ -970,6 +1034,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         q = self.sim.net
         q.duplicate(i % len(q.queue))
 
+    @rule(n=st.integers(min_value=1, max_value=6))
+    def duplicate_burst(self, n: int) -> None:
+        """The next ``n`` messages sent (by anyone) are each delivered twice."""
+        self.sim.net.dup_next = n
+
+    @rule(n=st.integers(min_value=1, max_value=3))
+    def loss_burst(self, n: int) -> None:
+        """The next ``n`` messages sent (by anyone) are lost."""
+        self.sim.net.drop_next = n
+
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)
     def drop_params(self, i: int) -> None:
@@ -989,9 +1063,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             wire.decode(data, max_bytes=sim.config.max_message_bytes, epoch=sim.epoch)
         except wire.WireError:
-            peers = sorted(sim.known_peers) + ["stranger"]
+            # Mostly from a peer P knows (so the bytes reach the decoder), sometimes from
+            # a stranger.
+            peers = sorted(sim.known_peers)
+            src = peers[src_idx % len(peers)] if peers and src_idx % 4 else "stranger"
             sim.stats.malformed += 1
-            sim.p_receive(peers[src_idx % len(peers)], data)
+            sim.p_receive(src, data)
         # else: the bytes happen to be a valid message; injecting it would forge a report
 
     # -- invariants ------------------------------------------------------------------------
@@ -1011,6 +1088,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         FuzzCounters.steps += 1
         if FuzzCounters.progress is not None:
             FuzzCounters.progress()
+        self.check_safety()
+
+    def check_safety(self) -> None:
+        """The safety invariants (and any violation the oracle or the simulator recorded)."""
         sim = self.sim
         pool = sim.pool
         if pool.violations:
@@ -1030,10 +1111,28 @@ class LifecycleMachine(RuleBasedStateMachine):
         if errs:
             raise InvariantViolation("LedgerInvariants", "; ".join(errs))
 
+    def _record_coverage(self) -> None:
+        sim = self.sim
+        cov = FuzzCounters.coverage
+        for (src, event, dst), n in sim.oracle.transitions.items():
+            cov[f"{event}: {src} -> {dst}"] += n
+        st_ = sim.stats
+        for name, n in (("lost", sim.net.lost), ("duplicated", sim.net.duplicated),
+                        ("crashes", st_.crashes), ("aborts_p", st_.aborts_p),
+                        ("aborts_d", st_.aborts_d), ("malformed", st_.malformed),
+                        ("siblings", st_.siblings)):
+            cov[f"fault:{name}"] += n
+        cov["d:done"] += st_.completed
+        for reason, n in st_.failed.items():
+            cov[f"d:failed:{reason}"] += n
+        for name, n in sim.ledger.counters.items():
+            cov[f"p:{name}"] += n
+
     def teardown(self) -> None:
         sim = self.sim
         self._raise_first()
         sim.settle()
+        self._record_coverage()
         self._raise_first()
         L = sim.ledger
         leaks: list[str] = []
@@ -1088,12 +1187,17 @@ def ci_settings(max_examples: int = CI_EXAMPLES, steps: int = CI_STEPS) -> setti
 
 
 def run_fuzz(machine: type[LifecycleMachine], stg: settings, seed: int | None = None) -> None:
-    """Run ``machine`` under ``stg``; raise on the first (shrunk) failure."""
-    factory: Any = machine
+    """Run ``machine`` under ``stg``; raise on the first (shrunk) failure.
+
+    With ``seed`` the run is reproducible (hypothesis ``@seed``, set on a fresh subclass so
+    ``machine`` itself is untouched); the example-database key stays the machine's name,
+    so failures saved for one ledger are replayed only for that ledger. The journal of
+    the last example run (with ``JOURNAL``: the failing one, after a failure) is in
+    ``machine.last_journal``."""
+    factory: type[LifecycleMachine] = machine
     if seed is not None:
-        def factory_fn() -> LifecycleMachine:
-            return machine()
-        factory = hypothesis_seed(seed)(factory_fn)
+        factory = type(machine.__name__, (machine,), {"_JOURNAL_OWNER": machine})
+        hypothesis_seed(seed)(factory)
     run_state_machine_as_test(factory, settings=stg)
 
 
@@ -1136,6 +1240,9 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``kvproto fuzz``: exit 0 when no check failed, 1 on a failure (saved under
+    ``--out``: the hypothesis example database, the failing example's steps and the P
+    journal of that example for ``kvproto replay``), 2 on a usage error."""
     if args.examples < 1 or args.steps < 1:
         print("kvproto fuzz: --examples and --steps must be >= 1", file=sys.stderr)
         return 2
@@ -1153,29 +1260,45 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     db_dir = out / "hypothesis-db"
     machine = machine_class(ledger_cls, configs=args.config, journal=True)
+    # No explain phase: it traces every line and makes shrinking many times slower.
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
     if not args.no_shrink:
         phases.append(Phase.shrink)
     stg = settings(max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
                    database=DirectoryBasedExampleDatabase(str(db_dir)), phases=phases,
-                   suppress_health_check=list(HealthCheck), print_blob=True)
+                   suppress_health_check=list(HealthCheck), print_blob=True,
+                   report_multiple_bugs=False)
     prog = _Progress(sys.stderr)
     FuzzCounters.examples = FuzzCounters.steps = 0
     FuzzCounters.progress = prog
+    print(f"[fuzz] {ledger_cls.__name__}: up to {args.examples} examples of up to "
+          f"{args.steps} steps, seed {args.seed}, configs "
+          f"{', '.join(machine.CONFIG_NAMES)}", file=sys.stderr, flush=True)
     try:
         run_fuzz(machine, stg, seed=args.seed)
-    except Exception as e:  # noqa: BLE001 - any failure of the run is reported the same way
+    except Exception as e:  # any failure of the run is reported the same way
         prog.report(final=True)
-        journal_path = out / f"failing-seed{args.seed}.jsonl"
+        stem = out / f"failing-seed{args.seed}"
+        journal_path = stem.with_suffix(".jsonl")
+        steps_path = stem.with_suffix(".txt")
+        name = getattr(e, "invariant", type(e).__name__)
+        notes = "\n".join(getattr(e, "__notes__", []))
+        steps_path.write_text(f"{name}: {e}\n{notes}\n", encoding="utf-8")
         buf = machine.last_journal
         if buf is not None:
             journal_path.write_text(buf.getvalue(), encoding="utf-8")
-        name = getattr(e, "invariant", type(e).__name__)
+        print(notes, file=sys.stderr)
         print(f"kvproto fuzz: FAILED ({name}): {e}", file=sys.stderr)
-        print(f"kvproto fuzz: example database: {db_dir}", file=sys.stderr)
+        print(f"kvproto fuzz: example database: {db_dir} (a rerun with the same --out "
+              "replays the failure first)", file=sys.stderr)
+        print(f"kvproto fuzz: failing example's steps: {steps_path}", file=sys.stderr)
         if buf is not None:
             print(f"kvproto fuzz: P journal of the failing example: {journal_path} "
                   f"(kvproto replay {journal_path})", file=sys.stderr)
+        print(json.dumps({"examples": FuzzCounters.examples, "steps": FuzzCounters.steps,
+                          "ledger": ledger_cls.__name__, "ok": False, "invariant": name,
+                          "database": str(db_dir), "steps_file": str(steps_path),
+                          "journal": str(journal_path) if buf is not None else None}))
         return 1
     finally:
         FuzzCounters.progress = None
