@@ -378,3 +378,73 @@ def test_consumer_abort_before_read_releases(pair: tuple[ProducerAdapter, Consum
     comps = pump(p, [d], lambda: bool(comps), sink=comps)
     assert [(c.state, c.reason) for c in comps] == [("failed", "aborted")]
     assert p.ledger.frees["released"] == 1
+
+
+def _recv_nb(s: socket.socket, buf: bytearray) -> bool:
+    """Read what is there; True once the peer closed the connection."""
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return True
+            buf += data
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    from kvproto.nixl.channel import FRAME, ST_OK, ST_REFUSED, frame, parse_refusal
+    from kvproto.wire import MAX_HANDSHAKE_BYTES
+
+    p, d = pair
+    payloads = {
+        "not_json": frame(ST_OK, b"\xff\xfe not a handshake"),
+        "oversized": FRAME.pack(MAX_HANDSHAKE_BYTES + 1, ST_OK),
+        "bad_status": FRAME.pack(3, 9) + b"abc",
+        "handler_raises": frame(ST_OK, b"{}"),
+    }
+    handler = p.server.handler
+    socks: dict[str, socket.socket] = {}
+    bufs: dict[str, bytearray] = {}
+    closed: dict[str, bool] = {}
+    try:
+        for name, data in payloads.items():
+            if name == "handler_raises":
+                def boom(conn: int, payload: bytes) -> tuple[bytes, str]:
+                    raise RuntimeError("bug in the handler")
+                p.server.handler = boom
+            s = socket.create_connection((p.host, p.port), timeout=5)
+            s.sendall(data)
+            s.setblocking(False)
+            socks[name], bufs[name], closed[name] = s, bytearray(), False
+
+            def settled(name: str = name) -> bool:
+                closed[name] = closed[name] or _recv_nb(socks[name], bufs[name])
+                return closed[name] or len(bufs[name]) >= FRAME.size
+            pump(p, [], settled)
+        p.server.handler = handler
+        n, st = FRAME.unpack_from(bufs["not_json"], 0)
+        pump(p, [], lambda: _recv_nb(socks["not_json"], bufs["not_json"]) or
+             len(bufs["not_json"]) >= FRAME.size + n)
+        assert st == ST_REFUSED
+        assert parse_refusal(bytes(bufs["not_json"][FRAME.size:FRAME.size + n]))[0] == \
+            "malformed_handshake"
+        for name in ("oversized", "bad_status", "handler_raises"):
+            assert closed[name] and not bufs[name], name  # dropped without an answer
+        assert p.counters.get("handshake_refused") == 1
+        assert p.ledger.counters.get("rejected:handshake_malformed_handshake") == 1
+    finally:
+        p.server.handler = handler
+        for s in socks.values():
+            s.close()
+    # P still serves a well-behaved D.
+    params = prefill(p, "after", 2)
+    d.admit("after", params)
+    d.schedule("after")
+    comps = pump(p, [d], lambda: p.pool.held_count == 0)
+    comps = pump(p, [d], lambda: bool(comps), sink=comps)
+    assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
+    assert verified(d, comps[0], "after")

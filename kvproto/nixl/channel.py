@@ -132,7 +132,11 @@ class Server:
                 st, payload = got
                 if st != ST_OK:
                     return False
-                reply, c.peer = self.handler(fd, payload)
+                try:
+                    reply, c.peer = self.handler(fd, payload)
+                except Exception:  # a bug or unforeseen input must not stop the engine
+                    log.exception("handshake handler failed; connection dropped")
+                    return False
                 c.outbuf += reply
                 c.answered = True
             elif now - c.since > self.request_timeout:

@@ -616,11 +616,13 @@ class ConsumerAdapter:
             log.warning("get_new_notifs failed: %s", error_name(ex))
             return
         for peer, msgs in notifs.items():
-            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
             e = self.engines.get(name)
             for m in msgs:
                 if e is None or e.state != "ready":
                     self._count("rejected:unknown_peer")
+                    log.info("%s: message from unknown or not-ready peer %r rejected",
+                             self.name, name[:64])
                     continue
                 try:
                     msg = decode(m, max_bytes=self.config.max_message_bytes, epoch=e.epoch)
@@ -628,8 +630,14 @@ class ConsumerAdapter:
                     self._count("rejected:" + ex.reason)
                     log.info("%s: bad message from %s: %s", self.name, name, ex)
                     continue
+                except Exception:  # the decoder should only raise WireError
+                    self._count("rejected:malformed")
+                    log.exception("%s: decoding a message from %s failed", self.name, name)
+                    continue
                 if msg.kind != KIND_ACK:
                     self._count("rejected:unexpected_kind")
+                    log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
+                             name)
                     continue
                 e.last_ack = now
                 self._apply(self.machine.ack(name, msg.seq, msg.term_ms / 1000.0, msg.handles,

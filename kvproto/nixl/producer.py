@@ -178,7 +178,7 @@ class ProducerAdapter:
             log.warning("get_new_notifs failed: %s", error_name(e))
             notifs = {}
         for peer, msgs in notifs.items():
-            peer_s = peer.decode() if isinstance(peer, bytes) else str(peer)
+            peer_s = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
             for m in msgs:
                 for m2 in (self.fault_hook(peer_s, m) if self.fault_hook else [m]):
                     n += 1
@@ -204,6 +204,10 @@ class ProducerAdapter:
             msg = decode(buf, max_bytes=self.config.max_message_bytes, epoch=self.epoch)
         except WireError as e:
             self._apply(self.ledger.reject(e.reason, peer, e.detail, now), now)
+            return
+        except Exception as e:  # the decoder should only raise WireError; never crash on input
+            log.exception("decoding %d bytes from %s failed", len(buf), peer)
+            self._apply(self.ledger.reject("malformed", peer, type(e).__name__, now), now)
             return
         if msg.kind == KIND_DONE:
             self._apply(self.ledger.done(peer, msg.handles[0], msg.expected, now), now)
@@ -279,9 +283,15 @@ class ProducerAdapter:
             log.warning("loading metadata of %s failed: %s", hs.engine, error_name(e))
             return refusal("metadata", error_name(e)), ""
         if name_s != hs.engine:
+            if name_s not in self.peers:  # do not keep a stranger's metadata loaded
+                try:
+                    self.agent.remove_remote_agent(name_s)
+                except Exception as e:
+                    log.debug("remove_remote_agent(%s): %s", name_s[:64], error_name(e))
+            self._count("handshake_refused")
             self._apply(self.ledger.reject("handshake_wrong_name", name_s[:64],
                                            f"claims {hs.engine[:64]}", now), now)
-            return refusal("wrong_name", f"metadata names {name_s!r}"), ""
+            return refusal("wrong_name", f"metadata names {name_s[:64]!r}"), ""
         self.peers[hs.engine] = hs
         self._count("handshakes")
         log.info("handshake with %s (epoch %d) ok", hs.engine, hs.epoch)
