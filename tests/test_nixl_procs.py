@@ -1,10 +1,9 @@
-"""Cross-process NIXL tests: P and D in separate OS processes (spawn), killed with -9."""
+"""Cross-process NIXL tests: P and D in separate OS processes (forkserver), killed with -9."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ pytest.importorskip("nixl._api")
 
 from kvproto.conformance import TLCMissing
 from kvproto.nixl.consumer import Completion, ConsumerAdapter
-from kvproto.nixl.procs import consumer_main, producer_main
+from kvproto.nixl.procs import consumer_main, mp_context, producer_main
 from kvproto.validate import validate
 
 pytestmark = pytest.mark.nixl
@@ -31,7 +30,7 @@ CFG = Config(initial_lease=2.5, lease_extension=2.0, heartbeat_interval=0.3, abo
              max_delay=0.2, max_read_time=1.0, clock_drift=0.1)
 BB = 8192
 _ids = itertools.count()
-CTX = mp.get_context("spawn")
+CTX = mp_context()
 
 
 def uniq(prefix: str) -> str:

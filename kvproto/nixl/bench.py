@@ -10,7 +10,7 @@ One run, same agents and block layout for both sides of each comparison:
   remote descriptor lists prepared);
 * heartbeat bytes/s with 10^4 requests in flight (the real encoder and machine).
 
-P runs in its own process (spawn); D runs here. These are figures, not tests.
+P runs in its own process (see ``procs.mp_context``); D runs here. These are figures, not tests.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -53,9 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _P:
     def __init__(self, name: str, num_blocks: int, block_bytes: int,
                  opts: dict[str, Any] | None = None) -> None:
-        from kvproto.nixl.procs import producer_main
+        from kvproto.nixl.procs import mp_context, producer_main
 
-        ctx = mp.get_context("spawn")
+        ctx = mp_context()
         self.conn: Connection
         self.conn, child = ctx.Pipe()
         self.proc: BaseProcess = ctx.Process(

@@ -1,6 +1,6 @@
 """``kvproto demo``: real NIXL transfers between OS processes on loopback, with faults.
 
-Processes (``multiprocessing`` spawn): one P engine; D engine ``A`` (one rank), D engine
+Processes (``procs.mp_context``): one P engine; D engine ``A`` (one rank), D engine
 ``B`` (two ranks reading every request: fan-in 2) and D engine ``C`` (one rank, killed
 with SIGKILL mid-run). This process is the router: it drives a seeded workload, hands
 each P transfer params to the D ranks, injects client aborts on P and on D, sends n>1
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -89,7 +88,9 @@ class Demo:
         self.rng = random.Random(args.seed)
         self.cfg = DEMO_CONFIG
         self.block_bytes = args.block_kib * 1024
-        self.ctx = mp.get_context("spawn")
+        from kvproto.nixl.procs import mp_context
+
+        self.ctx = mp_context()
         self.procs: dict[str, Proc] = {}
         self.reqs: dict[str, Req] = {}
         self.t0 = time.monotonic()

