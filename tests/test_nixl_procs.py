@@ -283,3 +283,25 @@ def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Pat
         pytest.skip(str(e))
     assert [v.allowed for v in verdicts] == [True], verdicts[0].describe()
     assert verdicts[0].steps == len(lines) - 1
+
+
+def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvproto bench transfer --json`` on a tiny workload: one JSON object with the keys
+    BENCHMARKS.md and the issue name, all finite and positive, every P block reclaimed."""
+    import argparse
+    import math
+
+    from kvproto.nixl import bench
+
+    args = argparse.Namespace(block_kib=16, blocks_per_request=2, requests=2, rounds=1,
+                              small_requests=10, in_flight=100, json=True)
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(out[-1])
+    keys = ("raw_gbps", "kvproto_gbps", "ratio", "small_block_rps_raw",
+            "small_block_rps_kvproto", "handshake_ms", "heartbeat_bytes_per_s")
+    for k in keys:
+        assert isinstance(res[k], (int, float)) and math.isfinite(res[k]) and res[k] > 0, k
+    assert len(res["raw_rounds_ms"]) == len(res["kvproto_rounds_ms"]) == args.rounds
+    # 100 handles in flight: about one byte per handle id per heartbeat round.
+    assert res["heartbeat"]["bytes_per_round"] < 100 * 2 + 64
