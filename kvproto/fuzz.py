@@ -107,6 +107,11 @@ CONFIGS: Final[dict[str, Config]] = {
                              max_tombstones=2, max_groups_remembered=1).validate(),
 }
 
+INVARIANTS: Final = frozenset({
+    "NoDoubleFree", "Conservation", "NoFreeUnderRead", "StagingBounded", "TombstonesBounded",
+    "LegalTransition", "LedgerInvariants", "PromptFree", "ExpiredFreed", "NoLeak"})
+"""Every name an ``InvariantViolation`` raised by the fuzzer can carry."""
+
 ENGINES: Final = (1, 2)  # D0 has one rank, D1 two (two readers per request)
 CAPACITY: Final = 24
 
@@ -600,6 +605,19 @@ class FuzzSim(Simulator):
     def d_requests(self) -> list[tuple[str, str]]:
         return [(rk, rid) for rk in self.live_ranks() for rid in sorted(self.ranks[rk].reqs)]
 
+    def busy(self) -> bool:
+        """Anything in flight: held or staged on P, tracked on D, or on its way."""
+        return bool(self.ledger.held_requests or self.ledger.staged_count or self.reads
+                    or self.net.queue or self.pending_regs or self.pending_admits
+                    or self.pending_hs or any(self.ranks[rk].reqs for rk in self.live_ranks()))
+
+    def known_handles(self) -> list[tuple[int, str]]:
+        """(handle, request id) of every registration the ledger still remembers (live or
+        tombstoned): after its tombstone is evicted a handle cannot be told from a fresh
+        one (documented; handles are never reused)."""
+        return [(h, rid) for h, rid in sorted(self.oracle.registered.items())
+                if self.ledger.state(h) != UNREGISTERED]
+
     # -- P side --------------------------------------------------------------------------
     def hand_out(self, blocks: tuple[int, ...], engine: str, n: int, expected_known: bool,
                  register_now: bool, on_time_mask: int = 0) -> list[str]:
@@ -889,15 +907,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                 blocks = (*blocks, extra)
         sim.hand_out(blocks, engine, siblings, expected_known, register_now, on_time_mask)
 
+    # Rules that would do nothing in the current state have a precondition, so that the
+    # steps go to rules that do something (hypothesis picks uniformly among the enabled).
+    @precondition(lambda self: bool(self.sim.oracle.registered))
     @rule(i=_IDX, same_rid=st.booleans())
     def register_duplicate(self, i: int, same_rid: bool) -> None:
         """An adapter bug: register a known handle (or a known request id under a fresh
         handle). The table says: rejected, nothing changes."""
         sim = self.sim
-        # Only handles the ledger still knows: after its tombstone is evicted a handle
-        # cannot be told from a fresh one (documented; handles are never reused).
-        known = [(h, rid) for h, rid in sorted(sim.oracle.registered.items())
-                 if sim.ledger.state(h) != UNREGISTERED]
+        known = sim.known_handles()
         if not known:
             return
         h, rid = known[i % len(known)]
@@ -913,6 +931,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def register_late(self, i: int) -> None:
         self.sim.register_pending(i % len(self.sim.pending_regs))
 
+    @precondition(lambda self: bool(self.sim.oracle.registered or self.sim.pending_regs))
     @rule(i=_IDX, known=st.booleans())
     def abort_p(self, i: int, known: bool) -> None:
         rids = sorted(self.sim.oracle.registered.values())
@@ -981,19 +1000,21 @@ class LifecycleMachine(RuleBasedStateMachine):
         engine = rk.split(".", 1)[0]
         self.sim.abort_d(engine, rid)
 
+    @precondition(lambda self: self.sim.busy())
     @rule(i=_IDX)
     def d_tick(self, i: int) -> None:
         ranks = self.sim.live_ranks()
         if ranks:
             self.sim.d_tick(ranks[i % len(ranks)])
 
-    @precondition(lambda self: len(self.sim.live_ranks()) > 0)
+    @precondition(lambda self: self.sim.busy() and len(self.sim.live_ranks()) > 0)
     @rule(i=_IDX)
     def crash_d(self, i: int) -> None:
         ranks = self.sim.live_ranks()
         self.sim.crash(ranks[i % len(ranks)])
 
     # -- time ----------------------------------------------------------------------------
+    @precondition(lambda self: self.sim.busy())
     @rule(frac=st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5, 1.0, 1.5, 3.0]),
           d_ticks=st.booleans())
     def advance(self, frac: float, d_ticks: bool) -> None:
@@ -1001,8 +1022,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         cfg = self.cfg
         self.sim.advance(frac * min(cfg.initial_lease, cfg.lease_extension), d_ticks=d_ticks)
 
+    @precondition(lambda self: self.sim.busy())
     @rule(dt=st.floats(min_value=0.0, max_value=2.0, allow_nan=False))
     def advance_by_delay(self, dt: float) -> None:
+        """Let up to two message delays pass (no D tick)."""
         self.sim.advance(dt * self.cfg.max_delay, d_ticks=False)
 
     @precondition(lambda self: self.sim.ledger.next_deadline() is not None)
@@ -1034,21 +1057,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         q = self.sim.net
         q.duplicate(i % len(q.queue))
 
-    @rule(n=st.integers(min_value=1, max_value=6))
-    def duplicate_burst(self, n: int) -> None:
-        """The next ``n`` messages sent (by anyone) are each delivered twice."""
-        self.sim.net.dup_next = n
-
-    @rule(n=st.integers(min_value=1, max_value=3))
-    def loss_burst(self, n: int) -> None:
-        """The next ``n`` messages sent (by anyone) are lost."""
-        self.sim.net.drop_next = n
+    @precondition(lambda self: self.sim.busy())
+    @rule(duplicate=st.booleans(), n=st.integers(min_value=1, max_value=6))
+    def fault_burst(self, duplicate: bool, n: int) -> None:
+        """The next ``n`` messages sent (by anyone) are each delivered twice, or (at most
+        3 of them) lost."""
+        if duplicate:
+            self.sim.net.dup_next = n
+        else:
+            self.sim.net.drop_next = min(n, 3)
 
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)
     def drop_params(self, i: int) -> None:
         self.sim.drop_admit(i % len(self.sim.pending_admits))
 
+    @precondition(lambda self: self.sim.busy())
     @rule(kind=st.sampled_from(["random", "header", "truncated", "epoch"]),
           data=st.binary(max_size=24), src_idx=_IDX)
     def malformed(self, kind: str, data: bytes, src_idx: int) -> None:
@@ -1174,7 +1198,7 @@ def machine_class(ledger_cls: type[Ledger] = Ledger, *,
 # Budgets.
 # ---------------------------------------------------------------------------
 
-CI_EXAMPLES: Final = 60
+CI_EXAMPLES: Final = 1000
 CI_STEPS: Final = 40
 
 
@@ -1314,6 +1338,7 @@ def run(args: argparse.Namespace) -> int:
 
 __all__ = [
     "CONFIGS",
+    "INVARIANTS",
     "FuzzSim",
     "InvariantViolation",
     "LifecycleMachine",
