@@ -247,8 +247,8 @@ def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Pat
     aborts, siblings, dropped/duplicated notifications) exits 0 with a clean report, and
     the P adapter's journal is a behaviour of the TLA+ spec (``kvproto validate``)."""
     journal = tmp_path / "journal.jsonl"
-    cmd = [sys.executable, "-m", "kvproto.cli", "-q", "demo", "--seed", "3", "--duration", "3",
-           "--rate", "25", "--journal", str(journal), "--json"]
+    cmd = [sys.executable, "-m", "kvproto.cli", "-q", "demo", "--seed", "3", "--duration", "2",
+           "--rate", "20", "--journal", str(journal), "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: killable whole
     try:
@@ -276,7 +276,7 @@ def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Pat
     assert report["completed"] > 0 and report["bytes_moved"] > 0
     assert report["journal"] == str(journal)
     lines = journal.read_text().splitlines()
-    assert sum('"type":"register"' in ln for ln in lines) >= 20
+    assert sum('"type":"register"' in ln for ln in lines) >= 15
     try:
         verdicts = validate([journal])
     except TLCMissing as e:  # pragma: no cover - depends on the machine
