@@ -305,3 +305,43 @@ def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[st
     assert len(res["raw_rounds_ms"]) == len(res["kvproto_rounds_ms"]) == args.rounds
     # 100 handles in flight: about one byte per handle id per heartbeat round.
     assert res["heartbeat"]["bytes_per_round"] < 100 * 2 + 64
+
+
+def test_restarted_p_handshakes_again(procs: list[Proc]) -> None:
+    """P dies (kill -9) and comes back under the same name on a new port with a new
+    epoch: D notices the loss, handshakes again and pulls the new P's KV."""
+    import torch
+
+    from kvproto.nixl.agent import fill_pattern
+
+    pname = uniq("P")
+    p1, host, port = start_p(procs, pname)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB)
+    try:
+        d.add_engine(pname, host, port)
+        a = register(p1, "a", 2)
+        d.admit("a", a)
+        d.schedule("a")
+        comps = pump_d(d, lambda c: len(c) == 1)
+        assert [(c.request_id, c.reason) for c in comps] == [("a", "pulled")]
+        d.free_local("a")
+        p1.kill()
+        pump_d(d, lambda _: d.engines[pname].state == "idle")  # the channel closed
+        assert d.counters.get("peer_lost") == 1
+        p2, host2, port2 = start_p(procs, pname)
+        d.add_engine(pname, host2, port2)
+        b = register(p2, "b", 3)
+        assert b.epoch != a.epoch
+        d.admit("b", b)
+        d.schedule("b")
+        comps = pump_d(d, lambda c: len(c) == 1)
+        assert [(c.request_id, c.state, c.reason) for c in comps] == [("b", "done", "pulled")]
+        local = comps[0].local_blocks
+        assert local is not None and len(local) == 3
+        assert all(torch.equal(d.region.kv[lb], fill_pattern("b", i, BB))
+                   for i, lb in enumerate(local))
+        assert d.counters.get("handshakes") == 2
+        s = wait_stats(p2, lambda s: s["held"] == 0)
+        assert s["frees"]["transferred"] == 1 and s["violations"] == 0
+    finally:
+        d.close(1.0)
