@@ -73,11 +73,11 @@ class Model:
 
 MODELS: dict[str, Model] = {m.name: m for m in (
     Model("ci", "MC_ci.cfg",
-          "2 requests x 2 readers (fan-in 2), 1 sibling group sharing a block, early "
-          "messages, 1 loss, 1 duplicate, 1 D crash, 1 abort on P; every safety invariant"),
+          "2 requests x 2 readers (fan-in 2) x 1 sibling group sharing a block, early "
+          "messages, 1 loss, 1 duplicate, 1 D crash; every safety invariant"),
     Model("live", "MC_live.cfg",
           "liveness under fairness of Tick and delivery: NoLeak and ReportedIsFreed "
-          "(1 request x 2 readers, 1 loss, 1 crash, aborts on P and D)"),
+          "(1 request x 1 reader, early messages, 1 loss, 1 crash, aborts on P and D)"),
     Model("lease", "MC_lease.cfg",
           "the model `--lease-config` fills in: 1 request x 2 readers, 1 loss, 1 crash, "
           "aborts on P and D; safety and NoLeak, with the default Config's numbers"),
@@ -200,6 +200,7 @@ def _rules(u: dict[str, int] | dict[str, float]) -> tuple[bool, ...]:
         u["LeaseExtension"] > u["HeartbeatInterval"] + u["MaxDelay"] + u["ClockDrift"],
         u["LeaseExtension"] > u["MaxReadTime"] + 2 * u["MaxDelay"] + u["ClockDrift"],
         u["InitialLease"] > u["MaxReadTime"] + u["MaxDelay"] + u["ClockDrift"],
+        u["InitialLease"] > u["HeartbeatInterval"] + 2 * u["MaxDelay"] + u["ClockDrift"],
         u["AbortGrace"] >= max(u["InitialLease"], u["LeaseExtension"]),
     )
 

@@ -275,6 +275,12 @@ class Config:
             raise ConfigError(
                 f"initial_lease ({self.initial_lease}) must exceed max_read_time + max_delay + "
                 f"clock_drift ({init_need}): otherwise D can never READ on the initial term")
+        first_hb = self.heartbeat_interval + 2 * self.max_delay + self.clock_drift
+        if not self.initial_lease > first_hb:
+            raise ConfigError(
+                f"initial_lease ({self.initial_lease}) must exceed heartbeat_interval + "
+                f"2*max_delay + clock_drift ({first_hb}): otherwise a request D admitted just "
+                "after a heartbeat expires on P before its first renewal arrives")
         if self.abort_grace < self.lease_horizon:
             raise ConfigError(
                 f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "

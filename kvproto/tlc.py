@@ -478,11 +478,11 @@ _MSG_ACTION = {"done": "Done", "release": "Release", "hb": "Heartbeat", "params"
 _PY = {
     "Register": "Ledger.register", "Prefill": "P hands out transfer params",
     "Done": "Ledger.done", "Release": "Ledger.release", "Heartbeat": "Ledger.heartbeat",
-    "Abort": "Ledger.abort", "Tick": "Ledger.tick / time passes", "Admit": "Consumer.admit",
+    "Abort": "Ledger.abort", "Tick": "Ledger.tick, Consumer.tick (heartbeats due)", "Admit": "Consumer.admit",
     "Ack": "Consumer.ack", "Schedule": "Consumer.schedule",
     "FinishRead": "Consumer.read_result(ok)", "ReadError": "Consumer.read_result(error)",
     "DAbort": "Consumer.abort", "LeaseLost": "Consumer.tick (lease_lost)",
-    "SendHeartbeats": "Consumer.tick (heartbeats)", "HandshakeOk": "Consumer.handshake_result(ok)",
+    "HandshakeOk": "Consumer.handshake_result(ok)",
     "HandshakeFail": "Consumer.handshake_result(failed)", "Crash": "D rank crashes",
     "Lose": "network loses a message",
 }
@@ -568,8 +568,9 @@ def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[s
                          f"{_MSG_ACTION.get(str(kept.get('k')), kept.get('k'))}"
                          f"({_fmt(kept.get('rs'))}, {kept.get('d')}) (a duplicate stays in "
                          "the network)")
-        if act == "Tick":
-            gone, new = [], []  # ages change: not interesting
+        if act == "Tick":  # ages change (not interesting); D's due heartbeats are sent
+            gone = []
+            new = [m for m in new if m.get("age") == 0]
         for m in gone:
             if act not in ("Receive", "Lose"):
                 changes.append(f"msg gone: {_msg_str(m)}")

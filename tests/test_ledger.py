@@ -788,6 +788,8 @@ def test_default_config_is_valid(cfg: Config) -> None:
     ({"heartbeat_interval": 19.0}, r"must exceed heartbeat_interval"),
     ({"max_read_time": 18.0}, r"must exceed max_read_time \+ 2\*max_delay \+ clock_drift"),
     ({"initial_lease": 6.5}, r"initial_lease \(6.5\) must exceed max_read_time"),
+    ({"initial_lease": 7.0, "max_read_time": 1.0},
+     r"initial_lease \(7.0\) must exceed heartbeat_interval \+ 2\*max_delay \+ clock_drift \(7.5\)"),
     ({"abort_grace": 29.0}, r"abort_grace \(29.0\) must be >= max\(initial_lease, "
                             r"lease_extension\)"),
     ({"initial_lease": "30"}, r"initial_lease must be a number, got '30'"),

@@ -17,7 +17,9 @@
 (*  - a READ completes at most MaxReadTime units after it started; a READ  *)
 (*    that completes at the very instant P's sweep frees the request       *)
 (*    counts as completed first (READ in flight during [s, s+MaxReadTime));*)
-(*  - D sends its heartbeats exactly every HeartbeatInterval units;        *)
+(*  - D sends its heartbeats exactly every HeartbeatInterval units, from  *)
+(*    its tick (Consumer.tick): the Tick step sends the batches that come  *)
+(*    due, so heartbeats leave at the start of a time unit;                *)
 (*  - P's scheduler registers a request in the same time unit in which it *)
 (*    hands out the transfer params (Prefill); early messages still occur. *)
 (* CLOCK DRIFT is modelled by its worst case: P's clock runs fast, so each *)
@@ -62,7 +64,7 @@ VARIABLES
     abortPending, \* client abort arrived during the READ
     owner,        \* [Readers -> [Groups -> Requests \cup {"none"}]]: the member D reads
     peer,         \* [Readers -> {"unknown", "handshaking", "ready"}]
-    hbTimer,      \* [Readers -> 0..HeartbeatInterval]: units until D's next heartbeat
+    hbTimer,      \* [Readers -> 0..HeartbeatInterval]: Ticks until D's next heartbeat
     crashed,      \* crashed D ranks
     \* network and fault budgets
     msgs,         \* set of in-flight messages
@@ -329,16 +331,14 @@ LeaseLost(r, d) ==
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
                    nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
 
-(* mirrors the heartbeat part of kvproto.lifecycle.Consumer.tick: every request D
-   still intends to pull (waiting, queued ones too, and reading) of a ready peer. *)
-SendHeartbeats(d) ==
-    /\ Alive(d) /\ hbTimer[d] = 0
-    /\ hbTimer' = [hbTimer EXCEPT ![d] = HeartbeatInterval]
-    /\ LET pull == {q \in Requests : IsPair(q, d) /\ peer[d] = "ready"
-                                     /\ dst[<<q, d>>] \in {"waiting", "reading"}}
-       IN  Send({MsgB("hb", {q \in pull : NExp(q) = e}, d, e, {}) : e \in {NExp(q) : q \in pull}})
-    /\ UNCHANGED <<ledgerVars, pre, dst, dlease, readAge, abortPending, owner, peer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+(* mirrors the heartbeat part of kvproto.lifecycle.Consumer.tick: the batches D sends
+   when its heartbeat comes due, one per expected-reader count, covering every request D
+   still intends to pull (waiting, queued ones too, and reading) of a ready peer. Sent by
+   Tick (D's tick runs as time passes). *)
+HbBatches(d) ==
+    LET pull == {q \in Requests : IsPair(q, d) /\ peer[d] = "ready"
+                                 /\ dst[<<q, d>>] \in {"waiting", "reading"}}
+    IN  {MsgB("hb", {q \in pull : NExp(q) = e}, d, e, {}) : e \in {NExp(q) : q \in pull}}
 
 (* A D rank crashes: it sends nothing more and its READs stop (no message to P). *)
 Crash(d) ==
@@ -359,21 +359,26 @@ Crash(d) ==
 TimeBlocked ==
     \/ \E m \in msgs : m.age >= MaxDelay
     \/ \E p \in Pairs : dst[p] = "reading" /\ Alive(p[2]) /\ readAge[p] + 1 >= MaxReadTime
-    \/ \E d \in Readers : Alive(d) /\ hbTimer[d] = 0
     \/ \E r \in Requests : pre[r] /\ pstate[r] = "unregistered"
 
 Older(m) == [m EXCEPT !.age = @ + 1,
                       !.x = IF m.k = "ack" /\ m.x > 0 THEN @ - 1 ELSE @]
 
-(* mirrors kvproto.lifecycle.Ledger.tick (P) and the clock of Consumer.tick (D) *)
+(* Readers whose heartbeat comes due at this Tick. *)
+HbDue == {d \in Readers : Alive(d) /\ hbTimer[d] <= 1}
+
+(* mirrors kvproto.lifecycle.Ledger.tick (P) and Consumer.tick (D: its clock, and the
+   heartbeats that come due) *)
 Tick ==
     /\ ~TimeBlocked
     /\ P!Tick
-    /\ msgs' = {Older(m) : m \in msgs}
+    /\ msgs' = {Older(m) : m \in msgs} \cup UNION {HbBatches(d) : d \in HbDue}
     /\ dlease' = [p \in Pairs |-> IF dst[p] \in {"waiting", "handshaking"}
                                   THEN Max(dlease[p] - 1, 0) ELSE dlease[p]]
     /\ readAge' = [p \in Pairs |-> IF dst[p] = "reading" THEN readAge[p] + 1 ELSE readAge[p]]
-    /\ hbTimer' = [d \in Readers |-> IF Alive(d) THEN hbTimer[d] - 1 ELSE 0]
+    /\ hbTimer' = [d \in Readers |-> IF ~Alive(d) THEN 0
+                                    ELSE IF d \in HbDue THEN HeartbeatInterval
+                                    ELSE hbTimer[d] - 1]
     /\ flaw' = IF \E r \in Requests :
                    /\ pstate[r] # "expired" /\ pstate'[r] = "expired" /\ nLoss = 0
                    /\ \E d \in ReadersOf[r] : Alive(d) /\ dst[<<r, d>>] \in {"waiting", "reading"}
@@ -391,7 +396,7 @@ Init ==
     /\ abortPending = [p \in Pairs |-> FALSE]
     /\ owner = [d \in Readers |-> [g \in Groups |-> "none"]]
     /\ peer = [d \in Readers |-> IF PeerReadyAtStart THEN "ready" ELSE "unknown"]
-    /\ hbTimer = [d \in Readers |-> 0]
+    /\ hbTimer = [d \in Readers |-> HeartbeatInterval]
     /\ crashed = {}
     /\ msgs = {}
     /\ nLoss = 0 /\ nDup = 0 /\ nCrash = 0 /\ nPAbort = 0 /\ nDAbort = 0
@@ -409,7 +414,7 @@ Next ==
     \/ Receive
     \/ \E m \in msgs : Lose(m)
     \/ DStep
-    \/ \E d \in Readers : HandshakeOk(d) \/ HandshakeFail(d) \/ SendHeartbeats(d) \/ Crash(d)
+    \/ \E d \in Readers : HandshakeOk(d) \/ HandshakeFail(d) \/ Crash(d)
     \/ Tick
 
 (* Fairness: time passes, messages are delivered, D and P do their work. Faults
@@ -420,7 +425,7 @@ Fairness ==
                                /\ msgs' # msgs /\ nDup' = nDup)
     /\ WF_vars(\E r \in Requests, d \in Readers : Schedule(r, d) \/ FinishRead(r, d) \/ LeaseLost(r, d))
     /\ WF_vars((\E S \in PrefillUnits : Prefill(S)) \/ \E r \in Requests : Register(r))
-    /\ WF_vars(\E d \in Readers : HandshakeOk(d) \/ SendHeartbeats(d))
+    /\ WF_vars(\E d \in Readers : HandshakeOk(d))
 
 Spec == Init /\ [][Next]_vars /\ Fairness
 
