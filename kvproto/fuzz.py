@@ -1058,14 +1058,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         q.duplicate(i % len(q.queue))
 
     @precondition(lambda self: self.sim.busy())
-    @rule(duplicate=st.booleans(), n=st.integers(min_value=1, max_value=6))
-    def fault_burst(self, duplicate: bool, n: int) -> None:
-        """The next ``n`` messages sent (by anyone) are each delivered twice, or (at most
-        3 of them) lost."""
-        if duplicate:
-            self.sim.net.dup_next = n
-        else:
-            self.sim.net.drop_next = min(n, 3)
+    @rule(n=st.integers(min_value=1, max_value=6))
+    def duplicate_burst(self, n: int) -> None:
+        """The next ``n`` messages sent (by anyone) are each delivered twice."""
+        self.sim.net.dup_next = n
+
+    @precondition(lambda self: self.sim.busy())
+    @rule(n=st.integers(min_value=1, max_value=3))
+    def loss_burst(self, n: int) -> None:
+        """The next ``n`` messages sent (by anyone) are lost."""
+        self.sim.net.drop_next = n
 
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)

@@ -10,6 +10,8 @@ detection, not noise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import Phase, settings
 
@@ -36,11 +38,13 @@ def test_every_mutant_overrides_the_real_ledger() -> None:
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS.values()), ids=lambda m: m.name)
-def test_the_fuzzer_catches_the_mutant(mutant: Mutant) -> None:
+def test_the_fuzzer_catches_the_mutant(mutant: Mutant,
+                                      record_property: Callable[[str, object], None]) -> None:
     fuzz.FuzzCounters.reset()
     with pytest.raises(fuzz.InvariantViolation) as info:
         fuzz.run_fuzz(fuzz.machine_class(mutant.ledger_cls), mutant_budget())
     assert info.value.invariant in mutant.caught_by, str(info.value)
+    record_property("examples_to_catch", fuzz.FuzzCounters.examples)
 
 
 def test_the_real_ledger_passes_the_same_budget() -> None:
