@@ -9,7 +9,9 @@ and by ``kvproto fuzz``:
   explicit method the fuzzer calls. The timing assumptions are enforced, not sampled: a
   message not delivered, dropped or duplicated by ``sent + max_delay`` is delivered then,
   a READ not completed by ``start + max_read_time`` completes then, and so do transfer
-  params (``max_delay`` after hand-out) and lagging P registrations.
+  params (``max_delay`` after hand-out) and lagging P registrations. NoFreeUnderRead is
+  checked twice: a free of blocks under a READ in flight, and a READ that D posts within
+  its lease on blocks whose generation changed since P handed them out (freed meanwhile).
 * ``Oracle`` + ``observed_ledger_class`` -- wraps any ``Ledger`` class (the real one, or a
   mutant from ``kvproto.mutants``) and checks, around every P event, that each request's
   state change is a row of ``P_TRANSITIONS`` for that event (with the matching ``free:``
@@ -18,7 +20,12 @@ and by ``kvproto fuzz``:
   reports that the staging policy must keep -- is freed by that very event) and
   *ExpiredFreed* (after a tick at ``now`` no held request has a deadline ``<= now``).
 * ``LifecycleMachine`` -- the hypothesis ``RuleBasedStateMachine``: rules for every
-  event and fault, invariants after every step, a no-leak teardown.
+  event and fault, invariants after every step, a no-leak teardown. Rules that would do
+  nothing in the current state are disabled by a precondition (hypothesis picks uniformly
+  among enabled rules), and ``progress``/``drain`` run bursts of natural steps, so deep
+  interleavings (D reporting before a lagging registration, a duplicated ``done`` while
+  another reader's READ is in flight, a renewed lease next to an unrenewed one) are
+  reached within the CI budget (``ci_settings``; see BENCHMARKS.md for the rates).
 
 Invariant names used in failure messages (the mutant tests match on them):
 ``NoDoubleFree``, ``Conservation``, ``NoFreeUnderRead``, ``StagingBounded``,

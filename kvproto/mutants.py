@@ -7,7 +7,7 @@ named in ``Mutant.caught_by``; ``kvproto fuzz --mutant NAME`` fuzzes one by hand
 
 * ``count_messages`` -- counts done/release *messages* instead of distinct readers: a
   duplicated ``done`` from one reader frees the request while another reader's READ is in
-  flight (NoFreeUnderRead).
+  flight, or before that reader, still within its lease, starts it (NoFreeUnderRead).
 * ``abort_frees_now`` -- an abort after prefill finished frees the blocks at once instead
   of holding them until the readers finish or the abort grace ends: the READ D started
   under its lease reads freed blocks (NoFreeUnderRead; the abort itself is also a
