@@ -1212,10 +1212,13 @@ CI_STEPS: Final = 40
 
 
 def ci_settings(max_examples: int = CI_EXAMPLES, steps: int = CI_STEPS) -> settings:
-    """Deterministic, database-free settings for CI (derandomized)."""
+    """Deterministic, database-free settings for CI (derandomized). No explain phase: it
+    traces every line while shrinking, which made shrinking a failure take minutes."""
     return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
                     derandomize=True, database=None, print_blob=False,
                     report_multiple_bugs=False,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target,
+                            Phase.shrink],
                     suppress_health_check=list(HealthCheck))
 
 
