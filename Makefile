@@ -20,7 +20,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 check: setup
-	$(VENV)/bin/kvproto check
+	$(VENV)/bin/kvproto check --all
 
 bench: setup
 	$(VENV)/bin/kvproto bench ledger

@@ -348,8 +348,14 @@ def run_tlc(module: Path, cfg: Path, *, extra: Sequence[str] = (), workers: int 
            "-config", cfg.name, *extra, module.name]
     log.debug("running %s", " ".join(cmd))
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=module.parent, capture_output=True, text=True, timeout=timeout,
-                       check=False)
+    try:
+        p = subprocess.run(cmd, cwd=module.parent, capture_output=True, text=True,
+                           timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        shutil.rmtree(metadir, ignore_errors=True)
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise TLCError(f"TLC did not finish within {timeout:.0f} s on {module.name} "
+                       "(a long journal: validate it in parts, or raise the timeout)", out) from e
     dt = time.perf_counter() - t0
     out = p.stdout + p.stderr
     shutil.rmtree(metadir, ignore_errors=True)

@@ -335,8 +335,11 @@ def batches(traces: Sequence[Trace], max_bytes: int) -> list[list[Trace]]:
 _VERDICT_RE: Final = re.compile(r'^<<"(ACCEPT|REJECT)".*>>\s*$')
 
 
+DEFAULT_TIMEOUT: Final = 600.0  # seconds of TLC per batch
+
+
 def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
-                workers: int = 1) -> list[Verdict]:
+                workers: int = 1, timeout: float = DEFAULT_TIMEOUT) -> list[Verdict]:
     """One TLC run over several traces."""
     wd = Path(tempfile.mkdtemp(prefix="validate-")) if workdir is None else workdir
     wd.mkdir(parents=True, exist_ok=True)
@@ -348,7 +351,7 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
         (wd / f"{name}.tla").write_text(mod, encoding="utf-8")
         (wd / f"{name}.cfg").write_text(cfg, encoding="utf-8")
         run = run_tlc(wd / f"{name}.tla", wd / f"{name}.cfg", workers=workers,
-                      extra=["-deadlock"])
+                      extra=["-deadlock"], timeout=timeout)
         log.info("TLC checked %d journal(s), %d steps, in %.1fs", len(traces),
                  sum(len(t.steps) for t in traces), run.seconds)
         found: dict[int, Verdict] = {}
@@ -380,12 +383,13 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
 
 
 def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BYTES,
-             workdir: Path | None = None) -> list[Verdict]:
+             workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[Verdict]:
     """Validate journals (raises JournalError/TraceError on bad input, TLCMissing)."""
     traces = [journal_to_trace(p) for p in paths]
     verdicts: list[Verdict] = []
     for i, b in enumerate(batches(traces, batch_bytes)):
-        verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}")
+        verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
+                                timeout=timeout)
     return verdicts
 
 
@@ -400,6 +404,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES,
                    help="TLA+ text per TLC run when checking several journals "
                         f"(default {DEFAULT_BATCH_BYTES})")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help="give up a batch after S seconds of TLC (exit 4; default "
+                        f"{DEFAULT_TIMEOUT:.0f}); TLC time grows faster than a journal's length")
     p.add_argument("--keep", metavar="DIR",
                    help="write the generated TLA+ modules here and keep them")
 
@@ -407,7 +414,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
-                            workdir=Path(args.keep) if args.keep else None)
+                            workdir=Path(args.keep) if args.keep else None,
+                            timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))
     except (JournalError, TraceError, OSError, json.JSONDecodeError) as e:
         print(f"kvproto validate: bad input: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -415,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproto validate: {e}", file=sys.stderr)
         return EXIT_MISSING
     except TLCError as e:
-        log.error("%s\n%s", e, e.output[-4000:])
+        print(f"kvproto validate: {e}", file=sys.stderr)
+        log.debug("TLC output:\n%s", e.output[-4000:])
         return 4
     for v in verdicts:
         print(v.describe())

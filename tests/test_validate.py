@@ -118,7 +118,8 @@ def test_trace_mapping(tmp_path: Path) -> None:
 def test_bad_input_exit_codes(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"kvproto_journal": 1, "config": {}, "capacity": 4}\nnot json\n')
-    args = argparse.Namespace(journals=[str(bad)], batch_bytes=va.DEFAULT_BATCH_BYTES, keep=None)
+    args = argparse.Namespace(journals=[str(bad)], batch_bytes=va.DEFAULT_BATCH_BYTES, keep=None,
+                              timeout=va.DEFAULT_TIMEOUT)
     assert va.run(args) == va.EXIT_BAD_INPUT
     args.journals = [str(tmp_path / "missing.jsonl")]
     assert va.run(args) == va.EXIT_BAD_INPUT
@@ -231,7 +232,8 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     rows = read_lines(good)
     idx, _ = _tamper_done_twice(rows)
     bad = write_lines(tmp_path / "bad.jsonl", rows)
-    args = argparse.Namespace(journals=[str(good), str(bad)], batch_bytes=1, keep=None)
+    args = argparse.Namespace(journals=[str(good), str(bad)], batch_bytes=1, keep=None,
+                              timeout=va.DEFAULT_TIMEOUT)
     try:
         code = va.run(args)  # batch_bytes=1: one TLC run per journal
     except TLCMissing as e:  # pragma: no cover
@@ -240,3 +242,17 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert code == va.EXIT_NOT_ALLOWED, out
     assert "good.jsonl: OK" in out
     assert f"bad.jsonl: NOT ALLOWED at line {idx + 1}" in out
+
+
+@pytest.mark.tlc
+def test_tlc_timeout_is_a_clear_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = scripted_journal(tmp_path / "good.jsonl")
+    args = argparse.Namespace(journals=[str(good)], batch_bytes=va.DEFAULT_BATCH_BYTES,
+                              keep=None, timeout=0.05)
+    try:
+        code = va.run(args)
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    assert code == 4
+    assert "kvproto validate: TLC did not finish within 0 s" in capsys.readouterr().err

@@ -70,12 +70,14 @@ VARIABLES
     msgs,         \* set of in-flight messages
     nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail,
     reported,     \* GHOST: [Requests -> SUBSET Readers] whose done/release reached P
-    flaw          \* GHOST: name of the step property a step violated, "none" so far
+    flaw,         \* GHOST: name of the step property a step violated, "none" so far
+    hsSlow        \* GHOST: pairs whose handshake was still running when time passed
 
 ledgerVars == <<pstate, expected, finished, released, deadline, reports, rc,
                 stagedQ, staged, stagedAge, groupsDone, nfree>>
 dVars == <<pre, dst, dlease, readAge, abortPending, owner, peer, hbTimer, crashed>>
-netVars == <<msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+netVars == <<msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw,
+             hsSlow>>
 vars == <<ledgerVars, dVars, netVars>>
 
 Max(a, b) == IF a >= b THEN a ELSE b
@@ -134,7 +136,7 @@ Prefill(S) ==
     /\ msgs' = msgs \cup UNION {{Msg("params", r, d) : d \in ReadersOf[r]} : r \in S}
     /\ P!Write(RegisterAll(P!Cur, S \ EarlyRequests))
     /\ UNCHANGED <<dst, dlease, readAge, abortPending, owner, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Ledger.register *)
 Register(r) ==
@@ -147,7 +149,7 @@ Abort(r) ==
     /\ nPAbort < MaxPAborts /\ pstate[r] \in P!HeldLive
     /\ nPAbort' = nPAbort + 1
     /\ P!Abort(r)
-    /\ UNCHANGED <<dVars, msgs, nLoss, nDup, nCrash, nDAbort, nReadErr, nHsFail, reported, flaw>>
+    /\ UNCHANGED <<dVars, msgs, nLoss, nDup, nCrash, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* Delivery of m to its receiver, which sends the messages in out. Either m leaves
    the network, or it stays as a duplicate to be delivered again (budget MaxDup). *)
@@ -173,7 +175,7 @@ Done(m) ==
     /\ P!Done(Req(m), m.d, NExp(Req(m)))
     /\ Report(m)
     /\ StaleCheck({Req(m)})
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Ledger.release *)
 Release(m) ==
@@ -181,7 +183,7 @@ Release(m) ==
     /\ P!Release(Req(m), m.d, NExp(Req(m)))
     /\ Report(m)
     /\ StaleCheck({Req(m)})
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Ledger.heartbeat (one batch); P answers with one Ack
    (term = LeaseExtension; refused = the aborted/expired/freed handles). *)
@@ -192,13 +194,13 @@ Heartbeat(m) ==
        IN  Deliver(m, {ack})
     /\ P!Write(P!HeartbeatBatchOp(P!Cur, m.rs, m.d, m.x))
     /\ StaleCheck(m.rs)
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, hsSlow>>
 
 (* The network loses a message (budget MaxLoss). *)
 Lose(m) ==
     /\ m \in msgs /\ nLoss < MaxLoss
     /\ msgs' = msgs \ {m} /\ nLoss' = nLoss + 1
-    /\ UNCHANGED <<ledgerVars, dVars, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+    /\ UNCHANGED <<ledgerVars, dVars, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 -----------------------------------------------------------------------------
 (* D side: kvproto.lifecycle.Consumer, one machine per pair <<r, d>>. *)
@@ -229,7 +231,7 @@ Admit(m) ==
                    ELSE /\ SetD(r, d, "handshaking")                     \* (start or join)
                         /\ peer' = [peer EXCEPT ![d] = "handshaking"]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, owner, hbTimer, crashed,
-                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.handshake_result(ok=True) *)
 HandshakeOk(d) ==
@@ -246,7 +248,7 @@ HandshakeFail(d) ==
     /\ dst' = [p \in Pairs |-> IF p[2] = d /\ dst[p] = "handshaking" THEN "failed" ELSE dst[p]]
     /\ dlease' = [p \in Pairs |-> IF p[2] = d /\ dst[p] = "handshaking" THEN 0 ELSE dlease[p]]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, owner, hbTimer, crashed,
-                   msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, reported>>
+                   msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.schedule: rows SCHEDULE/sibling_local (release),
    SCHEDULE/lease_short (release), SCHEDULE/lease_covers_read (post the READ). *)
@@ -265,7 +267,7 @@ Schedule(r, d) ==
             /\ owner' = IF g # NoGroup THEN [owner EXCEPT ![d][g] = r] ELSE owner
             /\ UNCHANGED <<msgs, abortPending>>
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.read_result(ok=True): rows READ_OK/ok (done),
    READ_OK/abort_pending (failed, but the done notification is sent). *)
@@ -278,7 +280,7 @@ FinishRead(r, d) ==
     /\ Rest(r, d)
     /\ Send({Msg("done", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.read_result(ok=False): READ_FAILED/error (release) *)
 ReadError(r, d) ==
@@ -287,7 +289,7 @@ ReadError(r, d) ==
     /\ SetD(r, d, "failed") /\ Disown(r, d) /\ Rest(r, d)
     /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.abort (client abort on D): rows D_ABORT/idle
    (release), D_ABORT/in_flight (never release under an in-flight READ). *)
@@ -302,7 +304,7 @@ DAbort(r, d) ==
        ELSE /\ SetD(r, d, "failed") /\ Rest(r, d) /\ Disown(r, d)
             /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.ack: rows ACK/granted (lease end := heartbeat
    send time + term - drift, never lowered), ACK/refused (waiting -> failed, no release;
@@ -320,7 +322,7 @@ Ack(m) ==
            /\ owner' = [owner EXCEPT ![m.d] = [g \in Groups |->
                             IF owner[m.d][g] \in revoked THEN "none" ELSE owner[m.d][g]]]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, peer, hbTimer, crashed,
-                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors the lease check of kvproto.lifecycle.Consumer.tick: row D_TICK/lease_lost *)
 LeaseLost(r, d) ==
@@ -329,7 +331,7 @@ LeaseLost(r, d) ==
     /\ SetD(r, d, "failed") /\ Rest(r, d) /\ Disown(r, d)
     /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 (* mirrors the heartbeat part of kvproto.lifecycle.Consumer.tick: the batches D sends
    when its heartbeat comes due, one per expected-reader count, covering every request D
@@ -351,7 +353,7 @@ Crash(d) ==
     /\ readAge' = [p \in Pairs |-> IF p[2] = d THEN 0 ELSE readAge[p]]
     /\ abortPending' = [p \in Pairs |-> IF p[2] = d THEN FALSE ELSE abortPending[p]]
     /\ UNCHANGED <<ledgerVars, pre, owner, peer,
-                   msgs, nLoss, nDup, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw>>
+                   msgs, nLoss, nDup, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
 
 -----------------------------------------------------------------------------
 (* Time. Disabled while something is due "now": a message at its delay bound, a READ
@@ -379,9 +381,11 @@ Tick ==
     /\ hbTimer' = [d \in Readers |-> IF ~Alive(d) THEN 0
                                     ELSE IF d \in HbDue THEN HeartbeatInterval
                                     ELSE hbTimer[d] - 1]
+    /\ hsSlow' = hsSlow \cup {p \in Pairs : dst[p] = "handshaking"}
     /\ flaw' = IF \E r \in Requests :
                    /\ pstate[r] # "expired" /\ pstate'[r] = "expired" /\ nLoss = 0
-                   /\ \E d \in ReadersOf[r] : Alive(d) /\ dst[<<r, d>>] \in {"waiting", "reading"}
+                   /\ \E d \in ReadersOf[r] : /\ Alive(d) /\ <<r, d>> \notin hsSlow
+                                             /\ dst[<<r, d>>] \in {"waiting", "reading"}
                THEN "RenewalKeepsLease" ELSE flaw
     /\ UNCHANGED <<pre, dst, abortPending, owner, peer, crashed,
                    nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported>>
@@ -403,6 +407,7 @@ Init ==
     /\ nReadErr = 0 /\ nHsFail = 0
     /\ reported = [r \in Requests |-> {}]
     /\ flaw = "none"
+    /\ hsSlow = {}
 
 Receive == \E m \in msgs : Done(m) \/ Release(m) \/ Heartbeat(m) \/ Admit(m) \/ Ack(m)
 DStep == \E r \in Requests, d \in Readers :
@@ -437,7 +442,7 @@ ReaderSymmetry == Permutations(Readers)
 (* The state as safety checking needs it: the GHOST `reported` is read only by the
    liveness property ReportedIsFreed, so safety models may leave it out (VIEW). *)
 SafetyView == <<ledgerVars, dVars, msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr,
-                nHsFail, flaw>>
+                nHsFail, flaw, hsSlow>>
 
 (* Invariants. Each is referenced from spec/TLA.md. *)
 
@@ -457,6 +462,7 @@ TypeOK ==
     /\ \A p \in Pairs : ~IsPair(p[1], p[2]) => dst[p] = "new"
     /\ reported \in [Requests -> SUBSET Readers]
     /\ flaw \in {"none", "StaleIsHarmless", "RenewalKeepsLease"}
+    /\ hsSlow \subseteq Pairs
 
 NoDoubleFree == P!NoDoubleFree
 Conservation == P!Conservation
@@ -477,8 +483,10 @@ NoFreeUnderRead ==
 StaleIsHarmless == flaw # "StaleIsHarmless"
 
 (* P never expires a request that a live reader is still waiting on or reading (and so
-   heartbeating), unless the network lost a message. Checked on every Tick through the
-   ghost flaw. An extension shorter than heartbeat interval + delay breaks it. *)
+   heartbeating), unless the network lost a message or the reader's handshake was still
+   running when time passed (before its handshake D cannot heartbeat: the initial term
+   must cover the handshake). Checked on every Tick through the ghost flaw. An extension
+   shorter than heartbeat interval + delay breaks it. *)
 RenewalKeepsLease == flaw # "RenewalKeepsLease"
 
 (* Liveness. *)

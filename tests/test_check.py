@@ -1,0 +1,270 @@
+"""``kvproto check``: TLC on the spec's models, the buggy models, and users' lease numbers.
+
+Unit tests (no Java) cover the lease-number quantization, config loading, the CLI's
+exit codes and the trace reader. The ``tlc`` tests run TLC: the CI model passes, every
+buggy model fails with the property it is meant to break (a checker that cannot fail
+proves nothing), and the lease check tells safe numbers from unsafe ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvproto import check, tlc
+from kvproto.cli import main
+from kvproto.lifecycle import Config
+
+# ---------------------------------------------------------------------------
+# Lease numbers -> model time units.
+# ---------------------------------------------------------------------------
+
+
+def test_quantize_rounds_terms_down_and_delays_up() -> None:
+    cfg = Config(initial_lease=7.0, lease_extension=5.5, abort_grace=7.9, heartbeat_interval=1.2,
+                 max_delay=0.1, max_read_time=2.0, clock_drift=0.0)
+    q = check.quantize(cfg, 2.0)
+    assert q.units["InitialLease"] == 3 and q.units["LeaseExtension"] == 2
+    assert q.units["AbortGrace"] == 3
+    assert q.units["HeartbeatInterval"] == 1 and q.units["MaxDelay"] == 1
+    assert q.units["MaxReadTime"] == 1 and q.units["ClockDrift"] == 0
+    assert not q.exact
+    assert check.quantize(Config(initial_lease=4, lease_extension=4, abort_grace=4,
+                                 heartbeat_interval=2, max_delay=0, max_read_time=2,
+                                 clock_drift=0), 2.0).exact
+
+
+@pytest.mark.parametrize("cfg", [
+    Config(),
+    Config(initial_lease=10, lease_extension=8, heartbeat_interval=2, abort_grace=10,
+           max_delay=0.5, max_read_time=3, clock_drift=0.25),
+    Config(initial_lease=30, lease_extension=20, heartbeat_interval=5, abort_grace=10),
+    Config(initial_lease=30, lease_extension=6, heartbeat_interval=5, abort_grace=30),
+])
+def test_choose_unit_keeps_every_timing_rule(cfg: Config) -> None:
+    """The default unit never turns a safe config unsafe or the reverse, and keeps the
+    model small."""
+    secs = {c: getattr(cfg, k) for k, c in {**check._TERMS, **check._DELAYS}.items()}
+    q = check.quantize(cfg, check.choose_unit(cfg))
+    assert check._rules(q.units) == check._rules(secs)
+    assert max(q.units["InitialLease"], q.units["LeaseExtension"], q.units["AbortGrace"]) \
+        <= 4 * check.MAX_UNITS
+
+
+def test_lease_cfg_text_substitutes_every_constant() -> None:
+    q = check.quantize(Config(), check.choose_unit(Config()))
+    text = check.lease_cfg_text(q)
+    for const, v in q.units.items():
+        assert f"    {const} = {v}\n" in text
+    # The files hold what --lease-config computes for the default Config.
+    assert text == check.MODELS["lease"].path.read_text()
+    live = check.lease_cfg_text(check.live_quantize(Config()), "lease_live")
+    assert live == check.MODELS["lease_live"].path.read_text()
+
+
+def test_live_quantize_keeps_terms_positive() -> None:
+    q = check.live_quantize(Config(initial_lease=100, lease_extension=10, abort_grace=100,
+                                   heartbeat_interval=2, max_delay=0, max_read_time=1,
+                                   clock_drift=0))
+    assert q.units["InitialLease"] == 3 and q.units["LeaseExtension"] >= 1
+    assert q.units["AbortGrace"] == 3
+
+
+def test_load_lease_config_reads_json_toml_and_flags(tmp_path: Path) -> None:
+    j = tmp_path / "lease.json"
+    j.write_text(json.dumps({"initial_lease": 12, "lease_extension": 9}))
+    c = check.load_lease_config(str(j), {"heartbeat_interval": 3.0})
+    assert (c.initial_lease, c.lease_extension, c.heartbeat_interval) == (12, 9, 3.0)
+    assert c.max_read_time == Config().max_read_time  # the rest keeps its default
+    t = tmp_path / "lease.toml"
+    t.write_text("initial_lease = 12\nabort_grace = 12\n")
+    assert check.load_lease_config(str(t), {}).abort_grace == 12
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"initial_lease": 30, "lease_extention": 20}', "unknown config keys: lease_extention"),
+    ('{"initial_lease": "30"}', "must be a finite number"),
+    ('{"max_delay": -1}', "must be >= 0"),
+    ('{"lease_extension": 0}', "must be > 0"),
+    ("[1, 2]", "expected an object"),
+    ("{not json", "not valid JSON"),
+])
+def test_load_lease_config_refuses_bad_files(tmp_path: Path, text: str, why: str) -> None:
+    p = tmp_path / "lease.json"
+    p.write_text(text)
+    with pytest.raises(check.LeaseConfigError, match=why):
+        check.load_lease_config(str(p), {})
+
+
+# ---------------------------------------------------------------------------
+# CLI without TLC.
+# ---------------------------------------------------------------------------
+
+
+def test_list_names_every_model_and_its_expectation(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--list"]) == 0
+    out = capsys.readouterr().out
+    for m in check.MODELS.values():
+        assert m.name in out and m.cfg in out
+        assert m.path.is_file(), m.path
+    assert "must fail: NoFreeUnderRead" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "no_such_model"],
+    ["check", "--lease-config", "/nonexistent/lease.json"],
+    ["check", "ci", "--lease-extension", "3"],
+    ["check", "--workers", "0"],
+    ["check", "--initial-lease", "-1"],
+])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == check.EXIT_USAGE
+    assert "kvproto check:" in capsys.readouterr().err
+
+
+def test_missing_java_exits_3(monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(tlc.ENV_JAVA, "/nonexistent/java")
+    assert main(["-q", "check", "bug_count_messages"]) == check.EXIT_NO_JAVA
+    assert "java not found" in capsys.readouterr().err
+
+
+def test_missing_jar_exits_5(monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(tlc.ENV_JAR, "/nonexistent/tla2tools.jar")
+    assert main(["-q", "check", "ci"]) == check.EXIT_NO_JAR
+    assert "TLC jar not found" in capsys.readouterr().err
+
+
+TRACE = """\
+Error: Invariant NoFreeUnderRead is violated.
+Error: The behavior up to this point is:
+State 1: <Initial predicate>
+/\\ pstate = [r1 |-> "registered"]
+/\\ msgs = {}
+
+State 2: <Receive line 3, col 1 to line 4, col 2 of module KVLifecycle>
+/\\ pstate = [r1 |-> "freed"]
+/\\ msgs = { [k |-> "done", rs |-> {"r1"}, d |-> "d1", age |-> 0, x |-> 0,
+     ref |-> {}] }
+
+2 states generated, 2 distinct states found, 0 states left on queue.
+"""
+
+
+def test_trace_reader_and_renderer() -> None:
+    states = tlc.parse_trace(TRACE)
+    assert [s.action for s in states] == ["Initial predicate", "Receive"]
+    assert states[1].values["pstate"] == {"r1": "freed"}
+    (m,) = states[1].values["msgs"]
+    assert m["k"] == "done" and m["rs"] == frozenset({"r1"})
+    text = tlc.render_trace(states)
+    assert "pstate[r1]: registered -> freed" in text
+
+
+def test_judge_tells_expected_from_unexpected() -> None:
+    bug = check.MODELS["bug_count_messages"]
+    ok = tlc.TlcResult("x", 0, "ok", distinct=10, depth=3)
+    viol = tlc.TlcResult("x", 12, "violation", violated="NoFreeUnderRead", kind="invariant")
+    other = tlc.TlcResult("x", 12, "violation", violated="Conservation", kind="invariant")
+    assert check.judge(bug, viol, "").as_expected
+    assert not check.judge(bug, ok, "").as_expected  # a bug the checker misses fails
+    assert not check.judge(bug, other, "").as_expected
+    assert check.judge(check.MODELS["ci"], ok, "").as_expected
+    assert not check.judge(check.MODELS["ci"], viol, "").as_expected
+    live = tlc.TlcResult("x", 13, "violation", violated="Temporal properties", kind="liveness")
+    assert check.violated_name(live, "PROPERTY ReportedIsFreed\n") == "ReportedIsFreed"
+    assert check.violated_name(live, "PROPERTY A B\n") == "Temporal properties"
+
+
+# ---------------------------------------------------------------------------
+# TLC.
+# ---------------------------------------------------------------------------
+
+
+def _tlc_or_skip() -> None:
+    try:
+        tlc.find_java()
+        tlc.find_jar()
+    except tlc.MissingDependency as e:  # pragma: no cover - depends on the machine
+        pytest.skip(str(e))
+
+
+@pytest.mark.tlc
+def test_tlc_crash_is_reported_with_exit_4(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    broken = check.Model("broken", "MC_broken.cfg", "a config naming an undefined operator")
+    monkeypatch.setitem(check.MODELS, "broken", broken)
+    monkeypatch.setattr(check.Model, "path", property(lambda self: Path("/dev/null")))
+    res = check.check_model(broken, cfg_text="INIT NoSuchInit\nNEXT Next\n")
+    assert res.result.result == "error" and not res.as_expected
+    assert "TLC exit code" in res.summary
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("name", [m.name for m in check.MODELS.values() if m.expect])
+def test_buggy_model_is_caught(name: str) -> None:
+    """Each deliberately broken model must fail, with the property it breaks."""
+    _tlc_or_skip()
+    model = check.MODELS[name]
+    o = check.check_model(model)
+    assert o.result.result == "violation", o.summary
+    assert o.as_expected, o.summary
+    assert len(o.result.trace) >= 2  # a counterexample to read
+    text = tlc.render_trace(o.result.trace)
+    assert "Initial state" in text
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("name", ["ci", "live", "faults"])
+def test_model_passes(name: str) -> None:
+    _tlc_or_skip()
+    o = check.check_model(check.MODELS[name])
+    assert o.result.result == "ok", o.summary + "\n" + tlc.render_trace(o.result.trace)
+    assert o.result.distinct is not None and o.result.distinct > 100  # something was explored
+
+
+@pytest.mark.tlc
+def test_cli_bugs_prints_counterexamples(capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    assert main(["-q", "check", "bug_abort_frees_now"]) == check.EXIT_OK  # expected: caught
+    out = capsys.readouterr().out
+    assert "expected violation of NoFreeUnderRead was found" in out
+    assert "Abort" in out and "[Ledger.abort]" in out
+
+
+@pytest.mark.tlc
+def test_lease_check_accepts_the_default_config(capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    assert main(["check", "--json", "--lease-extension", "20"]) == check.EXIT_OK
+    res = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["model"], r["result"]) for r in res] == [("lease", "ok"), ("lease_live", "ok")]
+    assert res[0]["distinct"] > 1000  # the user's numbers, not a toy model
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("overrides, broken", [
+    # an abort grace shorter than the lease D holds: P frees under a READ D started in time
+    ({"abort_grace": 10.0}, "NoFreeUnderRead"),
+    # an extension that does not outlast a heartbeat period: live readers lose their lease
+    ({"lease_extension": 5.0, "heartbeat_interval": 5.0, "max_delay": 0.0,
+      "clock_drift": 0.0, "max_read_time": 2.5}, "RenewalKeepsLease"),
+])
+def test_lease_check_finds_unsafe_numbers(tmp_path: Path, overrides: dict[str, float],
+                                          broken: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    p = tmp_path / "lease.json"
+    p.write_text(json.dumps({**Config().to_dict(), **overrides}))
+    cfg = replace(Config(), **overrides)
+    with pytest.raises(Exception, match="must"):
+        cfg.validate()  # kvproto itself would refuse these numbers, for this reason
+    assert main(["check", "--lease-config", str(p)]) == check.EXIT_VIOLATION
+    out = capsys.readouterr().out
+    assert "would refuse these numbers" in out
+    assert f"VIOLATION of {broken}" in out
+    assert "counterexample" in out
