@@ -389,7 +389,7 @@ def _lease_mode(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     err = sys.stderr
-    quiet = bool(getattr(args, "quiet", False)) or args.json
+    quiet = bool(getattr(args, "quiet", False))  # progress goes to stderr, even with --json
     if args.list:
         for m in MODELS.values():
             want = f"must fail: {m.expect}" if m.expect else "must pass"

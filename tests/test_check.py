@@ -268,3 +268,15 @@ def test_lease_check_finds_unsafe_numbers(tmp_path: Path, overrides: dict[str, f
     assert "would refuse these numbers" in out
     assert f"VIOLATION of {broken}" in out
     assert "counterexample" in out
+
+
+@pytest.mark.tlc
+def test_json_goes_to_stdout_and_progress_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    assert main(["check", "--json", "bug_abort_frees_now"]) == check.EXIT_OK
+    cap = capsys.readouterr()
+    (line,) = cap.out.splitlines()  # one JSON object per model, nothing else
+    res = json.loads(line)
+    assert res["as_expected"] and res["violated"] == "NoFreeUnderRead"
+    assert res["trace"] and res["trace"][0]["action"] == "Initial predicate"
+    assert "checking bug_abort_frees_now" in cap.err
