@@ -117,13 +117,13 @@ DEFAULT_MODELS = ("ci",)
 # A user's lease numbers -> the `lease` model.
 # ---------------------------------------------------------------------------
 
-TIMING_KEYS = ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
-               "max_delay", "max_read_time", "clock_drift")
-# Terms P grants: rounded down (shorter is worse). Delays and bounds: rounded up.
+# Config key -> TLA+ constant. Terms P grants: rounded down (shorter is worse). Delays and
+# bounds: rounded up.
 _TERMS = {"initial_lease": "InitialLease", "lease_extension": "LeaseExtension",
           "abort_grace": "AbortGrace"}
 _DELAYS = {"heartbeat_interval": "HeartbeatInterval", "max_delay": "MaxDelay",
            "max_read_time": "MaxReadTime", "clock_drift": "ClockDrift"}
+TIMING_KEYS = (*_TERMS, *_DELAYS)
 MAX_UNITS = 6  # the longest term in model time units when --unit is not given
 LIVE_UNITS = 3  # the longest term in units for the NoLeak pass
 
@@ -205,22 +205,20 @@ def quantize(config: Config, unit: float) -> Quantized:
     return Quantized(unit, units, exact)
 
 
-def _rules(u: dict[str, int] | dict[str, float]) -> tuple[bool, ...]:
-    """The timing rules of Config.validate over a set of (unit or second) values."""
-    return (
-        u["LeaseExtension"] > u["HeartbeatInterval"] + u["MaxDelay"] + u["ClockDrift"],
-        u["LeaseExtension"] > u["MaxReadTime"] + 2 * u["MaxDelay"] + u["ClockDrift"],
-        u["InitialLease"] > u["MaxReadTime"] + u["MaxDelay"] + u["ClockDrift"],
-        u["InitialLease"] > u["HeartbeatInterval"] + 2 * u["MaxDelay"] + u["ClockDrift"],
-        u["AbortGrace"] >= max(u["InitialLease"], u["LeaseExtension"]),
-    )
+def _rules(config: Config, q: Quantized | None = None) -> tuple[bool, ...]:
+    """Which of ``Config.timing_rules`` hold, in seconds or (with ``q``) in units."""
+    if q is not None:
+        consts = {**_TERMS, **_DELAYS}
+        units: dict[str, Any] = {k: float(q.units[c]) for k, c in consts.items()}
+        config = replace(config, **units)
+    return tuple(ok for ok, _ in config.timing_rules())
 
 
 def choose_unit(config: Config, max_units: int = MAX_UNITS) -> float:
     """The coarsest unit (fewest states) whose rounding keeps every timing rule of
     ``Config.validate`` as it is in seconds; an exact common unit if one is small enough."""
     secs = {c: getattr(config, k) for k, c in {**_TERMS, **_DELAYS}.items()}
-    truth = _rules(secs)
+    truth = _rules(config)
     longest = max(config.initial_lease, config.lease_extension, config.abort_grace)
     # An exact common unit (gcd of the numbers as fractions), when it keeps terms small.
     fr = [Fraction(v).limit_denominator(1000) for v in secs.values() if v > 0]
@@ -234,7 +232,7 @@ def choose_unit(config: Config, max_units: int = MAX_UNITS) -> float:
     for n in range(1, 4 * max_units + 1):
         unit = longest / n
         q = quantize(config, unit)
-        if _rules(q.units) == truth and q.units["HeartbeatInterval"] >= 1:
+        if _rules(config, q) == truth and q.units["HeartbeatInterval"] >= 1:
             best = unit
             break
     return best if best is not None else longest / max_units

@@ -352,13 +352,13 @@ def run_tlc(module: Path, cfg: Path, *, extra: Sequence[str] = (), workers: int 
         p = subprocess.run(cmd, cwd=module.parent, capture_output=True, text=True,
                            timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
-        shutil.rmtree(metadir, ignore_errors=True)
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         raise TLCError(f"TLC did not finish within {timeout:.0f} s on {module.name} "
                        "(a long journal: validate it in parts, or raise the timeout)", out) from e
+    finally:
+        shutil.rmtree(metadir, ignore_errors=True)
     dt = time.perf_counter() - t0
     out = p.stdout + p.stderr
-    shutil.rmtree(metadir, ignore_errors=True)
     if p.returncode not in ok_codes or "*** Errors" in out or "Semantic errors" in out:
         raise TLCError(f"TLC exited with {p.returncode} on {module.name}", out)
     return TLCRun(p.returncode, out, dt)

@@ -242,6 +242,35 @@ class Config:
         """The longest a deadline can lie in the future: max(initial, extension)."""
         return max(self.initial_lease, self.lease_extension)
 
+    def timing_rules(self) -> list[tuple[bool, str]]:
+        """The timing argument's rules (spec/PROTOCOL.md §5), in order: (holds, why it
+        must). ``validate`` raises the first that fails; ``kvproto check`` compares them
+        before and after turning seconds into model time units."""
+        renew_need = self.heartbeat_interval + self.max_delay + self.clock_drift
+        read_need = self.max_read_time + 2 * self.max_delay + self.clock_drift
+        init_need = self.max_read_time + self.max_delay + self.clock_drift
+        first_hb = self.heartbeat_interval + 2 * self.max_delay + self.clock_drift
+        return [
+            (self.lease_extension > renew_need,
+             f"lease_extension ({self.lease_extension}) must exceed heartbeat_interval + "
+             f"max_delay + clock_drift ({renew_need}): otherwise a lease can run out between "
+             "two heartbeats that both arrive on time"),
+            (self.lease_extension > read_need,
+             f"lease_extension ({self.lease_extension}) must exceed max_read_time + "
+             f"2*max_delay + clock_drift ({read_need}): otherwise no renewed lease can cover a READ"),
+            (self.initial_lease > init_need,
+             f"initial_lease ({self.initial_lease}) must exceed max_read_time + max_delay + "
+             f"clock_drift ({init_need}): otherwise D can never READ on the initial term"),
+            (self.initial_lease > first_hb,
+             f"initial_lease ({self.initial_lease}) must exceed heartbeat_interval + "
+             f"2*max_delay + clock_drift ({first_hb}): otherwise a request D admitted just "
+             "after a heartbeat expires on P before its first renewal arrives"),
+            (self.abort_grace >= self.lease_horizon,
+             f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "
+             f"({self.lease_horizon}): a shorter grace can free blocks under a READ that D "
+             "started within its lease (see spec/PROTOCOL.md, 'Abort after finish')"),
+        ]
+
     def validate(self) -> Config:
         """Raise ConfigError naming the first violated rule; return self when valid."""
         for f in fields(self):
@@ -259,33 +288,9 @@ class Config:
         for name in ("max_delay", "clock_drift", "abort_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        renew_need = self.heartbeat_interval + self.max_delay + self.clock_drift
-        if not self.lease_extension > renew_need:
-            raise ConfigError(
-                f"lease_extension ({self.lease_extension}) must exceed heartbeat_interval + "
-                f"max_delay + clock_drift ({renew_need}): otherwise a lease can run out between "
-                "two heartbeats that both arrive on time")
-        read_need = self.max_read_time + 2 * self.max_delay + self.clock_drift
-        if not self.lease_extension > read_need:
-            raise ConfigError(
-                f"lease_extension ({self.lease_extension}) must exceed max_read_time + "
-                f"2*max_delay + clock_drift ({read_need}): otherwise no renewed lease can cover a READ")
-        init_need = self.max_read_time + self.max_delay + self.clock_drift
-        if not self.initial_lease > init_need:
-            raise ConfigError(
-                f"initial_lease ({self.initial_lease}) must exceed max_read_time + max_delay + "
-                f"clock_drift ({init_need}): otherwise D can never READ on the initial term")
-        first_hb = self.heartbeat_interval + 2 * self.max_delay + self.clock_drift
-        if not self.initial_lease > first_hb:
-            raise ConfigError(
-                f"initial_lease ({self.initial_lease}) must exceed heartbeat_interval + "
-                f"2*max_delay + clock_drift ({first_hb}): otherwise a request D admitted just "
-                "after a heartbeat expires on P before its first renewal arrives")
-        if self.abort_grace < self.lease_horizon:
-            raise ConfigError(
-                f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "
-                f"({self.lease_horizon}): a shorter grace can free blocks under a READ that D "
-                "started within its lease (see spec/PROTOCOL.md, 'Abort after finish')")
+        for ok, why in self.timing_rules():
+            if not ok:
+                raise ConfigError(why)
         if self.max_staged < 1 or self.max_tombstones < 1 or self.max_groups_remembered < 1:
             raise ConfigError("max_staged, max_tombstones and max_groups_remembered must be >= 1")
         if not 64 <= self.max_message_bytes <= 1 << 20:

@@ -47,9 +47,8 @@ def test_quantize_rounds_terms_down_and_delays_up() -> None:
 def test_choose_unit_keeps_every_timing_rule(cfg: Config) -> None:
     """The default unit never turns a safe config unsafe or the reverse, and keeps the
     model small."""
-    secs = {c: getattr(cfg, k) for k, c in {**check._TERMS, **check._DELAYS}.items()}
     q = check.quantize(cfg, check.choose_unit(cfg))
-    assert check._rules(q.units) == check._rules(secs)
+    assert check._rules(cfg, q) == check._rules(cfg)
     assert max(q.units["InitialLease"], q.units["LeaseExtension"], q.units["AbortGrace"]) \
         <= 4 * check.MAX_UNITS
 
