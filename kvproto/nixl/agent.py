@@ -2,7 +2,9 @@
 
 * ``make_agent``      -- a UCX agent (UCX left at its defaults);
 * ``KVRegion``        -- a KV cache ``uint8[num_blocks, block_bytes]`` plus a generation
-  tensor ``int64[num_blocks]``, both registered with the agent;
+  tensor ``int64[num_blocks]``, both registered with the agent; or, with ``tensors=``,
+  an engine's own KV-cache tensors (e.g. vLLM's, one per layer) described as
+  *segments* (base address, block stride, bytes per block) plus its own stamp tensor;
 * ``prep_blocks``     -- prepared descriptor lists, one descriptor per block, for the local
   region or a remote one described by plain numbers from the handshake;
 * ``Xfer``            -- one READ with exception-safe post/poll/release: NIXL raises typed
@@ -97,48 +99,132 @@ class RemoteRegion:
     mem: str  # "DRAM" or "VRAM"
     num_blocks: int
     block_bytes: int
+    # (base address, block stride, bytes per block) per segment; () = one contiguous
+    # segment at kv_addr with stride = length = block_bytes.
+    segments: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], layout: Layout) -> RemoteRegion:
         try:
+            segs = tuple((int(a), int(st), int(ln)) for a, st, ln in extra.get("segments", ()))
             r = cls(int(extra["kv_addr"]), int(extra["gen_addr"]), int(extra["dev_id"]),
-                    str(extra["mem"]), layout.num_blocks, layout.block_bytes)
+                    str(extra["mem"]), layout.num_blocks, layout.block_bytes, segs)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"handshake lacks region fields: {e}") from None
         if r.mem not in ("DRAM", "VRAM") or r.kv_addr <= 0 or r.gen_addr <= 0 or r.dev_id < 0:
             raise ValueError(f"bad region description {extra!r}")
+        if segs and (len(segs) > MAX_SEGMENTS or sum(ln for _, _, ln in segs) != r.block_bytes
+                     or any(a <= 0 or ln <= 0 or st < ln for a, st, ln in segs)):
+            raise ValueError("bad segment description")
         return r
+
+    def block_index(self, blocks: Sequence[int]) -> list[int]:
+        """Descriptor indices of ``blocks`` in this region's prepared KV dlist."""
+        return segment_index(len(self.segments), self.num_blocks, blocks)
+
+
+MAX_SEGMENTS = 4096  # cap on segments per region (e.g. layers x K/V)
+
+
+def segment_index(nseg: int, num_blocks: int, blocks: Sequence[int]) -> list[int]:
+    """Descriptor indices of ``blocks`` in a dlist of ``nseg`` segments (segment-major;
+    one segment, or none described, is the identity)."""
+    if nseg <= 1:
+        return list(blocks)
+    return [s * num_blocks + b for s in range(nseg) for b in blocks]
+
+
+def tensor_segments(tensors: Sequence[torch.Tensor], num_blocks: int
+                    ) -> tuple[list[tuple[int, int, int]], str]:
+    """Describe external KV-cache tensors as segments ``(base, block stride, bytes per
+    block)``. In each tensor the block dimension is the first one of size ``num_blocks``;
+    the dimensions before it are split into separate segments, the ones after it must be
+    contiguous (one block of one segment is one descriptor). Tensors sharing storage are
+    counted once. Returns the segments and a dtype tag naming their shape, so that peers
+    with different layouts refuse each other at the handshake."""
+    segs: list[tuple[int, int, int]] = []
+    seen: set[int] = set()
+    dtypes: set[str] = set()
+    for t in tensors:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        shape, strides, es = list(t.shape), list(t.stride()), t.element_size()
+        try:
+            d = shape.index(num_blocks)
+        except ValueError:
+            raise ValueError(f"KV tensor of shape {tuple(shape)} has no dimension of "
+                             f"{num_blocks} blocks") from None
+        inner = 1
+        for k in range(len(shape) - 1, d, -1):
+            if strides[k] != inner:
+                raise ValueError(f"KV tensor of shape {tuple(shape)} is not contiguous "
+                                 "within a block")
+            inner *= shape[k]
+        outer: list[int] = [0]
+        for k in range(d):
+            outer = [o + i * strides[k] * es for o in outer for i in range(shape[k])]
+        for o in outer:
+            segs.append((t.data_ptr() + o, strides[d] * es, inner * es))
+        dtypes.add(str(t.dtype).replace("torch.", ""))
+    if not segs or len(segs) > MAX_SEGMENTS:
+        raise ValueError(f"{len(segs)} KV segments (need 1..{MAX_SEGMENTS})")
+    tag = f"{'+'.join(sorted(dtypes))}/{len(segs)}x{segs[0][2]}"
+    return segs, tag
 
 
 class KVRegion:
-    """KV blocks plus per-block generation stamps, registered with one agent."""
+    """KV blocks plus per-block generation stamps, registered with one agent.
+
+    With ``tensors`` the KV blocks are the caller's (an engine's KV cache, registered
+    in place); only the stamp tensor is allocated here."""
 
     def __init__(self, agent: Any, num_blocks: int, block_bytes: int, *,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", tensors: Sequence[torch.Tensor] | None = None) -> None:
         self.agent = agent
         self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
         self.device = device
-        self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+        self.segments: list[tuple[int, int, int]] = []
+        self.dtype_tag = "uint8"
+        if tensors:
+            self.segments, self.dtype_tag = tensor_segments(tensors, num_blocks)
+            block_bytes = sum(ln for _, _, ln in self.segments)
+            self.kv = tensors[0]
+            device = str(tensors[0].device)
+        else:
+            self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+        self.block_bytes = block_bytes
         self.gen = torch.zeros((num_blocks,), dtype=torch.int64, device=device)
         self.mem = "VRAM" if self.kv.is_cuda else "DRAM"
         self.dev_id = self.kv.get_device() if self.kv.is_cuda else 0
-        self._reg = agent.register_memory([self.kv, self.gen])
+        if tensors:
+            uniq = list({int(t.data_ptr()): t for t in tensors}.values())
+            self._reg = agent.register_memory([*uniq, self.gen])
+        else:
+            self._reg = agent.register_memory([self.kv, self.gen])
         self._local_kv: Any = None
         self._local_gen: Any = None
 
     def layout(self, tp_rank: int = 0, tp_size: int = 1) -> Layout:
-        return Layout(self.num_blocks, self.block_bytes, "uint8", tp_rank, tp_size)
+        return Layout(self.num_blocks, self.block_bytes, self.dtype_tag, tp_rank, tp_size)
 
     def extra(self) -> dict[str, Any]:
         """Plain numbers a peer needs to address this region (goes in the handshake)."""
-        return {"kv_addr": int(self.kv.data_ptr()), "gen_addr": int(self.gen.data_ptr()),
-                "dev_id": int(self.dev_id), "mem": self.mem}
+        e: dict[str, Any] = {"kv_addr": int(self.kv.data_ptr()),
+                             "gen_addr": int(self.gen.data_ptr()),
+                             "dev_id": int(self.dev_id), "mem": self.mem}
+        if self.segments:
+            e["segments"] = [list(s) for s in self.segments]
+        return e
 
     def as_remote(self) -> RemoteRegion:
         e = self.extra()
         return RemoteRegion(e["kv_addr"], e["gen_addr"], e["dev_id"], e["mem"],
-                            self.num_blocks, self.block_bytes)
+                            self.num_blocks, self.block_bytes, tuple(self.segments))
+
+    def block_index(self, blocks: Sequence[int]) -> list[int]:
+        """Descriptor indices of ``blocks`` in ``local_dlists()[0]``."""
+        return segment_index(len(self.segments), self.num_blocks, blocks)
 
     def local_dlists(self) -> tuple[Any, Any]:
         """Prepared local descriptor lists (blocks, generation stamps); built once."""
@@ -165,7 +251,11 @@ def prep_blocks(agent: Any, peer: str, region: RemoteRegion) -> tuple[Any, Any]:
 
     ``peer`` is ``""`` for the local side, else the remote agent's name."""
     bb = region.block_bytes
-    kv = [(region.kv_addr + i * bb, bb, region.dev_id) for i in range(region.num_blocks)]
+    if region.segments:  # segment-major, see segment_index
+        kv = [(base + i * stride, ln, region.dev_id) for base, stride, ln in region.segments
+              for i in range(region.num_blocks)]
+    else:
+        kv = [(region.kv_addr + i * bb, bb, region.dev_id) for i in range(region.num_blocks)]
     gen = [(region.gen_addr + i * GEN_BYTES, GEN_BYTES, region.dev_id)
            for i in range(region.num_blocks)]
     h_kv = agent.prep_xfer_dlist(peer, kv, region.mem)

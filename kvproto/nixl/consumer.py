@@ -134,14 +134,19 @@ class _Engine:
 
 
 class _Read:
-    __slots__ = ("engine", "extra", "local", "nbytes", "params", "phase", "rid", "started",
-                 "warned", "xfer")
+    __slots__ = ("engine", "extra", "gens", "local", "nbytes", "params", "phase", "remote", "rid",
+                 "started", "warned", "xfer")
 
-    def __init__(self, rid: str, params: TransferParams, local: list[int], started: float) -> None:
+    def __init__(self, rid: str, params: TransferParams, local: list[int], started: float,
+                 remote: list[int] | None = None, gens: list[int] | None = None) -> None:
         self.rid = rid
         self.params = params
         self.engine = params.engine
         self.local = local
+        # The remote blocks read and the stamps they must carry (all of the params' by
+        # default; a suffix when the engine already holds a prefix locally).
+        self.remote = list(params.blocks) if remote is None else remote
+        self.gens = list(params.generations) if gens is None else gens
         self.started = started
         self.phase = "data"
         self.xfer: Xfer | None = None
@@ -158,14 +163,18 @@ class ConsumerAdapter:
                  tp_size: int = 1, handshake_timeout: float = 2.0, handshake_attempts: int = 4,
                  backoff: float = 0.1, peer_timeout: float | None = None,
                  fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False,
+                 kv_tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
+        are the local blocks: ``schedule`` names the blocks each READ lands in."""
         self.name = name
         self.config = config.validate()
         self.clock = clock
         # The machine chunks heartbeats so that each one (one seq) is one wire message.
         self.machine = Consumer(name, config)
         self.agent = make_agent(name, progress_thread=progress_thread)
-        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
+                               tensors=kv_tensors)
         self.local_kv, self.local_gen = self.region.local_dlists()
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
         self.tp_rank = tp_rank
@@ -182,6 +191,7 @@ class ConsumerAdapter:
         self.reads: dict[str, _Read] = {}
         self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
         self._want: dict[str, None] = {}  # schedule intents (ordered)
+        self._plans: dict[str, list[int]] = {}  # rid -> engine-chosen local blocks
         self._free_local: deque[int] = deque(range(num_blocks))
         self._held_local: dict[str, list[int]] = {}
         self._releases: dict[tuple[str, int, int], list[int]] = {}
@@ -210,8 +220,14 @@ class ConsumerAdapter:
             self.params[rid] = params
         self._apply(self.machine.admit(rid, params, now), now)
 
-    def schedule(self, rid: str) -> None:
-        """D's scheduler wants this KV. Applied as soon as the request is waiting."""
+    def schedule(self, rid: str, local_blocks: Sequence[int] | None = None) -> None:
+        """D's scheduler wants this KV. Applied as soon as the request is waiting.
+
+        ``local_blocks``: where the READ lands (the engine's allocator chose them); when
+        fewer than P's blocks, the engine holds the prefix already and only the last
+        ``len(local_blocks)`` are read. Without it this adapter allocates them."""
+        if local_blocks is not None and rid in self.machine.reqs:
+            self._plans[rid] = list(local_blocks)
         st = self.machine.state(rid)
         if st == WAITING:
             now = self.clock()
@@ -228,6 +244,9 @@ class ConsumerAdapter:
 
     def free_local(self, rid: str) -> None:
         """The engine is done with a completed request's local blocks."""
+        if self._plans.pop(rid, None) is not None:
+            self._held_local.pop(rid, None)  # the engine's blocks, not this free list
+            return
         for b in self._held_local.pop(rid, []):
             self._free_local.append(b)
 
@@ -496,6 +515,7 @@ class ConsumerAdapter:
         p = self.params.get(pr.request_id)
         e = self.engines.get(pr.engine)
         nblocks = len(pr.blocks)
+        plan = self._plans.get(pr.request_id)
         why = ""
         if p is None or e is None or e.state != "ready" or e.region is None:
             why = "engine not ready"
@@ -505,23 +525,32 @@ class ConsumerAdapter:
             why = "block id outside P's layout"
         elif len(p.generations) != nblocks:
             why = "params carry no generation per block"
-        elif nblocks > len(self._free_local):
+        elif plan is not None and not 0 < len(plan) <= nblocks:
+            why = f"{len(plan)} local blocks for {nblocks} remote ones"
+        elif plan is not None and (min(plan) < 0 or max(plan) >= self.region.num_blocks):
+            why = "local block id outside this cache"
+        elif plan is None and nblocks > len(self._free_local):
             why = "no local blocks free"
         if why:
             self._count("read_refused")
             log.warning("%s: cannot read %s: %s", self.name, pr.request_id, why)
             self._apply(self.machine.read_result(pr.request_id, False, now), now)
             return
-        assert p is not None and e is not None
-        local = [self._free_local.popleft() for _ in range(nblocks)]
+        assert p is not None and e is not None and e.region is not None
+        if plan is not None:
+            local, skip = plan, nblocks - len(plan)
+            rd = _Read(pr.request_id, p, local, now, list(pr.blocks[skip:]),
+                       list(p.generations[skip:]))
+        else:
+            local = [self._free_local.popleft() for _ in range(nblocks)]
+            rd = _Read(pr.request_id, p, local, now)
         self._held_local[pr.request_id] = local
-        rd = _Read(pr.request_id, p, local, now)
         self.reads[pr.request_id] = rd
         if self.phase_hook is not None:
             self.phase_hook("before_post", pr.request_id)
-        nbytes = nblocks * self.region.block_bytes
-        x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, list(pr.blocks),
-                           b"", nbytes)
+        nbytes = len(local) * self.region.block_bytes
+        x = Xfer.make_read(self.agent, self.local_kv, self.region.block_index(local),
+                           e.remote_kv, e.region.block_index(rd.remote), b"", nbytes)
         self._start(rd, x, now)
 
     def _start(self, rd: _Read, x: Xfer | str, now: float) -> None:
@@ -574,7 +603,7 @@ class ConsumerAdapter:
             notifs = self.fault_hook("done", rd.engine, notif) if self.fault_hook else [notif]
             # The done notification rides on the stamp READ (a dropped one rides on nothing).
             g = Xfer.make_read(self.agent, self.local_gen, rd.local, e.remote_gen,
-                               list(p.blocks), notifs[0] if notifs else b"", 0)
+                               rd.remote, notifs[0] if notifs else b"", 0)
             rd.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps landed
             self._start(rd, g, now)
             return
@@ -587,11 +616,11 @@ class ConsumerAdapter:
         else:  # pragma: no cover - VRAM
             got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
                                                device=self.region.gen.device)].tolist()
-        fenced = got != list(rd.params.generations)
+        fenced = got != rd.gens
         if fenced:
             self._count("fenced")
             log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
-                        got[:4], list(rd.params.generations[:4]))
+                        got[:4], rd.gens[:4])
         else:
             self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
         self._apply(self.machine.read_result(rd.rid, True, now, fenced=fenced), now)

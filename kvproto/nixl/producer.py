@@ -70,13 +70,20 @@ class ProducerAdapter:
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  fault_hook: InHook | None = None, strict_pool: bool = True,
                  observer: EffectObserver | None = None,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False,
+                 kv_tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """With ``kv_tensors`` the KV cache is the engine's own (registered in place, see
+        ``KVRegion``) and so is the block allocator: reclaimed blocks get their stamps
+        bumped, and the engine learns of each ``Free`` through ``observer`` (called after
+        the bump) instead of this adapter's free list."""
         self.name = name
         self.config = config.validate()
         self.clock = clock
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
         self.agent = make_agent(name, progress_thread=progress_thread)
-        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
+                               tensors=kv_tensors)
+        self.external_allocator = bool(kv_tensors)
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
         self.pool = BlockPool(num_blocks, strict=strict_pool)
         self.ledger = Ledger(config, self.pool, sink=sink)
@@ -135,6 +142,8 @@ class ProducerAdapter:
                 self._return_block(b)
 
     def _return_block(self, b: int) -> None:
+        if self.external_allocator:
+            return  # the engine's allocator; it hears of the Free through the observer
         if self._is_free[b]:
             self._count("double_free")
             log.error("block %d returned to the allocator twice", b)
@@ -143,11 +152,13 @@ class ProducerAdapter:
         self._free_list.append(b)
 
     def register(self, request_id: str, blocks: Sequence[int], *, group: str | None = None,
-                 expected: int = 0) -> TransferParams | None:
+                 expected: int = 0, handle: int | None = None) -> TransferParams | None:
         """Hand ``blocks`` (already filled) to the lifecycle; return D's transfer params,
-        or None if the ledger rejected or immediately freed the request."""
+        or None if the ledger rejected or immediately freed the request. ``handle``: one
+        minted elsewhere for this ledger (e.g. by an engine's scheduler process)."""
         now = self._now()
-        handle = self.ledger.new_handle()
+        if handle is None:
+            handle = self.ledger.new_handle()
         if self._gen_view is not None:
             gens = tuple(self._gen_view[list(blocks)].tolist()) if blocks else ()
         else:  # pragma: no cover - VRAM only

@@ -1,0 +1,669 @@
+"""``KVProtoConnector``: kvproto's lifecycle as a vLLM 0.32 KV connector (no vLLM patch).
+
+Load it with ``kv_transfer_config={"kv_connector": "KVProtoConnector",
+"kv_connector_module_path": "kvproto.vllm.connector", "kv_role": "kv_both",
+"kv_connector_extra_config": {...}}`` (keys: ``kvproto.vllm.sched.EXTRA_KEYS``).
+
+Design (spec/VLLM.md has the hook-by-hook table)
+================================================
+
+vLLM builds two instances: the SCHEDULER-side one in the engine-core process and one
+WORKER-side instance per GPU/CPU worker (possibly another process). They talk only through
+vLLM's channels: connector metadata (scheduler -> worker, every step), the worker's
+``KVConnectorOutput`` (``finished_sending``/``finished_recving``, invalid block ids and
+``KVConnectorWorkerMetadata``, worker -> scheduler, every step) and, once at start-up, the
+worker's handshake metadata.
+
+Where the machines live: in the WORKER. P's ``Ledger`` (inside ``ProducerAdapter``) and
+D's ``Consumer`` (inside ``ConsumerAdapter``) sit next to the NIXL agent that owns the
+registered KV tensors, receives the notifications and posts the READs, so every lifecycle
+event and effect is handled where its I/O happens, and the adapters are reused as they are.
+The scheduler side makes no lifecycle decision; it mints handles, snapshots stamps and
+forwards orders.
+
+P (prefill engine)
+  * ``request_finished`` (scheduler) runs synchronously and must return D's transfer
+    params. It mints the handle (a counter; the worker's ledger accepts handles minted
+    elsewhere), takes the engine name, epoch and handshake address from the worker's
+    handshake metadata, and snapshots each block's generation from a *mirror* of the
+    worker's stamps. It returns ``delay_free=True`` and queues a register order.
+  * The worker registers the blocks with the ``Ledger`` at the start of the next step.
+    Early heartbeats/done from D are staged by the ledger, so the order is safe.
+  * Every ``Free`` effect (transferred, released, expired, aborted, sibling) first bumps
+    the generation stamp of each reclaimed block in the registered stamp tensor (the
+    adapter does this synchronously, in the worker), THEN the request id is reported in
+    ``finished_sending`` from ``get_finished`` -- only then does vLLM free the blocks for
+    reuse. The worker also reports the new stamps as worker metadata; vLLM hands that to
+    ``update_connector_output`` before it processes ``finished_sending`` of the same
+    step, so the mirror is updated before any block can be reallocated.
+  * The engine keeps stepping while any block is held: a request whose free is delayed
+    stays in vLLM's request table, and ``Scheduler.has_requests`` (via
+    ``has_finished_requests``) keeps the loop running with empty steps; each step calls
+    the worker (``kv_connector_no_forward``), which polls the adapter (handshakes,
+    notifications, acks, expiry ticks).
+
+Why P is fail-closed. Claim: if D's stamp READ (posted after its data READ completed)
+returns the generations of the transfer params, the data D read is the data the request
+held. (1) While the ledger holds block b, vLLM holds it too (the request's free is
+delayed), so b's contents cannot change. (2) vLLM can reuse b only after every holder
+released it; the ledger's last holder releasing b is a ``Free`` with b reclaimed, whose
+bump is written to the stamp tensor before the request id is reported (same worker
+thread, same step), i.e. before vLLM can reallocate b. So every change of b's contents
+after registration is preceded by a bump. (3) The mirror only takes values the worker
+reported, so the snapshot g given to D is at most the stamp at registration time; if it
+is lower, D never sees g (stamps only grow): fenced. If equal, a matching stamp READ
+after the data READ means no bump happened before the stamp READ, hence no reuse before
+it, hence none during the data READ. A stale mirror can only fence (recompute) a good
+read, never pass a bad one. Restarted P: a new random epoch; D refuses params whose
+epoch differs from the one P's handshake announced.
+
+D (decode engine)
+  * ``on_new_request`` validates the client's ``kv_transfer_params`` (bad ones are a
+    counted, logged rejection: the request prefills locally) and orders an admit; the
+    worker's ``Consumer`` admits it on the next step, so heartbeats start while the
+    request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
+    per P engine), so one dead P never delays another.
+  * ``get_num_new_matched_tokens`` answers the prompt's tokens as an async load;
+    ``update_state_after_alloc`` orders a load into the newly allocated blocks (a suffix
+    of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
+    then the stamps (the done notification rides on the stamp READ), compares them.
+  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also
+    reports the request's local blocks from ``get_block_ids_with_load_errors``; with
+    ``kv_load_failure_policy="recompute"`` (vLLM's default) vLLM recomputes them, with
+    "fail" the request fails with an error. The bad data is never computed on.
+  * Requests the machine ends before a load (lease lost while queued, handshake failed,
+    P lost) are reported as worker metadata; ``get_num_new_matched_tokens`` then answers
+    0 and vLLM prefills locally. P dead: the handshake fails, the channel closes or acks
+    stop, so every request ends within the handshake/lease bounds.
+  * A client abort (``request_finished`` on D) orders an abort: release when no READ is
+    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
+
+Limits of this version: tensor parallel size 1 on both sides (expected readers per P rank
+is configurable and decided by the ledger); one KV cache group (no hybrid allocator).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
+from kvproto.vllm.sched import (
+    ConnectorOptions,
+    DScheduler,
+    Orders,
+    PeerInfo,
+    PScheduler,
+)
+
+if TYPE_CHECKING:
+    from kvproto.journal import JournalWriter
+    from kvproto.nixl.consumer import Completion, ConsumerAdapter
+    from kvproto.nixl.producer import ProducerAdapter
+
+log = logging.getLogger(__name__)
+
+
+def _share_vllm_logging() -> None:
+    """Route kvproto's log records (connector and NIXL adapters) to vLLM's handlers, so
+    they appear in the engine's log; only when kvproto has none of its own."""
+    kv, vl = logging.getLogger("kvproto"), logging.getLogger("vllm")
+    if not kv.handlers and vl.handlers:
+        for h in vl.handlers:
+            kv.addHandler(h)
+        kv.setLevel(logging.INFO)
+        kv.propagate = False
+
+
+MAX_ENDED = 65536  # D worker: requests ended before their load order, remembered (oldest dropped)
+
+
+# ---------------------------------------------------------------------------
+# Data carried by vLLM between the two sides.
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class KVProtoMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, every step."""
+
+    orders: Orders = field(default_factory=Orders)
+
+
+@dataclass
+class KVProtoWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step that has something to say."""
+
+    stamps: dict[int, int] = field(default_factory=dict)  # P: block -> new generation
+    ended: list[str] = field(default_factory=list)  # D: ended before a load order
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVProtoWorkerMetadata):
+            return self
+        stamps = dict(self.stamps)
+        for b, g in other.stamps.items():
+            if g > stamps.get(b, -1):
+                stamps[b] = g
+        return KVProtoWorkerMetadata(stamps, [*self.ended, *other.ended])
+
+
+@dataclass
+class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once: what the transfer params must name."""
+
+    engine: str = ""
+    epoch: int = 0
+    host: str = ""
+    port: int = 0
+
+
+# ---------------------------------------------------------------------------
+# Stats and Prometheus.
+# ---------------------------------------------------------------------------
+
+# Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
+# recomputed_blocks, handshake_failures, rejected_params, rejected_messages, reads_ok,
+# reads_failed, stale_stamp_snapshots.
+
+
+@dataclass
+class KVProtoStats(KVConnectorStats):
+    """Counters over one interval; aggregation sums them."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        out = dict(self.data)
+        for k, v in (other.data or {}).items():
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+        return KVProtoStats(data=out)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.data.items()
+                if isinstance(v, (int, float))}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Delta:
+    """Turns cumulative counters into per-interval deltas."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def take(self, now: dict[str, float]) -> KVProtoStats | None:
+        out: dict[str, float] = {}
+        for k, v in now.items():
+            d = v - self._last.get(k, 0)
+            if d:
+                out[k] = d
+        self._last = dict(now)
+        return KVProtoStats(data=out) if out else None
+
+
+class KVProtoPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters for the stat keys above (kept small so it can move onto the
+    shared adapter metric definitions)."""
+
+    NAMES: ClassVar[dict[str, tuple[str, str]]] = {
+        "frees": ("kvproto:frees", "P: blocks-holding requests freed, by reason"),
+        "stranded_block_seconds": ("kvproto:stranded_block_seconds",
+                                   "P: block-seconds held by requests freed by expiry/abort"),
+        "fenced_reads": ("kvproto:fenced_reads", "D: READs whose stamps changed (never served)"),
+        "recomputed_blocks": ("kvproto:recomputed_blocks", "D: blocks reported as load errors"),
+        "handshake_failures": ("kvproto:handshake_failures", "D: handshakes that failed"),
+        "rejected": ("kvproto:rejected", "bad input rejected (params, messages)"),
+    }
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._m: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in self.NAMES.items():
+            extra = ["reason"] if key in ("frees", "rejected") else []
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames + extra)
+            self._m[key] = {i: c for i in per_engine_labelvalues}
+        self._labels = per_engine_labelvalues
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self._labels.get(engine_idx, [])
+        for k, v in transfer_stats_data.items():
+            if not isinstance(v, (int, float)) or v <= 0:
+                continue
+            if k.startswith("frees_"):
+                self._m["frees"][engine_idx].labels(*labels, k[6:]).inc(v)
+            elif k.startswith("rejected_"):
+                self._m["rejected"][engine_idx].labels(*labels, k[9:]).inc(v)
+            elif k in self._m:
+                self._m[k][engine_idx].labels(*labels).inc(v)
+
+
+# ---------------------------------------------------------------------------
+# Worker side: P and D.
+# ---------------------------------------------------------------------------
+
+
+class _PWorker:
+    """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
+
+    def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
+                 num_blocks: int, port: int) -> None:
+        from kvproto.nixl.producer import ProducerAdapter
+
+        self.writer: JournalWriter | None = None
+        if opts.journal:
+            from kvproto.journal import JournalWriter
+
+            self.writer = JournalWriter(opts.journal, opts.config, num_blocks,
+                                        meta={"engine": name, "source": "kvproto.vllm"},
+                                        flush_every=opts.journal_flush_every)
+        self.finished_sending: set[str] = set()
+        self.stamps: dict[int, int] = {}
+        self._reg_at: dict[int, tuple[float, int]] = {}
+        self.stranded = 0.0
+        self.adapter: ProducerAdapter = ProducerAdapter(
+            name, opts.config, num_blocks=num_blocks, block_bytes=1,
+            sink=self.writer.sink if self.writer is not None else None,
+            host=opts.handshake_host, port=port, strict_pool=False,
+            observer=self._observe, kv_tensors=tensors)
+        self._gen = self.adapter.region.gen
+
+    def _observe(self, e: Effect, now: float) -> None:
+        if isinstance(e, Free):
+            # The adapter bumped the reclaimed blocks' stamps before calling us.
+            self.finished_sending.add(e.request_id)
+            if e.reclaimed:
+                gens = self._gen[list(e.reclaimed)].tolist()
+                for b, g in zip(e.reclaimed, gens, strict=True):
+                    self.stamps[b] = int(g)
+            t = self._reg_at.pop(e.handle, None)
+            if t is not None and e.reason in ("expired", "aborted"):
+                self.stranded += (now - t[0]) * t[1]
+
+    def apply(self, orders: Orders) -> None:
+        a = self.adapter
+        for o in orders.registers:
+            tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
+                            handle=o.handle)
+            if a.ledger.state(o.handle) == UNREGISTERED:
+                # Rejected: the ledger holds nothing, so vLLM may free the blocks now.
+                a._count("register_rejected")
+                log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
+                self.finished_sending.add(o.request_id)
+                continue
+            self._reg_at.setdefault(o.handle, (a.ledger.now, len(o.blocks)))
+            if tp is not None and tp.generations != o.generations:
+                # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
+                a._count("stale_stamp_snapshot")
+
+    def poll(self) -> None:
+        self.adapter.poll()
+
+    def take(self) -> tuple[set[str], dict[int, int]]:
+        out, self.finished_sending = self.finished_sending, set()
+        st, self.stamps = self.stamps, {}
+        return out, st
+
+    def counters(self) -> dict[str, float]:
+        led = self.adapter.ledger
+        c: dict[str, float] = {f"frees_{r}": float(n) for r, n in led.frees.items()}
+        c["stranded_block_seconds"] = self.stranded
+        for k, n in [*led.counters.items(), *self.adapter.counters.items()]:
+            if k.startswith("rejected:"):
+                key = "rejected_" + k[9:]
+                c[key] = c.get(key, 0.0) + n
+        c["stale_stamp_snapshots"] = float(self.adapter.counters.get("stale_stamp_snapshot", 0))
+        return c
+
+    def close(self) -> None:
+        self.adapter.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _DWorker:
+    """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
+
+    def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
+                 num_blocks: int) -> None:
+        from kvproto.nixl.consumer import ConsumerAdapter
+
+        self.opts = opts
+        hook = None
+        if opts.test_read_stall_s > 0:
+            stall = opts.test_read_stall_s
+
+            def hook(phase: str, rid: str) -> None:
+                if phase == "before_gen":
+                    log.warning("kvproto TEST HOOK: stalling %s for %.1fs", rid, stall)
+                    time.sleep(stall)
+        self.adapter: ConsumerAdapter = ConsumerAdapter(
+            name, opts.config, num_blocks=num_blocks, block_bytes=1,
+            handshake_timeout=opts.handshake_timeout,
+            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors)
+        self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
+        self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
+        self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
+        self.ended_report: list[str] = []
+        self.finished_recving: set[str] = set()
+        self.invalid: set[int] = set()
+        self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
+                                        "reads_failed": 0.0}
+
+    def apply(self, orders: Orders) -> None:
+        a = self.adapter
+        for ad in orders.admits:
+            a.add_engine(ad.params.engine, ad.host, ad.port)
+            a.admit(ad.request_id, ad.params)
+            if a.state(ad.request_id) == "new":  # not admitted (a duplicate handle)
+                self._ended(ad.request_id)
+        for ld in orders.loads:
+            rid = ld.request_id
+            if rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
+                self.ended.pop(rid, None)
+                a.abort(rid)  # releases to P if the machine still holds it
+                a.free_local(rid)
+                self._complete(rid, ld.local_blocks, ok=False)
+                continue
+            self.loads[rid] = ld.local_blocks
+            if self.opts.test_delay_load_s > 0:
+                self.delayed.append((time.monotonic() + self.opts.test_delay_load_s, rid))
+            else:
+                a.schedule(rid, ld.local_blocks)
+        for rid in orders.aborts:
+            self.ended.pop(rid, None)
+            a.abort(rid)
+        self._drain(a.poll())
+
+    def poll(self) -> None:
+        if self.delayed:
+            now = time.monotonic()
+            due = [rid for t, rid in self.delayed if t <= now]
+            self.delayed = [(t, rid) for t, rid in self.delayed if t > now]
+            for rid in due:
+                local = self.loads.get(rid)
+                if local is not None:
+                    self.adapter.schedule(rid, local)
+        self._drain(self.adapter.poll())
+
+    def _ended(self, rid: str) -> None:
+        self.ended[rid] = None
+        self.ended_report.append(rid)
+        if len(self.ended) > MAX_ENDED:
+            self.ended.popitem(last=False)
+
+    def _drain(self, completions: Iterable[Completion]) -> None:
+        for c in completions:
+            local = self.loads.pop(c.request_id, None)
+            self.adapter.free_local(c.request_id)
+            if local is None:
+                self._ended(c.request_id)
+                continue
+            self._complete(c.request_id, local, ok=c.state == D_DONE and c.reason == "pulled")
+            if c.state != D_DONE or c.reason != "pulled":
+                log.warning("kvproto: remote KV of %s not served (%s: %s); %d blocks "
+                            "reported for recompute", c.request_id, c.state, c.reason,
+                            len(local))
+
+    def _complete(self, rid: str, local: tuple[int, ...], ok: bool) -> None:
+        self.finished_recving.add(rid)
+        if ok:
+            self.stats["reads_ok"] += 1
+        else:
+            self.stats["reads_failed"] += 1
+            self.stats["recomputed_blocks"] += len(local)
+            self.invalid.update(local)
+
+    def take(self) -> tuple[set[str], set[int], list[str]]:
+        fr, self.finished_recving = self.finished_recving, set()
+        inv, self.invalid = self.invalid, set()
+        er, self.ended_report = self.ended_report, []
+        return fr, inv, er
+
+    def counters(self) -> dict[str, float]:
+        c = dict(self.stats)
+        ac = self.adapter.counters
+        c["fenced_reads"] = float(ac.get("fenced", 0))
+        c["handshake_failures"] = float(sum(n for k, n in ac.items()
+                                            if k.startswith("handshake_failed:")))
+        for k, n in ac.items():
+            if k.startswith("rejected:"):
+                c["rejected_" + k[9:]] = c.get("rejected_" + k[9:], 0.0) + n
+        return c
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
+# ---------------------------------------------------------------------------
+# The connector.
+# ---------------------------------------------------------------------------
+
+
+class KVProtoConnector(KVConnectorBase_V1):
+    """kvproto's fail-closed P/D lifecycle as a vLLM KV connector (see module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+                 ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_logging()
+        ktc = vllm_config.kv_transfer_config
+        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(f"kvproto: tensor_parallel_size {tp} is not supported by this "
+                             "version of KVProtoConnector (use 1)")
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        self.psched: PScheduler | None = None
+        self.dsched: DScheduler | None = None
+        self.pw: _PWorker | None = None
+        self.dw: _DWorker | None = None
+        self._delta = _Delta()
+        # Worker: this step's outputs, handed to vLLM by the hooks below.
+        self._stamps: dict[int, int] = {}
+        self._invalid: set[int] = set()
+        self._ended: list[str] = []
+        if role == KVConnectorRole.SCHEDULER:
+            if self.opts.producer:
+                self.psched = PScheduler(self.opts, self.num_blocks)
+            if self.opts.consumer:
+                self.dsched = DScheduler(self.block_size)
+        log.info("kvproto connector (%s, %s) for engine %s", role.name.lower(), self.opts.role,
+                 self.engine_id)
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        num_blocks = self.num_blocks
+        log.info("kvproto: registering %d KV tensors (%s, %s), %d blocks", len(tensors),
+                 tuple(tensors[0].shape) if tensors else (), tensors[0].dtype if tensors else "",
+                 num_blocks)
+        from kvproto.nixl.agent import quiet_nixl_logging
+
+        quiet_nixl_logging()
+        if self.opts.producer:
+            self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
+                               self.opts.handshake_port)
+        if self.opts.consumer:
+            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.pw is None:
+            return None
+        a = self.pw.adapter
+        return KVProtoHandshakeMetadata(engine=a.name, epoch=a.epoch, host=a.host, port=a.port)
+
+    def _orders(self) -> Orders:
+        meta = self._connector_metadata
+        return meta.orders if isinstance(meta, KVProtoMetadata) else Orders()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        orders = self._orders()
+        if self.pw is not None:
+            self.pw.apply(orders)
+            self.pw.poll()
+        if self.dw is not None:
+            self.dw.apply(orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous (finished_recving)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # D pulls: P's KV stays in place in vLLM's blocks
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] | None = None
+        recving: set[str] | None = None
+        if self.pw is not None:
+            self.pw.poll()
+            s, stamps = self.pw.take()
+            self._stamps.update(stamps)
+            sending = s or None
+        if self.dw is not None:
+            self.dw.poll()
+            r, inv, ended = self.dw.take()
+            self._invalid |= inv
+            self._ended += ended
+            recving = r or None
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._stamps and not self._ended:
+            return None
+        meta = KVProtoWorkerMetadata(self._stamps, self._ended)
+        self._stamps, self._ended = {}, []
+        return meta
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        c: dict[str, float] = {}
+        if self.role == KVConnectorRole.WORKER:
+            if self.pw is not None:
+                c.update(self.pw.counters())
+            if self.dw is not None:
+                for k, v in self.dw.counters().items():
+                    c[k] = c.get(k, 0.0) + v
+        else:
+            for s in (self.psched, self.dsched):
+                if s is not None:
+                    for k, n in s.counters.items():
+                        key = k if k.startswith("rejected") else "sched_" + k
+                        c[key] = c.get(key, 0.0) + n
+        return self._delta.take(c)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVProtoStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVProtoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        for w in (self.pw, self.dw):
+            if w is not None:
+                try:
+                    w.close()
+                except Exception as e:  # pragma: no cover - teardown
+                    log.debug("kvproto shutdown: %s", e)
+        self.pw = self.dw = None
+
+    # -- scheduler side ------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        m = metadata.get(0)
+        if self.psched is not None and isinstance(m, KVProtoHandshakeMetadata) and m.engine:
+            self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port))
+            log.info("kvproto: P worker %s (epoch %d) handshakes at %s:%d", m.engine, m.epoch,
+                     m.host, m.port)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.dsched is not None:
+            self.dsched.new_request(request.request_id, request.kv_transfer_params)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if self.dsched is None:
+            return 0, False
+        return self.dsched.matched_tokens(request.request_id, int(request.num_prompt_tokens),
+                                          num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        if self.dsched is None or self.dsched.state(request.request_id) is None:
+            return
+        group = blocks.blocks[0] if blocks.blocks else []
+        unhashed = [b.block_id for b in group if b.block_hash is None and not b.is_null]
+        prefix = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        self.dsched.allocated(request.request_id, unhashed, prefix, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        orders = self.dsched.drain() if self.dsched is not None else Orders()
+        if self.psched is not None:
+            orders.registers = self.psched.drain()
+        return KVProtoMetadata(orders)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVProtoWorkerMetadata):
+            if self.psched is not None and meta.stamps:
+                self.psched.on_stamps(meta.stamps)
+            if self.dsched is not None and meta.ended:
+                self.dsched.on_failed(meta.ended)
+        if self.psched is not None and connector_output.finished_sending:
+            self.psched.on_finished_sending(connector_output.finished_sending)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if self.dsched is not None and self.dsched.state(rid) is not None:
+            self.dsched.finished(rid)
+            return False, None
+        params = request.kv_transfer_params
+        if self.psched is None or not isinstance(params, dict) \
+                or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted before its prefill finished: nothing to hand out
+        out = self.psched.finished(rid, list(block_ids), int(request.num_computed_tokens),
+                                   params)
+        return (out is not None), out
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self.psched is not None and self.psched.held)

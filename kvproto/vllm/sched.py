@@ -1,0 +1,451 @@
+"""Scheduler-side bookkeeping of the kvproto vLLM connector, and input validation.
+
+No vLLM import here: the connector (``kvproto.vllm.connector``) feeds these classes from
+vLLM's hooks, and tests drive them directly. Nothing here decides a block's lifecycle:
+``PScheduler`` mints handles and snapshots generation stamps for the transfer params and
+queues the registration for P's worker, where the ``Ledger`` lives; ``DScheduler`` queues
+admissions, loads and aborts for D's worker, where the ``Consumer`` lives. See the design
+notes at the top of ``kvproto/vllm/connector.py`` and spec/VLLM.md.
+
+Every structure here is bounded by the number of requests vLLM itself holds (entries are
+removed when vLLM reports the request finished), except the stamp mirror, which has one
+entry per KV block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvproto.lifecycle import Config, ConfigError, TransferParams
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "kvproto"  # kv_transfer_params[PARAMS_KEY] holds TransferParams.to_dict()
+MAX_PARAM_BLOCKS = 1 << 20  # a client's transfer params may name at most this many blocks
+MAX_NAME = 256  # engine names and group names, characters
+# vLLM's n>1 children are named "<index>_<parent id>" (vllm/v1/engine/parallel_sampling).
+_CHILD_ID = re.compile(r"^(\d+)_(.+)$")
+
+ROLES = ("producer", "consumer", "both")
+_KV_ROLE = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+# kv_connector_extra_config keys and what they are (README "Use with vLLM").
+EXTRA_KEYS: dict[str, str] = {
+    "role": "producer | consumer | both (default: from kv_role)",
+    "lease": "lifecycle Config fields (initial_lease, lease_extension, heartbeat_interval, "
+             "abort_grace, max_delay, max_read_time, clock_drift, ...), seconds",
+    "handshake_host": "address P's handshake listener binds and advertises (127.0.0.1)",
+    "handshake_port": "P's handshake port (0: ephemeral; rank r uses port + r)",
+    "expected_readers": "decode ranks that pull each request from one P rank (1)",
+    "journal": "path of P's event journal (JSON lines, `kvproto validate`); none by default",
+    "journal_flush_every": "journal lines per flush (1)",
+    "handshake_timeout": "D: seconds per handshake attempt (2.0)",
+    "handshake_attempts": "D: attempts before a handshake fails (4)",
+    "group_siblings": "P: register vLLM's n>1 children as one sibling group (true)",
+    "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
+                         "the stamp READ (0)",
+    "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
+                         "allocated its blocks (0)",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's options, parsed from ``kv_connector_extra_config``."""
+
+    role: str = "both"
+    config: Config = field(default_factory=Config)
+    handshake_host: str = "127.0.0.1"
+    handshake_port: int = 0
+    expected_readers: int = 1
+    journal: str | None = None
+    journal_flush_every: int = 1
+    handshake_timeout: float = 2.0
+    handshake_attempts: int = 4
+    group_siblings: bool = True
+    test_read_stall_s: float = 0.0
+    test_delay_load_s: float = 0.0
+
+    @property
+    def producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None, kv_role: str | None = None
+              ) -> ConnectorOptions:
+        """Raise ValueError with one clear line on an unknown key or a bad value."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kvproto: unknown kv_connector_extra_config keys {unknown} "
+                             f"(known: {sorted(EXTRA_KEYS)})")
+        role = extra.get("role", _KV_ROLE.get(kv_role or "", "both"))
+        if role not in ROLES:
+            raise ValueError(f"kvproto: role must be one of {ROLES}, got {role!r}")
+        try:
+            config = Config.from_dict(dict(extra.get("lease") or {}))
+        except (ConfigError, TypeError, ValueError) as e:
+            raise ValueError(f"kvproto: bad lease config: {e}") from None
+
+        def num(key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not lo <= v <= hi or (integer and int(v) != v):
+                raise ValueError(f"kvproto: {key} must be a number within [{lo}, {hi}]"
+                                 f"{' (integer)' if integer else ''}, got {v!r}")
+            return int(v) if integer else float(v)
+
+        host = extra.get("handshake_host", "127.0.0.1")
+        if not isinstance(host, str) or not host or len(host) > MAX_NAME:
+            raise ValueError(f"kvproto: handshake_host must be a host name, got {host!r}")
+        journal = extra.get("journal")
+        if journal is not None and (not isinstance(journal, str) or not journal):
+            raise ValueError(f"kvproto: journal must be a path, got {journal!r}")
+        group = extra.get("group_siblings", True)
+        if not isinstance(group, bool):
+            raise ValueError(f"kvproto: group_siblings must be true or false, got {group!r}")
+        return cls(role=role, config=config, handshake_host=host,
+                   handshake_port=num("handshake_port", 0, 0, 65535, True),
+                   expected_readers=num("expected_readers", 1, 1, 0xFFFF, True),
+                   journal=journal,
+                   journal_flush_every=num("journal_flush_every", 1, 1, 1 << 20, True),
+                   handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
+                   handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
+                   group_siblings=group,
+                   test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
+                   test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
+
+
+class ParamsError(ValueError):
+    """Malformed ``kv_transfer_params`` from a client: a counted, logged rejection."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class RemoteParams:
+    """What D needs to pull one request: P's transfer params and where P handshakes."""
+
+    params: TransferParams
+    host: str
+    port: int
+    num_tokens: int  # tokens whose KV P holds in ``params.blocks``
+
+
+def encode_remote_params(tp: TransferParams, host: str, port: int, num_tokens: int
+                         ) -> dict[str, Any]:
+    """The ``kv_transfer_params`` P's request returns (D's request takes them unchanged)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            PARAMS_KEY: {**tp.to_dict(), "host": host, "port": port,
+                         "num_tokens": num_tokens}}
+
+
+def _int(d: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ParamsError("bad_params", f"{key} must be an integer within [{lo}, {hi}], "
+                                        f"got {str(v)[:40]!r}")
+    return v
+
+
+def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -> RemoteParams:
+    """Validate a D request's ``kv_transfer_params`` (client input: never trusted)."""
+    if not isinstance(kv_params, Mapping):
+        raise ParamsError("bad_params", f"kv_transfer_params is a {type(kv_params).__name__}")
+    d = kv_params.get(PARAMS_KEY)
+    if not isinstance(d, Mapping):
+        raise ParamsError("bad_params", f"kv_transfer_params lacks a {PARAMS_KEY!r} mapping")
+    engine = d.get("engine")
+    if not isinstance(engine, str) or not engine or len(engine) > MAX_NAME:
+        raise ParamsError("bad_params", "engine must be a non-empty name")
+    host = d.get("host")
+    if not isinstance(host, str) or not host or len(host) > MAX_NAME:
+        raise ParamsError("bad_params", "host must be a non-empty name")
+    port = _int(d, "port", 1, 65535)
+    epoch = _int(d, "epoch", 0, (1 << 32) - 1)
+    handle = _int(d, "handle", 0, (1 << 63) - 1)
+    expected = _int(d, "expected", 1, 0xFFFF)
+    num_tokens = _int(d, "num_tokens", 1, 1 << 40)
+    blocks, gens = d.get("blocks"), d.get("generations")
+    if not isinstance(blocks, list) or not isinstance(gens, list) or not blocks:
+        raise ParamsError("bad_params", "blocks and generations must be non-empty lists")
+    if len(blocks) > max_blocks or len(gens) != len(blocks):
+        raise ParamsError("bad_params", f"{len(blocks)} blocks, {len(gens)} generations "
+                                        f"(at most {max_blocks}, one generation per block)")
+    for v in (*blocks, *gens):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
+            raise ParamsError("bad_params", "block ids and generations must be integers >= 0")
+    term = d.get("initial_term")
+    if isinstance(term, bool) or not isinstance(term, (int, float)) or not math.isfinite(term) \
+            or not 0 < term <= 1e6:
+        raise ParamsError("bad_params", f"initial_term must be a positive duration, got {term!r}")
+    group = d.get("group")
+    if group is not None and (not isinstance(group, str) or len(group) > MAX_NAME):
+        raise ParamsError("bad_params", "group must be a name or null")
+    tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
+                        initial_term=float(term), expected=expected, group=group,
+                        generations=tuple(gens))
+    return RemoteParams(tp, host, port, num_tokens)
+
+
+def sibling_group(request_id: str, kv_params: Mapping[str, Any] | None, auto: bool
+                  ) -> str | None:
+    """P: the sibling group of a request. An explicit ``kv_transfer_params["group"]``
+    wins; with ``auto``, vLLM's n>1 children ("<i>_<parent>") share their parent's.
+    A wrong grouping is safe: it can only free P's blocks early, which D's generation
+    check then fences (recompute), never serve."""
+    g = (kv_params or {}).get("group")
+    if isinstance(g, str) and g and len(g) <= MAX_NAME:
+        return g
+    if auto:
+        m = _CHILD_ID.match(request_id)
+        if m is not None:
+            return "n>1:" + m.group(2)[:MAX_NAME]
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Orders from the scheduler to the worker (carried by the connector metadata).
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterOrder:
+    """P: hand ``blocks`` of ``request_id`` to the worker's Ledger under ``handle``."""
+
+    request_id: str
+    handle: int
+    blocks: tuple[int, ...]
+    group: str | None
+    expected: int
+    generations: tuple[int, ...]  # the scheduler's snapshot, given to D
+
+
+@dataclass(frozen=True)
+class AdmitOrder:
+    """D: admit ``request_id`` into the worker's Consumer (heartbeats start)."""
+
+    request_id: str
+    params: TransferParams
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """D: READ the request's KV into ``local_blocks`` (vLLM allocated them)."""
+
+    request_id: str
+    local_blocks: tuple[int, ...]
+
+
+@dataclass
+class Orders:
+    registers: list[RegisterOrder] = field(default_factory=list)
+    admits: list[AdmitOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # D: abort (release) these requests
+
+    def __bool__(self) -> bool:
+        return bool(self.registers or self.admits or self.loads or self.aborts)
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """P's worker, as its handshake metadata tells the scheduler."""
+
+    engine: str
+    epoch: int
+    host: str
+    port: int
+
+
+class PScheduler:
+    """P's scheduler side: handles, stamp snapshots, register orders.
+
+    The stamp mirror holds, per block, the newest generation P's worker reported (worker
+    metadata, processed by vLLM before the ``finished_sending`` of the same step frees
+    any block). It never runs ahead of the worker's stamp tensor, so a stale snapshot can
+    only make D's stamp check fail (recompute), never pass wrongly."""
+
+    def __init__(self, options: ConnectorOptions, num_blocks: int) -> None:
+        self.options = options
+        self.num_blocks = num_blocks
+        self.mirror = [0] * num_blocks
+        self.peer: PeerInfo | None = None
+        self._next_handle = 1
+        self._orders: list[RegisterOrder] = []
+        self.held: dict[str, int] = {}  # request id -> handle, until finished_sending
+        self.counters: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def set_peer(self, peer: PeerInfo) -> None:
+        self.peer = peer
+
+    def finished(self, request_id: str, blocks: list[int], num_tokens: int,
+                 kv_params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """A prefill for remote decode finished: return D's transfer params and queue the
+        registration, or None (vLLM then frees the blocks at once)."""
+        if self.peer is None:
+            self._count("no_worker_metadata")
+            log.error("kvproto: P request %s finished before the worker's handshake "
+                      "metadata arrived; served without remote decode", request_id)
+            return None
+        if not blocks or any(not 0 <= b < self.num_blocks for b in blocks):
+            self._count("bad_blocks")
+            log.error("kvproto: P request %s has no or invalid blocks %s", request_id,
+                      blocks[:8])
+            return None
+        if request_id in self.held:
+            self._count("duplicate_finish")
+            return None
+        handle = self._next_handle
+        self._next_handle += 1
+        gens = tuple(self.mirror[b] for b in blocks)
+        group = sibling_group(request_id, kv_params, self.options.group_siblings)
+        expected = self.options.expected_readers
+        self._orders.append(RegisterOrder(request_id, handle, tuple(blocks), group, expected,
+                                          gens))
+        self.held[request_id] = handle
+        tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
+                            blocks=tuple(blocks),
+                            initial_term=self.options.config.initial_lease,
+                            expected=expected, group=group, generations=gens)
+        return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens)
+
+    def drain(self) -> list[RegisterOrder]:
+        out, self._orders = self._orders, []
+        return out
+
+    def on_stamps(self, stamps: Mapping[int, int]) -> None:
+        """The worker bumped these blocks' stamps (before reporting their frees)."""
+        m = self.mirror
+        for b, g in stamps.items():
+            if 0 <= b < self.num_blocks and g > m[b]:
+                m[b] = g
+
+    def on_finished_sending(self, request_ids: set[str] | frozenset[str]) -> None:
+        for rid in request_ids:
+            self.held.pop(rid, None)
+
+
+# D request states on the scheduler side.
+S_ADMITTED = "admitted"  # admit order sent; no blocks yet
+S_LOADING = "loading"  # load order sent; vLLM waits for finished_recving
+S_LOCAL = "local"  # nothing to pull (failed before a load, or a local prefix hit)
+
+
+class DScheduler:
+    """D's scheduler side: which requests pull remote KV, and the orders for the worker."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.reqs: dict[str, tuple[str, RemoteParams]] = {}
+        self._orders = Orders()
+        self.counters: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def state(self, request_id: str) -> str | None:
+        r = self.reqs.get(request_id)
+        return None if r is None else r[0]
+
+    def new_request(self, request_id: str, kv_params: Any) -> None:
+        """vLLM's on_new_request: admit at once, so heartbeats start while queued."""
+        if not isinstance(kv_params, Mapping) or not kv_params.get("do_remote_prefill"):
+            return
+        try:
+            rp = parse_remote_params(kv_params)
+        except ParamsError as e:
+            self._count("rejected_params")
+            log.warning("kvproto: request %s: rejected kv_transfer_params (%s); "
+                        "prefilling locally", request_id, e)
+            return
+        if request_id in self.reqs:
+            self._count("duplicate_request")
+            return
+        self.reqs[request_id] = (S_ADMITTED, rp)
+        self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port))
+
+    def matched_tokens(self, request_id: str, num_prompt_tokens: int, num_computed: int
+                       ) -> tuple[int, bool]:
+        """vLLM's get_num_new_matched_tokens: (tokens to load, asynchronously)."""
+        r = self.reqs.get(request_id)
+        if r is None or r[0] != S_ADMITTED:
+            return 0, False
+        rp = r[1]
+        nb = len(rp.params.blocks)
+        if rp.num_tokens != num_prompt_tokens or \
+                nb != (num_prompt_tokens + self.block_size - 1) // self.block_size:
+            self._count("rejected_params")
+            log.warning("kvproto: request %s: P holds %d tokens in %d blocks, the prompt has "
+                        "%d tokens (block size %d); prefilling locally", request_id,
+                        rp.num_tokens, nb, num_prompt_tokens, self.block_size)
+            self._to_local(request_id)
+            return 0, False
+        count = num_prompt_tokens - num_computed
+        if count <= 0:  # everything is local already (prefix cache): tell P
+            self._to_local(request_id)
+            return 0, False
+        return count, True
+
+    def allocated(self, request_id: str, unhashed_blocks: list[int], local_prefix_blocks: int,
+                  num_external_tokens: int) -> None:
+        """vLLM's update_state_after_alloc: ``unhashed_blocks`` are the new blocks (the
+        READ lands there), ``local_prefix_blocks`` the ones D's prefix cache supplied."""
+        r = self.reqs.get(request_id)
+        if r is None or r[0] != S_ADMITTED:
+            return
+        if num_external_tokens <= 0:
+            self._to_local(request_id)
+            return
+        nb = len(r[1].params.blocks)
+        need = nb - local_prefix_blocks
+        if not 0 < need <= len(unhashed_blocks):
+            # vLLM parks the request for a load anyway: order one that fails at once.
+            self._count("alloc_mismatch")
+            log.error("kvproto: request %s: %d new blocks allocated, %d needed",
+                      request_id, len(unhashed_blocks), need)
+        local = tuple(unhashed_blocks[:need]) if 0 < need <= len(unhashed_blocks) else ()
+        self.reqs[request_id] = (S_LOADING, r[1])
+        self._orders.loads.append(LoadOrder(request_id, local))
+
+    def _to_local(self, request_id: str) -> None:
+        r = self.reqs.get(request_id)
+        if r is not None and r[0] == S_ADMITTED:
+            self.reqs[request_id] = (S_LOCAL, r[1])
+            self._orders.aborts.append(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """vLLM's request_finished on D (done, or aborted by the client)."""
+        r = self.reqs.pop(request_id, None)
+        if r is not None and r[0] in (S_ADMITTED, S_LOADING):
+            # Loading: the worker answers finished_recving once no READ is in flight.
+            self._orders.aborts.append(request_id)
+
+    def on_failed(self, request_ids: list[str]) -> None:
+        """The worker's machine ended these requests before any load order: they will
+        prefill locally (get_num_new_matched_tokens returns 0)."""
+        for rid in request_ids:
+            r = self.reqs.get(rid)
+            if r is not None and r[0] == S_ADMITTED:
+                self.reqs[rid] = (S_LOCAL, r[1])
+
+    def drain(self) -> Orders:
+        out, self._orders = self._orders, Orders()
+        return out
