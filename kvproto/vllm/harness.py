@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -44,10 +45,12 @@ log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
 STOCK_CONNECTOR: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                   "kv_buffer_device": "cpu"}
+                                   "kv_buffer_device": "cpu",
+                                   "kv_load_failure_policy": "recompute"}
 KVPROTO_CONNECTOR: dict[str, Any] = {"kv_connector": "KVProtoConnector",
                                      "kv_connector_module_path": "kvproto.vllm.connector",
-                                     "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+                                     "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                                     "kv_load_failure_policy": "recompute"}
 
 
 class HarnessError(RuntimeError):
@@ -282,6 +285,12 @@ class Engine:
         also reaches requests whose output already finished (P after its prefill)."""
         self._send(("abort", list(rids), core))
 
+    def abort_on(self, rid: str, status: str = "WAITING_FOR_REMOTE_KVS") -> None:
+        """Abort ``rid`` (as a client would) right after the first engine step that leaves
+        it in ``status``; for D, WAITING_FOR_REMOTE_KVS means its READ was issued and has
+        not completed yet (an abort during the read)."""
+        self._send(("abort_on", rid, status))
+
     def pause(self, seconds: float) -> None:
         """Stop stepping the engine for ``seconds`` (a stalled scheduler)."""
         self._send(("pause", seconds))
@@ -320,6 +329,16 @@ class Engine:
         """Call a method of the engine's connector (scheduler side, or the worker side)
         and return its (picklable) result; None when there is no such method."""
         return self._call(("connector", worker, method, list(args)), timeout)
+
+    def connector_stats(self, method: str = "kvproto_stats") -> dict[str, Any]:
+        """``method()`` of the scheduler-side and the worker-side connector, merged
+        (numbers added, dicts merged key by key); {} when neither has it."""
+        merged: dict[str, Any] = {}
+        for worker in (False, True):
+            part = self.connector_call(method, worker=worker)
+            if isinstance(part, dict):
+                _merge(merged, part)
+        return merged
 
     # -- internals
     def _call(self, msg: tuple[Any, ...], timeout: float) -> Any:
@@ -384,6 +403,20 @@ class Engine:
         except OSError:
             return ""
         return "\n--- " + self.spec.log_path + " ---\n" + "\n".join(text[-lines:])
+
+
+def _merge(into: dict[str, Any], part: dict[str, Any]) -> None:
+    for k, v in part.items():
+        old = into.get(k)
+        if isinstance(v, dict):
+            sub = old if isinstance(old, dict) else {}
+            _merge(sub, v)
+            into[k] = sub
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                isinstance(old, (int, float)) and not isinstance(old, bool):
+            into[k] = old + v
+        else:
+            into[k] = v
 
 
 def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
@@ -584,6 +617,7 @@ class _Child:  # pragma: no cover - runs in the engine process
         self.ids: dict[str, str] = {}                       # external rid -> internal id
         self.meta: dict[str, dict[str, Any]] = {}           # rid -> submit/first times
         self.paused_until = 0.0
+        self.abort_when: dict[str, str] = {}                # rid -> status name
         self.log = logging.getLogger("kvproto.vllm.harness.child")
 
     def serve(self) -> None:
@@ -613,6 +647,29 @@ class _Child:  # pragma: no cover - runs in the engine process
                     self.conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
                 return
             self._outputs(outs)
+            if self.abort_when:
+                self._abort_when()
+
+    def _abort_when(self) -> None:
+        for rid, status in list(self.abort_when.items()):
+            req = self.sched.requests.get(self.ids.get(rid, rid))
+            if req is not None and str(req.status) == status:
+                self.log.info("aborting %s in status %s", rid, status)
+                self.engine.abort_request([rid])
+                del self.abort_when[rid]
+                self._aborted(rid)
+
+    def _aborted(self, rid: str) -> None:
+        """An aborted request produces no output in vLLM; report one so the router's
+        wait() ends (error "aborted", finish reason "abort")."""
+        m = self.meta.pop(rid, None)
+        if m is None:
+            return
+        self.conn.send(("out", {"rid": rid, "internal_id": self.ids.get(rid, rid),
+                                "token_ids": [], "finish_reasons": ["abort"],
+                                "kv_transfer_params": None, "submit_t": m["submit_t"],
+                                "first_token_t": m["first_token_t"], "finish_t": time.time(),
+                                "error": "aborted"}))
 
     def _shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -634,8 +691,9 @@ class _Child:  # pragma: no cover - runs in the engine process
             else:
                 self.engine.abort_request(list(rids))
             for r in rids:
-                if r in self.meta and r not in self.meta[r].get("_done", ()):
-                    self.meta[r]["aborted"] = True
+                self._aborted(r)
+        elif kind == "abort_on":
+            self.abort_when[msg[1]] = msg[2]
         elif kind == "pause":
             self.paused_until = time.monotonic() + float(msg[1])
         elif kind == "call":
@@ -702,6 +760,7 @@ class _Child:  # pragma: no cover - runs in the engine process
                     "scheduler_requests": len(self.sched.requests),
                     "running": running, "waiting": waiting,
                     "unfinished": self.sched.get_num_unfinished_requests(),
+                    "statuses": dict(Counter(str(r.status) for r in self.sched.requests.values())),
                     "time": time.time()}
         if kind == "connector":
             worker, method, args = inner[1], inner[2], inner[3]
