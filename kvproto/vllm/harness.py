@@ -35,7 +35,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -307,7 +307,7 @@ class Engine:
             self._pump(min(left, 1.0))
         return {r: self.results[r] for r in want}
 
-    def generate(self, prompts: dict[str, Sequence[int]], *, timeout: float = 120.0,
+    def generate(self, prompts: Mapping[str, Sequence[int]], *, timeout: float = 120.0,
                  **kw: Any) -> dict[str, Result]:
         for rid, p in prompts.items():
             self.submit(rid, p, **kw)
@@ -499,7 +499,7 @@ class PD:
                       kv_transfer_params={"do_remote_decode": True})
         return self.p.wait([rid], timeout)[rid]
 
-    def submit_prefills(self, items: dict[str, Sequence[int]], **kw: Any) -> None:
+    def submit_prefills(self, items: Mapping[str, Sequence[int]], **kw: Any) -> None:
         for rid, prompt in items.items():
             self.p.submit(rid, prompt, max_tokens=1,
                           kv_transfer_params={"do_remote_decode": True}, **kw)
@@ -510,7 +510,7 @@ class PD:
         self.d.submit(rid, prompt, max_tokens=max_tokens, n=n,
                       kv_transfer_params=p_result.kv_transfer_params)
 
-    def run(self, prompts: dict[str, Sequence[int]], *, max_tokens: int = 8,
+    def run(self, prompts: Mapping[str, Sequence[int]], *, max_tokens: int = 8,
             timeout: float = 180.0) -> dict[str, Result]:
         """The whole P/D path for several requests in flight at once: all prefills on P,
         each decode sent to D as soon as its prefill returns; D's results."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ def compare(results: dict[str, Result], reference: dict[str, list[int]],
             out.wrong.append(rid)
 
 
-def reference_outputs(ref: Engine, prompts: dict[str, Sequence[int]], *,
+def reference_outputs(ref: Engine, prompts: Mapping[str, Sequence[int]], *,
                       max_tokens: int, timeout: float = 300.0) -> dict[str, list[int]]:
     """Greedy outputs of the single engine (no connector) for every prompt."""
     res = ref.generate(prompts, max_tokens=max_tokens, timeout=timeout)
@@ -80,7 +80,7 @@ def reference_outputs(ref: Engine, prompts: dict[str, Sequence[int]], *,
     return {rid: r.tokens for rid, r in res.items()}
 
 
-def correctness(pd: PD, prompts: dict[str, Sequence[int]], reference: dict[str, list[int]],
+def correctness(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]],
                 *, max_tokens: int) -> Outcome:
     """All prompts through P then D, several in flight at once."""
     out = Outcome()
@@ -107,7 +107,7 @@ def churn(p: Engine, *, blocks: int, tag: str, vocab: int = 1024, seed: int = 99
     p.generate(items, max_tokens=1, timeout=timeout)
 
 
-def late_d(pd: PD, prompts: dict[str, Sequence[int]], reference: dict[str, list[int]], *,
+def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]], *,
            max_tokens: int, delay: float = LATE_D_DELAY, tag: str = "late") -> Outcome:
     """P prefills; the router holds the transfer params ``delay`` seconds (longer than the
     lease) while P runs other requests over all its blocks; then D gets them. A connector
@@ -157,7 +157,7 @@ def wait_free(p: Engine, baseline: int, timeout: float, *, others: Sequence[Engi
         time.sleep(interval)
 
 
-def d_killed(pd: PD, prompts: dict[str, Sequence[int]], *, timeout: float) -> Outcome:
+def d_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, timeout: float) -> Outcome:
     """P prefills; D gets the requests while its step loop is paused (no READ yet) and is
     then killed -9. Measures P's stranded block-seconds until every block is free again
     (``extra``: stranded_block_seconds, freed, baseline)."""
