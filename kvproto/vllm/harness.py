@@ -494,8 +494,10 @@ class PD:
     def prefill(self, rid: str, prompt: Sequence[int], *, n: int = 1,
                 timeout: float = 120.0) -> Result:
         """Run the prefill on P (max_tokens 1, do_remote_decode) and return its result,
-        whose ``kv_transfer_params`` go to D."""
+        whose ``kv_transfer_params`` go to D. n>1 samples (vLLM refuses n>1 with greedy
+        sampling); the prompt's KV does not depend on it."""
         self.p.submit(rid, prompt, max_tokens=1, n=n,
+                      temperature=0.0 if n == 1 else 1.0, seed=None if n == 1 else 0,
                       kv_transfer_params={"do_remote_decode": True})
         return self.p.wait([rid], timeout)[rid]
 
@@ -709,11 +711,12 @@ class _Child:  # pragma: no cover - runs in the engine process
         from vllm import SamplingParams
 
         extra = {"kv_transfer_params": ktp} if ktp is not None else None
-        params = SamplingParams(max_tokens=sp["max_tokens"], n=sp["n"],
-                                temperature=sp["temperature"], ignore_eos=sp["ignore_eos"],
-                                seed=sp["seed"], extra_args=extra)
         now = time.time()
         try:
+            params = SamplingParams(max_tokens=sp["max_tokens"], n=sp["n"],
+                                    temperature=sp["temperature"],
+                                    ignore_eos=sp["ignore_eos"], seed=sp["seed"],
+                                    extra_args=extra)
             internal = self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         except Exception as e:
             self.conn.send(("out", {"rid": rid, "internal_id": "", "token_ids": [],

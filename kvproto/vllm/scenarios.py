@@ -23,18 +23,29 @@ LEASE = 3.0
 LATE_D_DELAY = 10.0
 
 
-def kvproto_extra_config(journal_dir: str, lease: float = LEASE) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for KVProtoConnector: a short lease (valid under
-    ``Config.timing_rules``) and where to write the journals."""
+def lease_config(lease: float = LEASE) -> dict[str, float]:
+    """Lifecycle ``Config`` fields for a short lease, valid under ``Config.timing_rules``."""
     return {"initial_lease": lease, "lease_extension": lease,
             "heartbeat_interval": lease / 6, "abort_grace": lease, "max_delay": lease / 12,
-            "max_read_time": lease / 3, "clock_drift": lease / 30,
-            "journal_dir": journal_dir}
+            "max_read_time": lease / 3, "clock_drift": lease / 30}
 
 
-def stock_extra_config(lease: float = LEASE) -> dict[str, Any]:
-    """The stock NixlConnector's lease (whole seconds; it heartbeats every lease/6)."""
-    return {"kv_lease_duration": max(1, round(lease))}
+def kvproto_extras(journal_dir: str | None, lease: float = LEASE, *, tag: str = ""
+                   ) -> dict[str, Any]:
+    """``pd_specs`` keyword arguments for KVProtoConnector: the short lease on both
+    engines (``kv_connector_extra_config["lease"]``) and one journal per engine
+    (``journal``: ``<journal_dir>/P<tag>.jsonl`` and ``D<tag>.jsonl``)."""
+    out: dict[str, Any] = {"extra_config": {"lease": lease_config(lease)}}
+    if journal_dir is not None:
+        out["p_extra"] = {"journal": f"{journal_dir}/P{tag}.jsonl"}
+        out["d_extra"] = {"journal": f"{journal_dir}/D{tag}.jsonl"}
+    return out
+
+
+def stock_extras(lease: float = LEASE) -> dict[str, Any]:
+    """``pd_specs`` keyword arguments for the stock NixlConnector: its lease in whole
+    seconds (it heartbeats every lease/6)."""
+    return {"extra_config": {"kv_lease_duration": max(1, round(lease))}}
 
 
 @dataclass
