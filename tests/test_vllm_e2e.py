@@ -110,8 +110,13 @@ def _num(stats: dict[str, Any], key: str) -> float:
 
 
 def _frees(stats: dict[str, Any]) -> dict[str, float]:
-    f = stats.get("frees") or {}
-    return {str(k): float(v) for k, v in f.items()} if isinstance(f, dict) else {}
+    """Frees by reason: a ``frees`` mapping, or flat ``frees_<reason>`` counters."""
+    f = stats.get("frees")
+    out = {str(k): float(v) for k, v in f.items()} if isinstance(f, dict) else {}
+    for k, v in stats.items():
+        if k.startswith("frees_") and isinstance(v, (int, float)):
+            out[k[len("frees_"):]] = out.get(k[len("frees_"):], 0.0) + float(v)
+    return out
 
 
 def _validate(journals: list[Path]) -> None:
