@@ -201,6 +201,22 @@ class Result:
 
 
 _LIVE: dict[int, Engine] = {}
+STARTED: list[int] = []       # pids of every engine process this process started (bounded
+_MAX_STARTED = 4096           # by _MAX_STARTED; the oldest are dropped)
+
+
+def stray_engines() -> list[int]:
+    """Engine processes this process started that still exist (a leak, unless open)."""
+    out = []
+    for pid in STARTED:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:   # pragma: no cover - pid reused by another user
+            continue
+        out.append(pid)
+    return out
 
 
 def kill_all() -> None:
@@ -230,6 +246,8 @@ class Engine:
         self._proc.start()
         self.pid = int(self._proc.pid or 0)
         _LIVE[self.pid] = self
+        STARTED.append(self.pid)
+        del STARTED[:-_MAX_STARTED]
         child.close()
 
     # -- lifecycle
