@@ -119,26 +119,38 @@ def churn(p: Engine, *, blocks: int, tag: str, vocab: int = 1024, seed: int = 99
 
 
 def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]], *,
-           max_tokens: int, delay: float = LATE_D_DELAY, tag: str = "late") -> Outcome:
+           max_tokens: int, delay: float = LATE_D_DELAY, tag: str = "late",
+           free_timeout: float = 120.0) -> Outcome:
     """P prefills; the router holds the transfer params ``delay`` seconds (longer than the
-    lease) while P runs other requests over all its blocks; then D gets them. A connector
-    that fails closed refuses the stale read and recomputes; one that fails open decodes
-    from whatever now sits in those blocks."""
+    lease) and meanwhile, once P has freed those blocks (lease expired: P's free-block
+    count is back at its idle baseline), runs other requests over all of P's blocks; then
+    D gets the params. A connector that fails closed refuses the stale read and
+    recomputes; one that fails open decodes from whatever now sits in those blocks.
+    ``extra``: ``expired_after_s`` (prefill done to P's blocks back), ``churn_passes``."""
     out = Outcome()
+    baseline = int(pd.p.stats()["free_blocks"])
     t0 = time.time()
     pd.submit_prefills(prompts)
     p_res = pd.p.wait(prompts, 120.0)
+    t_pref = time.time()
+    freed, _, samples = wait_free(pd.p, baseline, free_timeout)
+    if not freed:
+        raise HarnessError(f"late_d: P still holds {baseline - samples[-1][1]} blocks "
+                           f"{free_timeout:.0f} s after the prefills")
     total = int(pd.p.info.get("total_blocks", 0))
-    # twice over: the first pass may still find blocks the expired leases have not freed
-    while time.time() - t0 < delay:
-        churn(pd.p, blocks=total, tag=f"{tag}{int((time.time() - t0) * 10)}")
-        time.sleep(min(1.0, max(0.0, delay - (time.time() - t0))))
+    passes = 0
+    while passes < 1 or time.time() - t_pref < delay:
+        churn(pd.p, blocks=total, tag=f"{tag}{passes}")
+        passes += 1
+        time.sleep(min(0.5, max(0.0, delay - (time.time() - t_pref))))
     for rid, prompt in prompts.items():
         pd.submit_decode(rid, prompt, p_res[rid], max_tokens=max_tokens)
     results = pd.d.wait(prompts, 180.0)
     out.wall_s = time.time() - t0
     compare(results, reference, out)
     out.results = results
+    out.extra = {"expired_after_s": samples[-1][0] - t_pref, "churn_passes": passes,
+                 "late_s": time.time() - t_pref}
     return out
 
 
