@@ -1,0 +1,263 @@
+"""``kvproto bench vllm``: the same P/D workload through the stock NixlConnector and through
+KVProtoConnector, in one run, on real vLLM engines (CPU build) over real NIXL.
+
+Per connector: a P/D pair (separate processes) runs
+
+* throughput rounds (after one uncounted warm-up): ``--prompts`` prompts of varied lengths, all in flight, ``--max-tokens``
+  greedy tokens each; the rounds alternate between the two pairs so that both see the same
+  machine load, and each round's throughput is D's generated tokens over the round's wall
+  time (P's first submit to D's last token); TTFT is D's first token minus P's submit;
+* the late-D scenario: P prefills, the router holds the transfer params ``--late-delay``
+  seconds (longer than the ``--lease``) while P runs other requests over all its blocks,
+  then D decodes. A fail-open connector decodes from reused blocks (upstream #52234);
+* D killed -9 while it holds unread requests: P's blocks held above its idle baseline,
+  integrated over time until P has them all back (``stranded_block_seconds``).
+
+Every D output is compared token for token with a single engine that has no connector
+(``wrong_outputs``). Progress goes to stderr; ``--json`` prints one JSON object on stdout:
+``stock``, ``kvproto`` (``requests``, ``wrong_outputs``, ``errors``, ``throughput_tok_s``,
+``ttft_ms_mean``, ``stranded_block_seconds``, ...) and ``throughput_ratio``
+(kvproto/stock). Exit codes: 0 done, 1 kvproto served a wrong output, 2 bad arguments,
+3 vLLM/NIXL missing, 4 an engine failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONNECTORS = ("stock", "kvproto")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", type=int, default=32, help="prompts per throughput round (32)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per prompt (32)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="throughput rounds per connector, alternating (5)")
+    p.add_argument("--late", type=int, default=4, help="requests in the late-D scenario (4)")
+    p.add_argument("--late-delay", type=float, default=10.0,
+                   help="seconds D is late, > --lease (10)")
+    p.add_argument("--lease", type=float, default=3.0, help="lease term, seconds (3)")
+    p.add_argument("--kill", type=int, default=4, help="requests held when D is killed (4)")
+    p.add_argument("--connectors", default="stock,kvproto",
+                   help="comma-separated subset of stock,kvproto (default both)")
+    p.add_argument("--workdir", help="keep model, engine logs and journals here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class ConnectorRun:
+    """Raw figures of one connector, before the report is built."""
+
+    requests: int = 0
+    wrong: int = 0
+    errors: int = 0
+    late_requests: int = 0
+    late_wrong: int = 0
+    late_errors: int = 0
+    round_tok_s: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    stranded_block_seconds: float = 0.0
+    stranded_freed: bool = True
+    seconds_to_free: float = 0.0
+    counters: dict[str, Any] = field(default_factory=dict)
+
+
+def build_report(runs: dict[str, ConnectorRun], *, meta: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """The JSON object: one entry per connector and ``throughput_ratio`` (kvproto/stock,
+    ratio of the median round throughputs; ``throughput_ratio_paired`` is the median of
+    the per-round ratios of alternating rounds)."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        out[name] = {
+            "requests": r.requests + r.late_requests,
+            "wrong_outputs": r.wrong + r.late_wrong,
+            "errors": r.errors + r.late_errors,
+            "late_d": {"requests": r.late_requests, "wrong_outputs": r.late_wrong,
+                       "errors": r.late_errors},
+            "throughput_tok_s": round(statistics.median(r.round_tok_s), 1)
+            if r.round_tok_s else 0.0,
+            "throughput_rounds_tok_s": [round(x, 1) for x in r.round_tok_s],
+            "ttft_ms_mean": round(statistics.fmean(r.ttft_ms), 2) if r.ttft_ms else 0.0,
+            "stranded_block_seconds": round(r.stranded_block_seconds, 2),
+            "stranded_all_freed": r.stranded_freed,
+            "seconds_to_free_after_d_kill": round(r.seconds_to_free, 2),
+        }
+        if r.counters:
+            out[name]["connector_counters"] = r.counters
+    s, k = runs.get("stock"), runs.get("kvproto")
+    ratio = None
+    paired = None
+    if s and k and s.round_tok_s and k.round_tok_s:
+        sm, km = statistics.median(s.round_tok_s), statistics.median(k.round_tok_s)
+        ratio = round(km / sm, 4) if sm > 0 else None
+        pairs = [b / a for a, b in zip(s.round_tok_s, k.round_tok_s, strict=False) if a > 0]
+        paired = round(statistics.median(pairs), 4) if pairs else None
+    out["throughput_ratio"] = ratio
+    out["throughput_ratio_paired"] = paired
+    if meta:
+        out.update(meta)
+    return out
+
+
+def _extras(name: str, workdir: Path, lease: float) -> dict[str, Any]:
+    from kvproto.vllm import harness as h
+    from kvproto.vllm import scenarios as sc
+
+    if name == "stock":
+        return {"connector": h.STOCK_CONNECTOR, **sc.stock_extras(lease)}
+    return {"connector": h.KVPROTO_CONNECTOR,
+            **sc.kvproto_extras(str(workdir), lease, tag="-bench")}
+
+
+def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from kvproto.vllm import harness as h
+    from kvproto.vllm import scenarios as sc
+
+    t_start = time.monotonic()
+    model = str(h.build_tiny_model(workdir / "model").path)
+    rounds = [{f"r{i}-{j}": p for j, p in enumerate(h.make_prompts(args.prompts, seed=100 + i))}
+              for i in range(args.rounds)]
+    late = {f"late-{j}": p for j, p in
+            enumerate(h.make_prompts(args.late, seed=7, lengths=[64, 100, 160, 96]))}
+    kill = {f"kill-{j}": p for j, p in
+            enumerate(h.make_prompts(args.kill, seed=8, lengths=[90, 64, 250, 31]))}
+    everything: dict[str, list[int]] = {}
+    for r in rounds:
+        everything.update(r)
+    everything.update(late)
+
+    names = tuple(n for n in CONNECTORS if n in args.connectors.split(","))
+    specs = [h.EngineSpec("REF", model, env=h.engine_env(), log_path=str(workdir / "REF.log"))]
+    for name in names:
+        kw = _extras(name, workdir, args.lease)
+        connector = kw.pop("connector")
+        specs += list(h.pd_specs(model, workdir, connector, tag=f"-{name}",
+                                 p_kv_bytes=16 << 20, **kw))
+    log.info("starting %d engines: the reference and a P/D pair per connector (%s)",
+             len(specs), ", ".join(names))
+    engines = h.start_engines(specs)
+    try:
+        ref = engines[0]
+        pairs = {name: h.PD(engines[1 + 2 * i], engines[2 + 2 * i])
+                 for i, name in enumerate(names)}
+        log.info("engines ready after %.0f s; reference outputs", time.monotonic() - t_start)
+        reference = sc.reference_outputs(ref, everything, max_tokens=args.max_tokens)
+        ref.close()
+        runs = {name: ConnectorRun() for name in names}
+        for name in names:   # warm-up (first-use costs in both engines), not counted
+            warm = {f"{name}-warm-{k}": v for k, v in list(rounds[0].items())[:4]}
+            pairs[name].run(warm, max_tokens=2)
+        for i, prompts in enumerate(rounds):
+            order = names if i % 2 == 0 else names[::-1]
+            for name in order:
+                tagged = {f"{name}-{k}": v for k, v in prompts.items()}
+                ref_t = {f"{name}-{k}": v for k, v in reference.items() if k in prompts}
+                out = sc.correctness(pairs[name], tagged, ref_t, max_tokens=args.max_tokens)
+                run = runs[name]
+                run.requests += out.requests
+                run.wrong += len(out.wrong)
+                run.errors += len(out.errors)
+                run.ttft_ms += out.ttft_ms
+                run.round_tok_s.append(out.throughput_tok_s)
+                log.info("round %d %s: %.0f tok/s, %d wrong, %d errors", i, name,
+                         out.throughput_tok_s, len(out.wrong), len(out.errors))
+        for name in names:
+            tagged = {f"{name}-{k}": v for k, v in late.items()}
+            ref_t = {f"{name}-{k}": reference[k] for k in late}
+            log.info("%s: late D (%.0f s late, lease %.0f s, P churning)", name,
+                     args.late_delay, args.lease)
+            out = sc.late_d(pairs[name], tagged, ref_t, max_tokens=args.max_tokens,
+                            delay=args.late_delay, tag=name)
+            runs[name].late_requests = out.requests
+            runs[name].late_wrong = len(out.wrong)
+            runs[name].late_errors = len(out.errors)
+            log.info("%s: late D: %d of %d wrong, %d errors", name, len(out.wrong),
+                     out.requests, len(out.errors))
+        for name in names:
+            pd = pairs[name]
+            if name == "kvproto":
+                runs[name].counters = {k: v for k, v in pd.p.connector_stats().items()
+                                       if isinstance(v, (int, float))}
+            log.info("%s: D killed with %d unread requests", name, len(kill))
+            out = sc.d_killed(pd, {f"{name}-{k}": v for k, v in kill.items()},
+                              timeout=max(60.0, 10 * args.lease))
+            runs[name].stranded_block_seconds = float(out.extra["stranded_block_seconds"])
+            runs[name].stranded_freed = bool(out.extra["freed"])
+            runs[name].seconds_to_free = float(out.extra["seconds_to_free"])
+            log.info("%s: %.1f stranded block-seconds, all freed: %s", name,
+                     runs[name].stranded_block_seconds, out.extra["freed"])
+            pd.close()
+    finally:
+        for e in engines:
+            e.close()
+    meta = {"workload": {"prompts_per_round": args.prompts, "rounds": args.rounds,
+                         "max_tokens": args.max_tokens, "late_requests": args.late,
+                         "late_delay_s": args.late_delay, "lease_s": args.lease,
+                         "kill_requests": args.kill},
+            "cpu_count": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+            "wall_s": round(time.monotonic() - t_start, 1)}
+    return build_report(runs, meta=meta)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvproto.vllm.harness import HarnessError, vllm_available
+
+    for key in ("prompts", "max_tokens", "rounds", "late", "kill"):
+        if getattr(args, key) < 1:
+            print(f"kvproto bench vllm: --{key.replace('_', '-')} must be >= 1",
+                  file=sys.stderr)
+            return 2
+    chosen = [c for c in args.connectors.split(",") if c]
+    if not chosen or any(c not in CONNECTORS for c in chosen):
+        print(f"kvproto bench vllm: --connectors must name some of {','.join(CONNECTORS)}",
+              file=sys.stderr)
+        return 2
+    if not args.lease > 0 or not args.late_delay > args.lease:
+        print("kvproto bench vllm: need --lease > 0 and --late-delay > --lease", file=sys.stderr)
+        return 2
+    missing = vllm_available()
+    if missing:
+        print(f"kvproto bench vllm: {missing}", file=sys.stderr)
+        return 3
+    try:
+        if args.workdir:
+            wd = Path(args.workdir)
+            wd.mkdir(parents=True, exist_ok=True)
+            res = _bench(args, wd)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kvproto-bench-vllm-") as tmp:
+                res = _bench(args, Path(tmp))
+    except HarnessError as e:
+        print(f"kvproto bench vllm: {e}", file=sys.stderr)
+        return 4
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(format_report(res))
+    return 1 if res.get("kvproto", {}).get("wrong_outputs") else 0
+
+
+def format_report(res: dict[str, Any]) -> str:
+    names = [n for n in CONNECTORS if n in res]
+    lines = [f"{'':24}" + "".join(f"{n:>14}" for n in names)]
+    for key in ("requests", "wrong_outputs", "errors", "throughput_tok_s", "ttft_ms_mean",
+                "stranded_block_seconds"):
+        lines.append(f"{key:24}" + "".join(f"{res[n][key]!s:>14}" for n in names))
+    lines.append(f"{'late D wrong outputs':24}"
+                 + "".join(f"{res[n]['late_d']['wrong_outputs']!s:>14}" for n in names))
+    lines.append(f"throughput_ratio (kvproto/stock): {res['throughput_ratio']} "
+                 f"(paired rounds: {res['throughput_ratio_paired']})")
+    return "\n".join(lines)

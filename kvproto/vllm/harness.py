@@ -1,0 +1,807 @@
+"""Real vLLM engines in separate processes, for the end-to-end tests and ``bench vllm``.
+
+Nothing here is mocked: each :class:`Engine` is a child process running vLLM's own
+``LLMEngine`` (in-process engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that the
+child's pid is the whole engine and ``kill -9`` kills all of it) over a tiny
+``LlamaForCausalLM`` with random but real weights written locally by
+:func:`build_tiny_model` (never downloaded, never ``load_format="dummy"``: dummy weights
+make outputs insensitive to the KV contents, which would hide wrong-KV bugs).
+
+The parent (the "router") talks to each child over a ``multiprocessing`` pipe with plain
+tuples: it submits token-id prompts, aborts requests (in the output processor, or in the
+engine core directly for a request whose output already finished, e.g. P after its
+prefill), reads counters (free KV blocks, requests held by the scheduler, anything the
+connector exposes through :meth:`Engine.connector_call`), pauses the step loop, and
+kill -9s the process group. The parent imports neither torch nor vLLM.
+
+Cleanup: every child runs in its own session (process group) and exits when its parent
+goes away (pipe closed, or parent pid changed); :func:`kill_all` (registered with
+``atexit``) kills every engine this process started; tests use :class:`Engine` as a
+context manager or through fixtures that call :meth:`Engine.close` in ``finally``.
+
+Block size: vLLM's CPU attention backend wants a multiple of 32. Engines run with
+``enforce_eager``, ``skip_tokenizer_init`` and an explicit ``kv_cache_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 32
+STOCK_CONNECTOR: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                   "kv_buffer_device": "cpu",
+                                   "kv_load_failure_policy": "recompute"}
+KVPROTO_CONNECTOR: dict[str, Any] = {"kv_connector": "KVProtoConnector",
+                                     "kv_connector_module_path": "kvproto.vllm.connector",
+                                     "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                                     "kv_load_failure_policy": "recompute"}
+
+
+class HarnessError(RuntimeError):
+    """An engine process failed to start, died, or did not answer in time."""
+
+
+def vllm_available() -> str | None:
+    """None when vLLM (and NIXL) can be imported here; otherwise a one-line reason.
+    Checked in a subprocess-free way by looking the modules up, without importing torch."""
+    import importlib.util
+
+    for mod in ("vllm", "nixl", "safetensors", "numpy"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} is not installed (pip install 'kvproto[vllm]')"
+        except (ImportError, ValueError) as e:  # pragma: no cover - broken install
+            return f"{mod} cannot be imported: {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    vocab: int
+    max_len: int
+
+
+def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0, hidden: int = 128,
+                     layers: int = 2, heads: int = 4, kv_heads: int = 4, vocab: int = 1024,
+                     intermediate: int = 256, max_len: int = 2048,
+                     std: float = 0.15) -> TinyModel:
+    """Write ``config.json`` and ``model.safetensors`` of a random LlamaForCausalLM.
+
+    The weights are seeded normal noise (``std`` larger than the usual 0.02 so that greedy
+    argmax is well separated and attention is far from uniform: a decode step then
+    depends visibly on every KV block). Idempotent: an existing model with the same
+    parameters is reused."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+        "max_position_embeddings": max_len, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
+        "kvproto_seed": seed, "kvproto_std": std,
+    }
+    cfg_path = d / "config.json"
+    weights = d / "model.safetensors"
+    if cfg_path.exists() and weights.exists():
+        try:
+            if json.loads(cfg_path.read_text()) == config:
+                return TinyModel(d, vocab, max_len)
+        except ValueError:
+            pass
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> Any:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t: dict[str, Any] = {"model.embed_tokens.weight": w(vocab, hidden),
+                         "model.norm.weight": np.ones(hidden, np.float32),
+                         "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
+        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+    save_file(t, str(weights), metadata={"format": "pt"})
+    cfg_path.write_text(json.dumps(config, indent=1))
+    return TinyModel(d, vocab, max_len)
+
+
+def make_prompts(count: int, *, vocab: int = 1024, seed: int = 1,
+                 lengths: Sequence[int] | None = None) -> list[list[int]]:
+    """Deterministic token-id prompts. Default lengths cycle through one block, a partial
+    block, exactly several blocks and several blocks plus a partial last one."""
+    import random
+
+    rng = random.Random(seed)
+    if lengths is None:
+        b = BLOCK_SIZE
+        lengths = [b, 7, 3 * b, 2 * b + 5, 5 * b + 17, b + 1, 4 * b, 9 * b + 3]
+    out = []
+    for i in range(count):
+        n = lengths[i % len(lengths)]
+        out.append([rng.randrange(3, vocab) for _ in range(n)])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process runs. ``kv_transfer_config`` None: a plain engine (the
+    single-engine reference)."""
+
+    name: str
+    model: str
+    kv_transfer_config: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    kv_cache_memory_bytes: int = 128 << 20
+    block_size: int = BLOCK_SIZE
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    log_path: str | None = None
+
+
+@dataclass
+class Result:
+    """One finished request as the engine reported it."""
+
+    rid: str
+    internal_id: str
+    token_ids: list[list[int]]           # one list per completion (n>1: several)
+    finish_reasons: list[str | None]
+    kv_transfer_params: dict[str, Any] | None
+    submit_t: float
+    first_token_t: float | None
+    finish_t: float
+    error: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids[0] if self.token_ids else []
+
+
+_LIVE: dict[int, Engine] = {}
+STARTED: list[int] = []       # pids of every engine process this process started (bounded
+_MAX_STARTED = 4096           # by _MAX_STARTED; the oldest are dropped)
+
+
+def stray_engines() -> list[int]:
+    """Engine processes this process started that still exist (a leak, unless open)."""
+    out = []
+    for pid in STARTED:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:   # pragma: no cover - pid reused by another user
+            continue
+        out.append(pid)
+    return out
+
+
+def kill_all() -> None:
+    """kill -9 every engine process group this process started and has not closed."""
+    for eng in list(_LIVE.values()):
+        eng.kill()
+
+
+atexit.register(kill_all)
+
+
+class Engine:
+    """Parent-side handle of one engine process."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(child, _spec_dict(spec)),
+                                 name=f"vllm-{spec.name}", daemon=True)
+        self._seq = 0
+        self._replies: dict[int, Any] = {}
+        self.results: dict[str, Result] = {}
+        self.info: dict[str, Any] = {}
+        self._ready = False
+        self._dead = False
+        self._proc.start()
+        self.pid = int(self._proc.pid or 0)
+        _LIVE[self.pid] = self
+        STARTED.append(self.pid)
+        del STARTED[:-_MAX_STARTED]
+        child.close()
+
+    # -- lifecycle
+    def wait_ready(self, timeout: float = 240.0) -> Engine:
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            self._pump(deadline - time.monotonic())
+            if time.monotonic() > deadline and not self._ready:
+                raise HarnessError(f"{self.spec.name}: not ready after {timeout:.0f} s"
+                                   f"{self._log_tail()}")
+        return self
+
+    def alive(self) -> bool:
+        return self._proc.is_alive() and not self._dead
+
+    def kill(self) -> None:
+        """kill -9 the engine's process group (the engine and anything it started)."""
+        _LIVE.pop(self.pid, None)
+        if self.pid and self._proc.is_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self._proc.join(10)
+        self._dead = True
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Ask the engine to shut down cleanly (connector ``shutdown`` runs), then kill."""
+        if self.alive():
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self._conn.send(("stop",))
+            self._proc.join(timeout)
+        self.kill()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests
+    def submit(self, rid: str, prompt: Sequence[int], *, max_tokens: int = 8, n: int = 1,
+               kv_transfer_params: dict[str, Any] | None = None,
+               temperature: float = 0.0, seed: int | None = None) -> None:
+        sp = {"max_tokens": max_tokens, "n": n, "temperature": temperature,
+              "ignore_eos": True, "seed": seed}
+        self._send(("add", rid, list(prompt), sp, kv_transfer_params))
+
+    def abort(self, rids: Iterable[str], *, core: bool = False) -> None:
+        """Abort requests. ``core``: straight into the engine core by internal id, which
+        also reaches requests whose output already finished (P after its prefill)."""
+        self._send(("abort", list(rids), core))
+
+    def abort_on(self, rid: str, status: str = "WAITING_FOR_REMOTE_KVS") -> None:
+        """Abort ``rid`` (as a client would) right after the first engine step that leaves
+        it in ``status``; for D, WAITING_FOR_REMOTE_KVS means its READ was issued and has
+        not completed yet (an abort during the read)."""
+        self._send(("abort_on", rid, status))
+
+    def pause(self, seconds: float) -> None:
+        """Stop stepping the engine for ``seconds`` (a stalled scheduler)."""
+        self._send(("pause", seconds))
+
+    def wait(self, rids: Iterable[str], timeout: float = 120.0) -> dict[str, Result]:
+        want = list(rids)
+        deadline = time.monotonic() + timeout
+        while any(r not in self.results for r in want):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in want if r not in self.results]
+                raise HarnessError(f"{self.spec.name}: {len(missing)} requests unfinished "
+                                   f"after {timeout:.0f} s: {missing[:5]}")
+            self._pump(min(left, 1.0))
+        return {r: self.results[r] for r in want}
+
+    def generate(self, prompts: Mapping[str, Sequence[int]], *, timeout: float = 120.0,
+                 **kw: Any) -> dict[str, Result]:
+        for rid, p in prompts.items():
+            self.submit(rid, p, **kw)
+        return self.wait(prompts, timeout)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Read whatever the engine has sent (results) without waiting for anything."""
+        self._pump(timeout)
+
+    # -- counters
+    def stats(self, timeout: float = 30.0) -> dict[str, Any]:
+        """``free_blocks``, ``total_blocks``, ``scheduler_requests`` (requests the
+        scheduler still holds, finished-but-delayed-free ones included), ``running``,
+        ``waiting``, ``unfinished``, ``time``."""
+        return dict(self._call(("stats",), timeout))
+
+    def connector_call(self, method: str, *args: Any, worker: bool = False,
+                       timeout: float = 30.0) -> Any:
+        """Call a method of the engine's connector (scheduler side, or the worker side)
+        and return its (picklable) result; None when there is no such method."""
+        return self._call(("connector", worker, method, list(args)), timeout)
+
+    def connector_stats(self, method: str = "kvproto_stats") -> dict[str, Any]:
+        """``method()`` of the scheduler-side and the worker-side connector, merged
+        (numbers added, dicts merged key by key); {} when neither has it."""
+        merged: dict[str, Any] = {}
+        for worker in (False, True):
+            part = self.connector_call(method, worker=worker)
+            if isinstance(part, dict):
+                _merge(merged, part)
+        return merged
+
+    # -- internals
+    def _call(self, msg: tuple[Any, ...], timeout: float) -> Any:
+        self._seq += 1
+        seq = self._seq
+        self._send(("call", seq, msg))
+        deadline = time.monotonic() + timeout
+        while seq not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HarnessError(f"{self.spec.name}: no answer to {msg[0]} in {timeout} s")
+            self._pump(min(left, 1.0))
+        ok, value = self._replies.pop(seq)
+        if not ok:
+            raise HarnessError(f"{self.spec.name}: {msg[0]} failed: {value}")
+        return value
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if not self.alive():
+            raise HarnessError(f"{self.spec.name}: engine process is not running")
+        try:
+            self._conn.send(msg)
+        except (OSError, BrokenPipeError) as e:
+            raise HarnessError(f"{self.spec.name}: engine pipe closed: {e}") from e
+
+    def _pump(self, timeout: float) -> None:
+        try:
+            if not self._conn.poll(max(0.0, timeout)):
+                if not self._proc.is_alive():
+                    self._dead = True
+                    raise HarnessError(f"{self.spec.name}: engine process exited "
+                                       f"(code {self._proc.exitcode}){self._log_tail()}")
+                return
+            while True:
+                self._handle(self._conn.recv())
+                if not self._conn.poll(0):
+                    return
+        except (EOFError, OSError) as e:
+            self._dead = True
+            raise HarnessError(f"{self.spec.name}: engine process gone ({e})"
+                               f"{self._log_tail()}") from e
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self._ready = True
+            self.info = dict(msg[1])
+        elif kind == "out":
+            r = Result(**msg[1])
+            self.results[r.rid] = r
+        elif kind == "reply":
+            self._replies[msg[1]] = (msg[2], msg[3])
+        elif kind == "fatal":
+            self._dead = True
+            raise HarnessError(f"{self.spec.name}: {msg[1]}")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        if not self.spec.log_path:
+            return ""
+        try:
+            text = Path(self.spec.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n--- " + self.spec.log_path + " ---\n" + "\n".join(text[-lines:])
+
+
+def _merge(into: dict[str, Any], part: dict[str, Any]) -> None:
+    for k, v in part.items():
+        old = into.get(k)
+        if isinstance(v, dict):
+            sub = old if isinstance(old, dict) else {}
+            _merge(sub, v)
+            into[k] = sub
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                isinstance(old, (int, float)) and not isinstance(old, bool):
+            into[k] = old + v
+        else:
+            into[k] = v
+
+
+def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
+    return {"name": spec.name, "model": spec.model,
+            "kv_transfer_config": spec.kv_transfer_config, "env": dict(spec.env),
+            "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
+            "block_size": spec.block_size, "max_model_len": spec.max_model_len,
+            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path}
+
+
+# ---------------------------------------------------------------------------- P/D pairs
+
+
+def engine_env(extra: dict[str, str] | None = None, *,
+               side_channel_port: int | None = None) -> dict[str, str]:
+    """The environment every engine process gets: in-process engine core (one pid per
+    engine), one OpenMP thread without pinning (several engines share 2 cores), and a
+    NIXL side-channel port of its own."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port or free_port()),
+           "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra or {})
+    return env
+
+
+def start_engines(specs: Sequence[EngineSpec], timeout: float = 300.0) -> list[Engine]:
+    """Start several engines at once and wait until all are ready; on any failure every
+    one of them is killed before the error propagates."""
+    engines: list[Engine] = []
+    try:
+        for s in specs:
+            engines.append(Engine(s))
+        for e in engines:
+            e.wait_ready(timeout)
+    except BaseException:
+        for e in engines:
+            e.kill()
+        raise
+    return engines
+
+
+def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, Any], *,
+             tag: str = "", extra_config: dict[str, Any] | None = None,
+             p_extra: dict[str, Any] | None = None, d_extra: dict[str, Any] | None = None,
+             p_kv_bytes: int = 128 << 20, d_kv_bytes: int = 128 << 20,
+             env: dict[str, str] | None = None) -> tuple[EngineSpec, EngineSpec]:
+    """Specs of a P and a D engine with ``connector`` (``STOCK_CONNECTOR`` or
+    ``KVPROTO_CONNECTOR``); ``extra_config`` goes into both engines'
+    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only."""
+    wd = Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for role, extra, kvb in (("P", p_extra, p_kv_bytes), ("D", d_extra, d_kv_bytes)):
+        cfg = dict(connector)
+        ec = dict(cfg.get("kv_connector_extra_config") or {})
+        ec.update(extra_config or {})
+        ec.update(extra or {})
+        if ec:
+            cfg["kv_connector_extra_config"] = ec
+        specs.append(EngineSpec(name=f"{role}{tag}", model=model, kv_transfer_config=cfg,
+                                env=engine_env(env), kv_cache_memory_bytes=kvb,
+                                log_path=str(wd / f"{role}{tag}.log")))
+    return specs[0], specs[1]
+
+
+@dataclass
+class PD:
+    """A running P/D pair and the router between them."""
+
+    p: Engine
+    d: Engine
+    counter: int = 0
+
+    def prefill(self, rid: str, prompt: Sequence[int], *, n: int = 1,
+                timeout: float = 120.0) -> Result:
+        """Run the prefill on P (max_tokens 1, do_remote_decode) and return its result,
+        whose ``kv_transfer_params`` go to D. n>1 samples (vLLM refuses n>1 with greedy
+        sampling); the prompt's KV does not depend on it."""
+        self.p.submit(rid, prompt, max_tokens=1, n=n,
+                      temperature=0.0 if n == 1 else 1.0, seed=None if n == 1 else 0,
+                      kv_transfer_params={"do_remote_decode": True})
+        return self.p.wait([rid], timeout)[rid]
+
+    def submit_prefills(self, items: Mapping[str, Sequence[int]], **kw: Any) -> None:
+        for rid, prompt in items.items():
+            self.p.submit(rid, prompt, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True}, **kw)
+
+    def submit_decode(self, rid: str, prompt: Sequence[int], p_result: Result, *,
+                      max_tokens: int = 8, n: int = 1) -> None:
+        """Send a request to D with P's transfer params, unchanged."""
+        self.d.submit(rid, prompt, max_tokens=max_tokens, n=n,
+                      kv_transfer_params=p_result.kv_transfer_params)
+
+    def run(self, prompts: Mapping[str, Sequence[int]], *, max_tokens: int = 8,
+            timeout: float = 180.0) -> dict[str, Result]:
+        """The whole P/D path for several requests in flight at once: all prefills on P,
+        each decode sent to D as soon as its prefill returns; D's results."""
+        self.submit_prefills(prompts)
+        routed: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while len(routed) < len(prompts):
+            if time.monotonic() > deadline:
+                raise HarnessError(f"P: {len(prompts) - len(routed)} prefills unfinished")
+            self.p.poll(0.05)
+            for rid in prompts:
+                if rid not in routed and rid in self.p.results:
+                    self.submit_decode(rid, prompts[rid], self.p.results[rid],
+                                       max_tokens=max_tokens)
+                    routed.add(rid)
+            self.d.poll(0)
+        return self.d.wait(prompts, max(1.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for e in (self.d, self.p):
+            e.close()
+
+
+@contextlib.contextmanager
+def pd_pair(model: str, workdir: str | os.PathLike[str], connector: dict[str, Any],
+            **kw: Any) -> Iterator[PD]:
+    p_spec, d_spec = pd_specs(model, workdir, connector, **kw)
+    p, d = start_engines([p_spec, d_spec])
+    pd = PD(p, d)
+    try:
+        yield pd
+    finally:
+        pd.close()
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.2,
+             engines: Sequence[Engine] = ()) -> bool:
+    """Poll ``predicate()`` until true or ``timeout``; keeps draining ``engines``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for e in engines:
+            if e.alive():
+                e.poll(0)
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------------- the child
+
+
+def _engine_main(conn: Connection, spec: dict[str, Any]) -> None:  # pragma: no cover
+    """Entry point of an engine process (spawned): build the engine, serve the pipe."""
+    os.setsid()  # own process group: kill -9 of the group takes everything with it
+    parent = os.getppid()
+    os.environ.update(spec["env"])
+    if spec.get("log_path"):
+        fd = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [{spec['name']}] %(name)s: "
+                               "%(message)s")
+    try:
+        engine = _build_engine(spec)
+    except BaseException as e:
+        logging.getLogger(__name__).exception("engine %s failed to start", spec["name"])
+        with contextlib.suppress(OSError):
+            conn.send(("fatal", f"failed to start: {type(e).__name__}: {e}"))
+        os._exit(3)
+    _Child(conn, engine, spec, parent).serve()
+    os._exit(0)
+
+
+def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child process
+    from vllm import EngineArgs
+    from vllm.config import KVTransferConfig
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    ktc = spec["kv_transfer_config"]
+    args = EngineArgs(
+        model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+        enable_prefix_caching=False, dtype="float32", seed=0,
+        kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+class _Child:  # pragma: no cover - runs in the engine process
+    def __init__(self, conn: Connection, engine: Any, spec: dict[str, Any],
+                 parent: int) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.spec = spec
+        self.parent = parent
+        self.core = engine.engine_core.engine_core          # EngineCore (in-process)
+        self.sched = self.core.scheduler
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.ids: dict[str, str] = {}                       # external rid -> internal id
+        self.meta: dict[str, dict[str, Any]] = {}           # rid -> submit/first times
+        self.paused_until = 0.0
+        self.abort_when: dict[str, str] = {}                # rid -> status name
+        self.log = logging.getLogger("kvproto.vllm.harness.child")
+
+    def serve(self) -> None:
+        self.conn.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
+                                  "free_blocks": self.pool.get_num_free_blocks()}))
+        while True:
+            if os.getppid() != self.parent:
+                return
+            busy = self.sched.has_requests() and time.monotonic() >= self.paused_until
+            try:
+                if self.conn.poll(0 if busy else 0.02):
+                    msg = self.conn.recv()
+                    if msg[0] == "stop":
+                        self._shutdown()
+                        return
+                    self._command(msg)
+                    continue
+            except (EOFError, OSError):
+                return
+            if time.monotonic() < self.paused_until:
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:
+                self.log.exception("engine step failed")
+                with contextlib.suppress(OSError):
+                    self.conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
+                return
+            self._outputs(outs)
+            if self.abort_when:
+                self._abort_when()
+
+    def _abort_when(self) -> None:
+        for rid, status in list(self.abort_when.items()):
+            req = self.sched.requests.get(self.ids.get(rid, rid))
+            if req is not None and str(req.status) == status:
+                self.log.info("aborting %s in status %s", rid, status)
+                self.engine.abort_request([rid])
+                del self.abort_when[rid]
+                self._aborted(rid)
+
+    def _aborted(self, rid: str) -> None:
+        """An aborted request produces no output in vLLM; report one so the router's
+        wait() ends (error "aborted", finish reason "abort")."""
+        m = self.meta.pop(rid, None)
+        if m is None:
+            return
+        self.conn.send(("out", {"rid": rid, "internal_id": self.ids.get(rid, rid),
+                                "token_ids": [], "finish_reasons": ["abort"],
+                                "kv_transfer_params": None, "submit_t": m["submit_t"],
+                                "first_token_t": m["first_token_t"], "finish_t": time.time(),
+                                "error": "aborted"}))
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.core.shutdown()
+
+    def _command(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self._add(*msg[1:])
+        elif kind == "abort":
+            rids, core = msg[1], msg[2]
+            internal = [self.ids.get(r, r) for r in rids]
+            if core:
+                targets = [i for i in self.sched.requests
+                           if any(i == x or i.startswith(x + "_") or i.endswith("_" + x)
+                                  for x in internal)] or internal
+                self.core.abort_requests(targets)
+                self.engine.output_processor.abort_requests(internal, internal=True)
+            else:
+                self.engine.abort_request(list(rids))
+            for r in rids:
+                self._aborted(r)
+        elif kind == "abort_on":
+            self.abort_when[msg[1]] = msg[2]
+        elif kind == "pause":
+            self.paused_until = time.monotonic() + float(msg[1])
+        elif kind == "call":
+            seq, inner = msg[1], msg[2]
+            try:
+                value = self._call(inner)
+                self.conn.send(("reply", seq, True, value))
+            except Exception as e:
+                self.conn.send(("reply", seq, False, f"{type(e).__name__}: {e}"))
+
+    def _add(self, rid: str, prompt: list[int], sp: dict[str, Any],
+             ktp: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": ktp} if ktp is not None else None
+        now = time.time()
+        try:
+            params = SamplingParams(max_tokens=sp["max_tokens"], n=sp["n"],
+                                    temperature=sp["temperature"],
+                                    ignore_eos=sp["ignore_eos"], seed=sp["seed"],
+                                    extra_args=extra)
+            internal = self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        except Exception as e:
+            self.conn.send(("out", {"rid": rid, "internal_id": "", "token_ids": [],
+                                    "finish_reasons": [], "kv_transfer_params": None,
+                                    "submit_t": now, "first_token_t": None,
+                                    "finish_t": time.time(),
+                                    "error": f"{type(e).__name__}: {e}"}))
+            return
+        self.ids[rid] = internal
+        self.meta[rid] = {"submit_t": now, "first_token_t": None}
+
+    def _outputs(self, outs: list[Any]) -> None:
+        now = time.time()
+        for o in outs:
+            rid = getattr(o, "request_id", None)
+            m = self.meta.get(rid) if rid is not None else None
+            if m is None:
+                # output processor may report internal ids; map back
+                for ext, internal in self.ids.items():
+                    if internal == rid:
+                        rid, m = ext, self.meta.get(ext)
+                        break
+            if m is None or rid is None:
+                continue
+            if m["first_token_t"] is None and any(len(c.token_ids) for c in o.outputs):
+                m["first_token_t"] = now
+            if not o.finished:
+                continue
+            self.conn.send(("out", {
+                "rid": rid, "internal_id": self.ids.get(rid, rid),
+                "token_ids": [list(c.token_ids) for c in o.outputs],
+                "finish_reasons": [c.finish_reason for c in o.outputs],
+                "kv_transfer_params": _plain(o.kv_transfer_params),
+                "submit_t": m["submit_t"], "first_token_t": m["first_token_t"],
+                "finish_t": now, "error": None}))
+            self.meta.pop(rid, None)
+
+    def _call(self, inner: tuple[Any, ...]) -> Any:
+        kind = inner[0]
+        if kind == "stats":
+            running, waiting = self.sched.get_request_counts()
+            return {"free_blocks": self.pool.get_num_free_blocks(),
+                    "total_blocks": self.pool.num_gpu_blocks,
+                    "scheduler_requests": len(self.sched.requests),
+                    "running": running, "waiting": waiting,
+                    "unfinished": self.sched.get_num_unfinished_requests(),
+                    "statuses": dict(Counter(str(r.status) for r in self.sched.requests.values())),
+                    "time": time.time()}
+        if kind == "connector":
+            worker, method, args = inner[1], inner[2], inner[3]
+            if worker:
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                target = get_kv_transfer_group()
+            else:
+                target = self.sched.connector
+            fn = getattr(target, method, None)
+            return None if fn is None else _plain(fn(*args))
+        raise ValueError(f"unknown call {kind!r}")
+
+
+def _plain(value: Any) -> Any:
+    """Make a value safe to pickle across the pipe (dicts, lists, scalars, strings)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    return repr(value)

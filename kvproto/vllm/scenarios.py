@@ -1,0 +1,202 @@
+"""P/D scenarios over real engines, shared by the end-to-end tests and ``bench vllm``.
+
+Each scenario drives a running :class:`~kvproto.vllm.harness.PD` pair through the router
+and returns what happened (outputs compared with the single-engine reference, timings,
+P's free-block counts); the tests assert on it and the benchmark reports it. Nothing here
+decides anything about blocks: the engines and their connector do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvproto.vllm.harness import BLOCK_SIZE, PD, Engine, HarnessError, Result, make_prompts
+
+log = logging.getLogger(__name__)
+
+# The lease used by the fault scenarios (seconds); D is LATE_D_DELAY late in late_d.
+LEASE = 3.0
+LATE_D_DELAY = 10.0
+
+
+def lease_config(lease: float = LEASE) -> dict[str, float]:
+    """Lifecycle ``Config`` fields for a short lease, valid under ``Config.timing_rules``."""
+    return {"initial_lease": lease, "lease_extension": lease,
+            "heartbeat_interval": lease / 6, "abort_grace": lease, "max_delay": lease / 12,
+            "max_read_time": lease / 3, "clock_drift": lease / 30}
+
+
+def kvproto_extras(journal_dir: str | None, lease: float = LEASE, *, tag: str = ""
+                   ) -> dict[str, Any]:
+    """``pd_specs`` keyword arguments for KVProtoConnector: the short lease on both
+    engines (``kv_connector_extra_config["lease"]``) and one journal per engine
+    (``journal``: ``<journal_dir>/P<tag>.jsonl`` and ``D<tag>.jsonl``)."""
+    out: dict[str, Any] = {"extra_config": {"lease": lease_config(lease)}}
+    if journal_dir is not None:
+        out["p_extra"] = {"journal": f"{journal_dir}/P{tag}.jsonl"}
+        out["d_extra"] = {"journal": f"{journal_dir}/D{tag}.jsonl"}
+    return out
+
+
+def stock_extras(lease: float = LEASE) -> dict[str, Any]:
+    """``pd_specs`` keyword arguments for the stock NixlConnector: its lease in whole
+    seconds (it heartbeats every lease/6)."""
+    return {"extra_config": {"kv_lease_duration": max(1, round(lease))}}
+
+
+@dataclass
+class Outcome:
+    """What one scenario produced."""
+
+    requests: int = 0
+    wrong: list[str] = field(default_factory=list)       # outputs that differ from the reference
+    errors: list[str] = field(default_factory=list)      # requests that ended with an error
+    tokens: int = 0
+    wall_s: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    results: dict[str, Result] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def compare(results: dict[str, Result], reference: dict[str, list[int]],
+            out: Outcome) -> None:
+    """Count each finished request as right (equal to the reference token for token),
+    wrong, or an error (ended without output; never counted as right)."""
+    for rid, r in results.items():
+        out.requests += 1
+        if r.error or (r.finish_reasons and r.finish_reasons[0] in ("error", "abort")):
+            out.errors.append(rid)
+            continue
+        for toks in r.token_ids:
+            out.tokens += len(toks)
+        if any(toks != reference[rid] for toks in r.token_ids) or not r.token_ids:
+            out.wrong.append(rid)
+
+
+def reference_outputs(ref: Engine, prompts: Mapping[str, Sequence[int]], *,
+                      max_tokens: int, timeout: float = 300.0) -> dict[str, list[int]]:
+    """Greedy outputs of the single engine (no connector) for every prompt."""
+    res = ref.generate(prompts, max_tokens=max_tokens, timeout=timeout)
+    bad = [rid for rid, r in res.items() if r.error or len(r.tokens) != max_tokens]
+    if bad:
+        raise HarnessError(f"reference engine failed on {bad[:5]}")
+    return {rid: r.tokens for rid, r in res.items()}
+
+
+def correctness(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]],
+                *, max_tokens: int) -> Outcome:
+    """All prompts through P then D, several in flight at once."""
+    out = Outcome()
+    t0 = time.time()
+    results = pd.run(prompts, max_tokens=max_tokens)
+    out.wall_s = max(r.finish_t for r in results.values()) - t0
+    compare(results, reference, out)
+    for rid, r in results.items():
+        p = pd.p.results[rid]
+        if r.first_token_t is not None:
+            out.ttft_ms.append((r.first_token_t - p.submit_t) * 1000.0)
+    out.results = results
+    return out
+
+
+def churn(p: Engine, *, blocks: int, tag: str, vocab: int = 1024, seed: int = 99,
+          timeout: float = 120.0) -> None:
+    """Plain (local) requests on P covering ``blocks`` KV blocks in total, so that every
+    free block of P is allocated and overwritten at least once."""
+    per = 8 * BLOCK_SIZE
+    count = max(1, -(-blocks * BLOCK_SIZE // per))
+    prompts = make_prompts(count, vocab=vocab, seed=seed, lengths=[per])
+    items = {f"{tag}-churn{i}": pr for i, pr in enumerate(prompts)}
+    p.generate(items, max_tokens=1, timeout=timeout)
+
+
+def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]], *,
+           max_tokens: int, delay: float = LATE_D_DELAY, tag: str = "late",
+           free_timeout: float = 120.0) -> Outcome:
+    """P prefills; the router holds the transfer params ``delay`` seconds (longer than the
+    lease) and meanwhile, once P has freed those blocks (lease expired: P's free-block
+    count is back at its idle baseline), runs other requests over all of P's blocks; then
+    D gets the params. A connector that fails closed refuses the stale read and
+    recomputes; one that fails open decodes from whatever now sits in those blocks.
+    ``extra``: ``expired_after_s`` (prefill done to P's blocks back), ``churn_passes``."""
+    out = Outcome()
+    baseline = int(pd.p.stats()["free_blocks"])
+    t0 = time.time()
+    pd.submit_prefills(prompts)
+    p_res = pd.p.wait(prompts, 120.0)
+    t_pref = time.time()
+    freed, _, samples = wait_free(pd.p, baseline, free_timeout)
+    if not freed:
+        raise HarnessError(f"late_d: P still holds {baseline - samples[-1][1]} blocks "
+                           f"{free_timeout:.0f} s after the prefills")
+    total = int(pd.p.info.get("total_blocks", 0))
+    passes = 0
+    while passes < 1 or time.time() - t_pref < delay:
+        churn(pd.p, blocks=total, tag=f"{tag}{passes}")
+        passes += 1
+        time.sleep(min(0.5, max(0.0, delay - (time.time() - t_pref))))
+    for rid, prompt in prompts.items():
+        pd.submit_decode(rid, prompt, p_res[rid], max_tokens=max_tokens)
+    results = pd.d.wait(prompts, 180.0)
+    out.wall_s = time.time() - t0
+    compare(results, reference, out)
+    out.results = results
+    out.extra = {"expired_after_s": samples[-1][0] - t_pref, "churn_passes": passes,
+                 "late_s": time.time() - t_pref}
+    return out
+
+
+def wait_free(p: Engine, baseline: int, timeout: float, *, others: Sequence[Engine] = (),
+              interval: float = 0.1) -> tuple[bool, float, list[tuple[float, int]]]:
+    """Sample P's free-block count until it is back at ``baseline`` (or ``timeout``).
+    Returns (reached, block-seconds held above baseline while waiting, samples)."""
+    samples: list[tuple[float, int]] = []
+    held_s = 0.0
+    t_prev = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        st = p.stats()
+        now = float(st["time"])
+        free = int(st["free_blocks"])
+        if samples:
+            held_s += max(0, baseline - samples[-1][1]) * (now - t_prev)
+        samples.append((now, free))
+        t_prev = now
+        if free >= baseline:
+            return True, held_s, samples
+        if time.monotonic() > deadline:
+            return False, held_s, samples
+        for e in others:
+            if e.alive():
+                e.poll(0)
+        time.sleep(interval)
+
+
+def d_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, timeout: float) -> Outcome:
+    """P prefills; D gets the requests while its step loop is paused (no READ yet) and is
+    then killed -9. Measures P's stranded block-seconds until every block is free again
+    (``extra``: stranded_block_seconds, freed, baseline)."""
+    out = Outcome()
+    baseline = int(pd.p.stats()["free_blocks"])
+    pd.submit_prefills(prompts)
+    p_res = pd.p.wait(prompts, 120.0)
+    pd.d.pause(60.0)
+    for rid, prompt in prompts.items():
+        pd.submit_decode(rid, prompt, p_res[rid], max_tokens=4)
+    time.sleep(0.5)   # D admits them (its connector sees the requests) before it dies
+    held_at_kill = baseline - int(pd.p.stats()["free_blocks"])
+    pd.d.kill()
+    freed, stranded, samples = wait_free(pd.p, baseline, timeout)
+    out.requests = len(prompts)
+    out.extra = {"stranded_block_seconds": stranded, "freed": freed, "baseline": baseline,
+                 "held_at_kill": held_at_kill,
+                 "seconds_to_free": samples[-1][0] - samples[0][0] if samples else 0.0}
+    return out
