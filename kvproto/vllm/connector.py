@@ -333,6 +333,8 @@ class _PWorker:
                 key = "rejected_" + k[9:]
                 c[key] = c.get(key, 0.0) + n
         c["stale_stamp_snapshots"] = float(self.adapter.counters.get("stale_stamp_snapshot", 0))
+        c["held_requests"] = float(led.held_requests)
+        c["held_blocks"] = float(led.pool.held_count)
         return c
 
     def close(self) -> None:
@@ -365,6 +367,7 @@ class _DWorker:
         self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
+        self.ended_before_load = 0
         self.finished_recving: set[str] = set()
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
@@ -407,6 +410,7 @@ class _DWorker:
         self._drain(self.adapter.poll())
 
     def _ended(self, rid: str) -> None:
+        self.ended_before_load += 1
         self.ended[rid] = None
         self.ended_report.append(rid)
         if len(self.ended) > MAX_ENDED:
@@ -444,6 +448,9 @@ class _DWorker:
         c = dict(self.stats)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
+        c["ended_before_load"] = float(self.ended_before_load)
+        c["read_refused"] = float(ac.get("read_refused", 0))
+        c["peer_lost"] = float(ac.get("peer_lost", 0))
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
         for k, n in ac.items():
@@ -565,11 +572,14 @@ class KVProtoConnector(KVConnectorBase_V1):
         self._stamps, self._ended = {}, []
         return meta
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+    def kvproto_stats(self) -> dict[str, float]:
+        """This side's cumulative counters (stat keys above; the worker side adds
+        ``invariant_violations`` of P's ledger and allocator)."""
         c: dict[str, float] = {}
         if self.role == KVConnectorRole.WORKER:
             if self.pw is not None:
                 c.update(self.pw.counters())
+                c["invariant_violations"] = float(len(self.pw.adapter.check_invariants()))
             if self.dw is not None:
                 for k, v in self.dw.counters().items():
                     c[k] = c.get(k, 0.0) + v
@@ -579,6 +589,13 @@ class KVProtoConnector(KVConnectorBase_V1):
                     for k, n in s.counters.items():
                         key = k if k.startswith("rejected") else "sched_" + k
                         c[key] = c.get(key, 0.0) + n
+        return c
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        c = self.kvproto_stats()
+        c.pop("invariant_violations", None)  # O(blocks): on demand only, not every step
+        c.pop("held_requests", None)  # levels, not counters
+        c.pop("held_blocks", None)
         return self._delta.take(c)
 
     @classmethod
