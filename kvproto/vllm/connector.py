@@ -36,6 +36,9 @@ P (prefill engine)
     reuse. The worker also reports the new stamps as worker metadata; vLLM hands that to
     ``update_connector_output`` before it processes ``finished_sending`` of the same
     step, so the mirror is updated before any block can be reallocated.
+  * P's NIXL agent runs its progress thread (``progress_thread``): over UCX without RDMA
+    a READ needs the target to make progress, and P's engine stops stepping when it
+    holds nothing (a late D's READ of freed blocks would otherwise never complete).
   * The engine keeps stepping while any block is held: a request whose free is delayed
     stays in vLLM's request table, and ``Scheduler.has_requests`` (via
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
@@ -285,7 +288,7 @@ class _PWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
-            observer=self._observe, kv_tensors=tensors)
+            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
