@@ -365,3 +365,32 @@ def test_worker_metadata_and_stats_aggregate() -> None:
     s = KVProtoStats(data={"fenced_reads": 1, "frees_expired": 2}).aggregate(
         KVProtoStats(data={"fenced_reads": 2}))
     assert s.reduce() == {"fenced_reads": 3, "frees_expired": 2} and not s.is_empty()
+
+
+def test_prometheus_counters_by_reason() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from kvproto.vllm.connector import KVProtoConnector
+
+    prom = KVProtoConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), {Gauge: Gauge, Counter: Counter,
+                                                   Histogram: Histogram},
+        ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom is not None
+    prom.observe({"frees_expired": 2, "frees_transferred": 5, "fenced_reads": 1,
+                  "stranded_block_seconds": 1.5, "recomputed_blocks": 3,
+                  "handshake_failures": 1, "rejected_bad_params": 4}, 0)
+    prom.observe({"frees_expired": 1}, 0)
+
+    def v(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+    assert v("kvproto:frees_total", reason="expired") == 3
+    assert v("kvproto:frees_total", reason="transferred") == 5
+    assert v("kvproto:fenced_reads_total") == 1
+    assert v("kvproto:stranded_block_seconds_total") == 1.5
+    assert v("kvproto:recomputed_blocks_total") == 3
+    assert v("kvproto:handshake_failures_total") == 1
+    assert v("kvproto:rejected_total", reason="bad_params") == 4

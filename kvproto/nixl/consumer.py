@@ -471,8 +471,12 @@ class ConsumerAdapter:
             self._lose(e.name, now, "handshake channel closed")
             return
         peer = self.machine.peers.get(e.name)
-        if peer is not None and peer.outstanding and now - e.last_ack > self.peer_timeout:
-            self._lose(e.name, now, f"no ack for {now - e.last_ack:.1f}s")
+        if peer is not None and peer.outstanding:
+            # Silence counts from the later of the last ack and the oldest unanswered
+            # heartbeat: after an idle spell, the first heartbeat gets a full timeout.
+            since = max(e.last_ack, next(iter(peer.outstanding.values())).sent_at)
+            if now - since > self.peer_timeout:
+                self._lose(e.name, now, f"no ack for {now - since:.1f}s")
 
     def _lose(self, engine: str, now: float, why: str) -> None:
         e = self.engines.get(engine)

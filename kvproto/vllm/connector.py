@@ -36,6 +36,9 @@ P (prefill engine)
     reuse. The worker also reports the new stamps as worker metadata; vLLM hands that to
     ``update_connector_output`` before it processes ``finished_sending`` of the same
     step, so the mirror is updated before any block can be reallocated.
+  * P's NIXL agent runs its progress thread (``progress_thread``): over UCX without RDMA
+    a READ needs the target to make progress, and P's engine stops stepping when it
+    holds nothing (a late D's READ of freed blocks would otherwise never complete).
   * The engine keeps stepping while any block is held: a request whose free is delayed
     stays in vLLM's request table, and ``Scheduler.has_requests`` (via
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
@@ -132,6 +135,7 @@ def _share_vllm_logging() -> None:
         kv.propagate = False
 
 
+STATS_INTERVAL = 0.5  # seconds between connector-stats deltas
 MAX_ENDED = 65536  # D worker: requests ended before their load order, remembered (oldest dropped)
 
 
@@ -285,7 +289,7 @@ class _PWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
-            observer=self._observe, kv_tensors=tensors)
+            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -488,6 +492,7 @@ class KVProtoConnector(KVConnectorBase_V1):
         self.pw: _PWorker | None = None
         self.dw: _DWorker | None = None
         self._delta = _Delta()
+        self._next_stats = 0.0
         # Worker: this step's outputs, handed to vLLM by the hooks below.
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
@@ -572,14 +577,15 @@ class KVProtoConnector(KVConnectorBase_V1):
         self._stamps, self._ended = {}, []
         return meta
 
-    def kvproto_stats(self) -> dict[str, float]:
+    def kvproto_stats(self, invariants: bool = True) -> dict[str, float]:
         """This side's cumulative counters (stat keys above; the worker side adds
-        ``invariant_violations`` of P's ledger and allocator)."""
+        ``invariant_violations`` of P's ledger and allocator, an O(blocks) check)."""
         c: dict[str, float] = {}
         if self.role == KVConnectorRole.WORKER:
             if self.pw is not None:
                 c.update(self.pw.counters())
-                c["invariant_violations"] = float(len(self.pw.adapter.check_invariants()))
+                if invariants:
+                    c["invariant_violations"] = float(len(self.pw.adapter.check_invariants()))
             if self.dw is not None:
                 for k, v in self.dw.counters().items():
                     c[k] = c.get(k, 0.0) + v
@@ -592,8 +598,13 @@ class KVProtoConnector(KVConnectorBase_V1):
         return c
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        c = self.kvproto_stats()
-        c.pop("invariant_violations", None)  # O(blocks): on demand only, not every step
+        # Called every step: deltas at most every STATS_INTERVAL (counters are cumulative,
+        # so nothing is lost in between), and no O(blocks) invariant check.
+        now = time.monotonic()
+        if now < self._next_stats:
+            return None
+        self._next_stats = now + STATS_INTERVAL
+        c = self.kvproto_stats(invariants=False)
         c.pop("held_requests", None)  # levels, not counters
         c.pop("held_blocks", None)
         return self._delta.take(c)

@@ -47,6 +47,8 @@ EXTRA_KEYS: dict[str, str] = {
     "handshake_timeout": "D: seconds per handshake attempt (2.0)",
     "handshake_attempts": "D: attempts before a handshake fails (4)",
     "group_siblings": "P: register vLLM's n>1 children as one sibling group (true)",
+    "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
+                       "engine is idle (true)",
     "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
                          "the stamp READ (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
@@ -68,6 +70,7 @@ class ConnectorOptions:
     handshake_timeout: float = 2.0
     handshake_attempts: int = 4
     group_siblings: bool = True
+    progress_thread: bool = True
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
 
@@ -113,6 +116,9 @@ class ConnectorOptions:
         group = extra.get("group_siblings", True)
         if not isinstance(group, bool):
             raise ValueError(f"kvproto: group_siblings must be true or false, got {group!r}")
+        prog = extra.get("progress_thread", True)
+        if not isinstance(prog, bool):
+            raise ValueError(f"kvproto: progress_thread must be true or false, got {prog!r}")
         return cls(role=role, config=config, handshake_host=host,
                    handshake_port=num("handshake_port", 0, 0, 65535, True),
                    expected_readers=num("expected_readers", 1, 1, 0xFFFF, True),
@@ -120,7 +126,7 @@ class ConnectorOptions:
                    journal_flush_every=num("journal_flush_every", 1, 1, 1 << 20, True),
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
-                   group_siblings=group,
+                   group_siblings=group, progress_thread=prog,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
 
