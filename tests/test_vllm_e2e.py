@@ -252,6 +252,7 @@ def test_pair_journals_validate(pair: Pair) -> None:
     if not STOCK:
         for e in (pair.pd.p, pair.pd.d):
             c = _counters(e)
+            assert "invariant_violations" in c and "held_blocks" in c, (e.spec.name, c)
             assert _num(c, "invariant_violations") == 0, (e.spec.name, c)
             assert _num(c, "held_blocks") == 0, (e.spec.name, c)
     pair.pd.close()
