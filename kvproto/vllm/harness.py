@@ -260,6 +260,15 @@ class Engine:
                                    f"{self._log_tail()}")
         return self
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads) the engine process has used so far;
+        0.0 where /proc is unavailable or the process is gone."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def alive(self) -> bool:
         return self._proc.is_alive() and not self._dead
 
