@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +52,7 @@ def make_llm(model: str, journal: str | None) -> Any:
 
 
 def prefill_engine(model: str, journal: str, jobs: Any, results: Any) -> None:
+    os.setsid()  # own process group: the parent ends the engine and its children at once
     from vllm import SamplingParams
 
     llm = make_llm(model, journal)
@@ -59,11 +62,11 @@ def prefill_engine(model: str, journal: str, jobs: Any, results: Any) -> None:
                         extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     results.put([o.kv_transfer_params for o in outs])
-    jobs.get()  # keep serving (D reads from this engine) until told to stop
-    os._exit(0)
+    jobs.get()  # keep serving (D reads from this engine) until the parent ends it
 
 
 def decode_engine(model: str, jobs: Any, results: Any) -> None:
+    os.setsid()
     from vllm import SamplingParams
 
     llm = make_llm(model, None)
@@ -77,7 +80,7 @@ def decode_engine(model: str, jobs: Any, results: Any) -> None:
                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     results.put(([list(o.outputs[0].token_ids) for o in remote],
                  [list(o.outputs[0].token_ids) for o in local]))
-    os._exit(0)
+    jobs.get()
 
 
 def main() -> int:
@@ -96,20 +99,37 @@ def main() -> int:
                for i in range(args.prompts)]
     ctx = mp.get_context("spawn")
     pj, pr, dj, dr = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=prefill_engine, args=(model, journal, pj, pr), daemon=True)
-    d = ctx.Process(target=decode_engine, args=(model, dj, dr), daemon=True)
+    p = ctx.Process(target=prefill_engine, args=(model, journal, pj, pr))
+    d = ctx.Process(target=decode_engine, args=(model, dj, dr))
     p.start()
     d.start()
-    if pr.get(timeout=600) != "ready" or dr.get(timeout=600) != "ready":
-        return 1
-    t = time.monotonic()
-    pj.put(prompts)
-    params = pr.get(timeout=300)
-    dj.put((prompts, params))
-    remote, local = dr.get(timeout=300)
-    pj.put(None)
-    p.join(30)
-    d.join(30)
+
+    def get(q: Any, proc: Any, timeout: float) -> Any:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                return q.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise SystemExit(f"engine process exited with {proc.exitcode}") from None
+        raise SystemExit(f"no answer from an engine in {timeout:.0f} s")
+
+    try:
+        get(pr, p, 600)
+        get(dr, d, 600)
+        t = time.monotonic()
+        pj.put(prompts)
+        params = get(pr, p, 300)
+        dj.put((prompts, params))
+        remote, local = get(dr, d, 300)
+    finally:
+        for proc in (p, d):  # each engine with its engine-core and worker processes
+            if proc.pid is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.join(10)
     ok = 0
     for i, (a, b) in enumerate(zip(remote, local, strict=True)):
         ok += a == b

@@ -337,6 +337,9 @@ class _PWorker:
                 key = "rejected_" + k[9:]
                 c[key] = c.get(key, 0.0) + n
         c["stale_stamp_snapshots"] = float(self.adapter.counters.get("stale_stamp_snapshot", 0))
+        ac = self.adapter.counters
+        c["handshake_failures"] = float(ac.get("handshake_refused", 0)
+                                        + ac.get("handshake_metadata_error", 0))
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
         return c
