@@ -35,7 +35,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -561,33 +561,6 @@ class PD:
     def close(self) -> None:
         for e in (self.d, self.p):
             e.close()
-
-
-@contextlib.contextmanager
-def pd_pair(model: str, workdir: str | os.PathLike[str], connector: dict[str, Any],
-            **kw: Any) -> Iterator[PD]:
-    p_spec, d_spec = pd_specs(model, workdir, connector, **kw)
-    p, d = start_engines([p_spec, d_spec])
-    pd = PD(p, d)
-    try:
-        yield pd
-    finally:
-        pd.close()
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.2,
-             engines: Sequence[Engine] = ()) -> bool:
-    """Poll ``predicate()`` until true or ``timeout``; keeps draining ``engines``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        for e in engines:
-            if e.alive():
-                e.poll(0)
-        time.sleep(interval)
 
 
 # ---------------------------------------------------------------------------- the child
