@@ -48,6 +48,7 @@ from kvproto.nixl.agent import (
     DISCONNECT,
     DONE,
     NOT_FOUND,
+    PROC,
     KVRegion,
     RemoteRegion,
     Xfer,
@@ -76,6 +77,10 @@ Clock = Callable[[], float]
 OutHook = Callable[[str, str, bytes], list[bytes]]
 # Test hook called with the request id at a READ phase ("before_post", "before_gen").
 PhaseHook = Callable[[str, str], None]
+
+# Stamps fetched by one stamp READ at most (a request with more blocks gets its own READ).
+# Bounds the descriptor list of one READ; the queue itself is bounded by the local blocks.
+MAX_STAMP_DESCS = 4096
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
@@ -150,6 +155,17 @@ class _Read:
         self.extra: list[bytes] = []
 
 
+class _StampBatch:
+    """One READ of the generation stamps of several requests (same P engine)."""
+
+    __slots__ = ("local", "reads", "xfer")
+
+    def __init__(self, reads: list[_Read], local: list[int], xfer: Xfer) -> None:
+        self.reads = reads  # the first one's done rides on this READ
+        self.local = local  # the local stamp slots, in the order of ``reads``
+        self.xfer = xfer
+
+
 class ConsumerAdapter:
     """One D rank. Call ``poll`` from the step loop; it never blocks."""
 
@@ -179,7 +195,10 @@ class ConsumerAdapter:
         self.handshake_version = HANDSHAKE_VERSION  # test hook
         self.engines: dict[str, _Engine] = {}
         self.params: dict[str, TransferParams] = {}
-        self.reads: dict[str, _Read] = {}
+        self.reads: dict[str, _Read] = {}  # every READ not finished yet
+        self._polling: dict[str, _Read] = {}  # data READs posted and still in progress
+        self._stamp_queue: dict[str, list[_Read]] = {}  # engine -> data landed, no stamps yet
+        self._batches: list[_StampBatch] = []  # stamp READs in progress
         self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
         self._want: dict[str, None] = {}  # schedule intents (ordered)
         self._free_local: deque[int] = deque(range(num_blocks))
@@ -492,16 +511,28 @@ class ConsumerAdapter:
                         log.debug("remove_remote_agent(%s): %s", e.name, error_name(ex))
 
     # -- reads -----------------------------------------------------------------------------
+    #
+    # A READ is two phases. The data READ runs per request; when it lands the request
+    # joins its P engine's stamp queue, and the next ``poll`` fetches the generation
+    # stamps of every queued request of that engine with one READ (at most
+    # ``MAX_STAMP_DESCS`` stamps per READ). That READ carries the first request's ``done``
+    # as its notification; the machine sends the others' ``done`` (``SendDone``) once
+    # their stamps have landed and matched. So P still hears ``done`` only after the data
+    # and the stamps landed, every stamp is read after its data (fail closed: a stamp that
+    # changed means the blocks were freed, and the data is never served), and a fenced
+    # request other than the carrier sends no ``done`` at all.
     def _post_read(self, pr: PostRead, now: float) -> None:
-        p = self.params.get(pr.request_id)
+        rid = pr.request_id
+        p = self.params.get(rid)
         e = self.engines.get(pr.engine)
-        nblocks = len(pr.blocks)
+        blocks = pr.blocks
+        nblocks = len(blocks)
         why = ""
         if p is None or e is None or e.state != "ready" or e.region is None:
             why = "engine not ready"
         elif p.epoch != e.epoch:
             why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
-        elif nblocks and (min(pr.blocks) < 0 or max(pr.blocks) >= e.region.num_blocks):
+        elif nblocks and (min(blocks) < 0 or max(blocks) >= e.region.num_blocks):
             why = "block id outside P's layout"
         elif len(p.generations) != nblocks:
             why = "params carry no generation per block"
@@ -509,92 +540,168 @@ class ConsumerAdapter:
             why = "no local blocks free"
         if why:
             self._count("read_refused")
-            log.warning("%s: cannot read %s: %s", self.name, pr.request_id, why)
-            self._apply(self.machine.read_result(pr.request_id, False, now), now)
+            log.warning("%s: cannot read %s: %s", self.name, rid, why)
+            self._apply(self.machine.read_result(rid, False, now), now)
             return
         assert p is not None and e is not None
-        local = [self._free_local.popleft() for _ in range(nblocks)]
-        self._held_local[pr.request_id] = local
-        rd = _Read(pr.request_id, p, local, now)
-        self.reads[pr.request_id] = rd
+        free = self._free_local
+        local = [free.popleft() for _ in range(nblocks)]
+        self._held_local[rid] = local
+        rd = _Read(rid, p, local, now)
+        self.reads[rid] = rd
         if self.phase_hook is not None:
-            self.phase_hook("before_post", pr.request_id)
-        nbytes = nblocks * self.region.block_bytes
-        x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, list(pr.blocks),
-                           b"", nbytes)
-        self._start(rd, x, now)
-
-    def _start(self, rd: _Read, x: Xfer | str, now: float) -> None:
+            self.phase_hook("before_post", rid)
+        x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, blocks, b"",
+                           nblocks * self.region.block_bytes)
         if isinstance(x, str):
             self._read_failed(rd, x, now)
             return
         rd.xfer = x
         st = x.post()
-        if st.startswith("error"):
+        if st == DONE:
+            self._data_landed(rd, now)
+        elif st == PROC:
+            self._polling[rid] = rd
+        else:
             self._read_failed(rd, st, now)
-        elif st == DONE:
-            self._advance(rd, now)
 
     def _poll_reads(self, now: float) -> None:
-        for rd in list(self.reads.values()):
-            x = rd.xfer
-            if x is None:
-                continue
-            st = x.poll()
-            if st == DONE:
-                self._advance(rd, now)
-            elif st.startswith("error"):
-                self._read_failed(rd, st, now)
-            elif not rd.warned and now - rd.started > self.config.max_read_time:
-                rd.warned = True
-                self._count("read_over_max_read_time")
-                log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
-                            self.name, rd.rid)
+        if self._batches:
+            for b in list(self._batches):
+                st = b.xfer.poll()
+                if st == PROC:
+                    self._warn_slow(b.reads[0], now)
+                    continue
+                self._batches.remove(b)
+                if st == DONE:
+                    self._stamps_landed(b, now)
+                else:
+                    self._release_xfer(b.xfer)
+                    for rd in b.reads:
+                        self._read_failed(rd, st, now)
+        if self._polling:
+            for rd in list(self._polling.values()):
+                x = rd.xfer
+                assert x is not None
+                st = x.poll()
+                if st == PROC:
+                    self._warn_slow(rd, now)
+                    continue
+                del self._polling[rd.rid]
+                if st == DONE:
+                    self._data_landed(rd, now)
+                else:
+                    self._read_failed(rd, st, now)
+        if self._stamp_queue:
+            self._post_stamps(now)
+
+    def _warn_slow(self, rd: _Read, now: float) -> None:
+        if not rd.warned and now - rd.started > self.config.max_read_time:
+            rd.warned = True
+            self._count("read_over_max_read_time")
+            log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
+                        self.name, rd.rid)
 
     def _release_xfer(self, x: Xfer) -> None:
         if not x.release():
             self.zombies.append(x)
 
-    def _advance(self, rd: _Read, now: float) -> None:
+    def _data_landed(self, rd: _Read, now: float) -> None:
+        """The data READ landed: release it and queue the request for its stamp READ."""
         x = rd.xfer
         assert x is not None
         rd.nbytes += x.nbytes
         self._release_xfer(x)
         rd.xfer = None
-        if rd.phase == "data":
-            rd.phase = "gen"
-            if self.phase_hook is not None:
-                self.phase_hook("before_gen", rd.rid)
-            e = self.engines.get(rd.engine)
-            if e is None or e.remote_gen is None:
-                self._read_failed(rd, "error:peer_gone", now)
-                return
-            p = rd.params
-            notif = encode_done(p.epoch, p.handle, p.expected)
-            notifs = self.fault_hook("done", rd.engine, notif) if self.fault_hook else [notif]
-            # The done notification rides on the stamp READ (a dropped one rides on nothing).
-            g = Xfer.make_read(self.agent, self.local_gen, rd.local, e.remote_gen,
-                               list(p.blocks), notifs[0] if notifs else b"", 0)
-            rd.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps landed
-            self._start(rd, g, now)
-            return
-        # Both READs landed: compare the stamps (fail closed).
-        del self.reads[rd.rid]
-        for extra in rd.extra:
-            self._send_raw(rd.engine, extra)
-        if self._gen_view is not None:  # DRAM: a numpy view of the registered stamps
-            got = self._gen_view[rd.local].tolist()
-        else:  # pragma: no cover - VRAM
-            got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
-                                               device=self.region.gen.device)].tolist()
-        fenced = got != list(rd.params.generations)
-        if fenced:
-            self._count("fenced")
-            log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
-                        got[:4], list(rd.params.generations[:4]))
+        rd.phase = "gen"
+        if self.phase_hook is not None:
+            self.phase_hook("before_gen", rd.rid)
+        q = self._stamp_queue.get(rd.engine)
+        if q is None:
+            self._stamp_queue[rd.engine] = [rd]
         else:
-            self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
-        self._apply(self.machine.read_result(rd.rid, True, now, fenced=fenced), now)
+            q.append(rd)
+
+    def _post_stamps(self, now: float) -> None:
+        queued, self._stamp_queue = self._stamp_queue, {}
+        for engine, rds in queued.items():
+            e = self.engines.get(engine)
+            if e is None or e.remote_gen is None:
+                for rd in rds:
+                    self._read_failed(rd, "error:peer_gone", now)
+                continue
+            start = 0
+            while start < len(rds):
+                end = start + 1
+                ndesc = len(rds[start].local)
+                while end < len(rds) and ndesc + len(rds[end].local) <= MAX_STAMP_DESCS:
+                    ndesc += len(rds[end].local)
+                    end += 1
+                self._post_stamp_batch(e, rds[start:end], now)
+                start = end
+
+    def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
+        carrier = rds[0]
+        p = carrier.params
+        notif = encode_done(p.epoch, p.handle, p.expected)
+        notifs = self.fault_hook("done", e.name, notif) if self.fault_hook else [notif]
+        carrier.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps
+        if len(rds) == 1:
+            local: list[int] = carrier.local
+            remote: Sequence[int] = p.blocks
+        else:
+            local = [b for rd in rds for b in rd.local]
+            remote = [b for rd in rds for b in rd.params.blocks]
+        # The carrier's done rides on the stamp READ (a dropped one rides on nothing).
+        x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote,
+                           notifs[0] if notifs else b"", 0)
+        if isinstance(x, str):
+            for rd in rds:
+                self._read_failed(rd, x, now)
+            return
+        b = _StampBatch(rds, local, x)
+        self._count("stamp_reads")
+        self._count("stamp_requests", len(rds))
+        st = x.post()
+        if st == DONE:
+            self._stamps_landed(b, now)
+        elif st == PROC:
+            self._batches.append(b)
+        else:
+            self._release_xfer(x)
+            for rd in rds:
+                self._read_failed(rd, st, now)
+
+    def _stamps_landed(self, b: _StampBatch, now: float) -> None:
+        """Compare every request's stamps with its params (fail closed) and finish it."""
+        self._release_xfer(b.xfer)
+        if self._gen_view is not None:  # DRAM: a numpy view of the registered stamps
+            got = self._gen_view[b.local].tolist()
+        else:  # pragma: no cover - VRAM
+            got = self.region.gen[torch.tensor(b.local, dtype=torch.int64,
+                                               device=self.region.gen.device)].tolist()
+        rds = b.reads
+        carrier = rds[0]
+        for extra in carrier.extra:
+            self._send_raw(carrier.engine, extra)
+        reads = self.reads
+        machine = self.machine
+        off = 0
+        for rd in rds:
+            n = len(rd.local)
+            mine = got[off:off + n] if len(rds) > 1 else got
+            off += n
+            expect = rd.params.generations
+            fenced = tuple(mine) != tuple(expect)
+            del reads[rd.rid]
+            if fenced:
+                self._count("fenced")
+                log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
+                            mine[:4], list(expect[:4]))
+            else:
+                self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
+            self._apply(machine.read_result(rd.rid, True, now, fenced=fenced,
+                                            notif_attached=rd is carrier), now)
 
     def _read_failed(self, rd: _Read, why: str, now: float) -> None:
         self._count("read_error:" + why)
@@ -602,6 +709,7 @@ class ConsumerAdapter:
         if rd.xfer is not None:
             self._release_xfer(rd.xfer)
             rd.xfer = None
+        self._polling.pop(rd.rid, None)
         self.reads.pop(rd.rid, None)
         self._apply(self.machine.read_result(rd.rid, False, now), now)
         if why == DISCONNECT:
