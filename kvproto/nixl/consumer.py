@@ -25,7 +25,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -68,6 +68,9 @@ from kvproto.wire import (
     encode_heartbeat,
     encode_release,
 )
+
+if TYPE_CHECKING:
+    from kvproto.metrics import Exporter, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,8 @@ class ConsumerAdapter:
                  tp_size: int = 1, handshake_timeout: float = 2.0, handshake_attempts: int = 4,
                  backoff: float = 0.1, peer_timeout: float | None = None,
                  fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False, metrics: Metrics | None = None,
+                 metrics_port: int | None = None) -> None:
         self.name = name
         self.config = config.validate()
         self.clock = clock
@@ -211,6 +215,25 @@ class ConsumerAdapter:
         self._metadata: bytes = self.agent.get_agent_metadata()
         self._rng = random.Random(hash(name) & 0xFFFF)
         self._closed = False
+        # Prometheus (opt-in), as on P: ``metrics`` shares a registry, ``metrics_port``
+        # (0: any free port) serves it on 127.0.0.1 and becomes the chosen port.
+        self.metrics: Metrics | None = metrics
+        self._exporter: Exporter | None = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None and self.metrics is None:
+            from kvproto.metrics import Metrics
+
+            self.metrics = Metrics(labels={"role": "D", "engine": name})
+        if self.metrics is not None:
+            reads = self.reads
+            self.metrics.track_in_flight(lambda: len(reads))
+        if metrics_port is not None:
+            from kvproto.metrics import serve
+
+            assert self.metrics is not None
+            self._exporter = serve(self.metrics, metrics_port)
+            self.metrics_port = self._exporter.port
+            log.info("%s: metrics on %s", name, self._exporter.url)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -306,9 +329,14 @@ class ConsumerAdapter:
         return e.epoch if e is not None else 0
 
     def _finished(self, f: Finished) -> None:
-        self.params.pop(f.request_id, None)
+        p = self.params.pop(f.request_id, None)
         self._want.pop(f.request_id, None)
         nbytes, secs = self._done_info.pop(f.request_id, (0, 0.0))
+        m = self.metrics
+        if m is not None:
+            m.read_finished(f"{f.state}:{f.reason}", nbytes)
+            if f.state != D_DONE and p is not None:
+                m.recomputed(len(p.blocks))
         if f.state == D_DONE:
             local = tuple(self._held_local.get(f.request_id, ()))
             self._out.append(Completion(f.request_id, f.state, f.reason, local, nbytes, secs))
@@ -352,6 +380,8 @@ class ConsumerAdapter:
         for m in msgs:
             if not self._send("heartbeat", hb.engine, m):
                 return
+        if self.metrics is not None:
+            self.metrics.heartbeat(len(hb.handles))
 
     def _flush_releases(self) -> None:
         if not self._releases:
@@ -462,6 +492,8 @@ class ConsumerAdapter:
             e.client = None
         e.state = "idle"
         self._count("handshake_failed:" + reason)
+        if self.metrics is not None:
+            self.metrics.handshake_failed(reason)
         log.warning("%s: handshake with %s failed: %s (%s)", self.name, e.name, reason, detail)
         self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
 
@@ -699,6 +731,8 @@ class ConsumerAdapter:
             del reads[rd.rid]
             if fenced:
                 self._count("fenced")
+                if self.metrics is not None:
+                    self.metrics.fenced()
                 log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
                             mine[:4], list(expect[:4]))
             else:
@@ -719,6 +753,11 @@ class ConsumerAdapter:
             self._lose(rd.engine, now, "READ reported REMOTE_DISCONNECT")
 
     # -- notifications (acks) ----------------------------------------------------------------
+    def _rejected(self, reason: str) -> None:
+        self._count("rejected:" + reason)
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
     def _poll_notifs(self, now: float) -> None:
         try:
             notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
@@ -731,22 +770,22 @@ class ConsumerAdapter:
             e = self.engines.get(name)
             for m in msgs:
                 if e is None or e.state != "ready":
-                    self._count("rejected:unknown_peer")
+                    self._rejected("unknown_peer")
                     log.info("%s: message from unknown or not-ready peer %r rejected",
                              self.name, name[:64])
                     continue
                 try:
                     msg = decode(m, max_bytes=self.config.max_message_bytes, epoch=e.epoch)
                 except WireError as ex:
-                    self._count("rejected:" + ex.reason)
+                    self._rejected(ex.reason)
                     log.info("%s: bad message from %s: %s", self.name, name, ex)
                     continue
                 except Exception:  # the decoder should only raise WireError
-                    self._count("rejected:malformed")
+                    self._rejected("malformed")
                     log.exception("%s: decoding a message from %s failed", self.name, name)
                     continue
                 if msg.kind != KIND_ACK:
-                    self._count("rejected:unexpected_kind")
+                    self._rejected("unexpected_kind")
                     log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
                              name)
                     continue
@@ -772,3 +811,6 @@ class ConsumerAdapter:
             if e.client is not None:
                 e.client.close()
         self.region.close()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None

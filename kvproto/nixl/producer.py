@@ -20,6 +20,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from kvproto.wire import (
     encode_ack,
 )
 
+if TYPE_CHECKING:
+    from kvproto.metrics import Exporter, Metrics
+
 log = logging.getLogger(__name__)
 
 TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
@@ -70,7 +74,8 @@ class ProducerAdapter:
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  fault_hook: InHook | None = None, strict_pool: bool = True,
                  observer: EffectObserver | None = None,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False, metrics: Metrics | None = None,
+                 metrics_port: int | None = None) -> None:
         self.name = name
         self.config = config.validate()
         self.clock = clock
@@ -95,6 +100,26 @@ class ProducerAdapter:
         self.host = self.server.host
         self.port = self.server.port
         self._closed = False
+        # Prometheus (opt-in): pass ``metrics`` to share a registry, ``metrics_port`` (0:
+        # any free port) to serve it on 127.0.0.1; ``metrics_port`` is then the chosen one.
+        self.metrics: Metrics | None = metrics
+        self._reg_at: dict[int, float] = {}  # handle -> registration time (metrics only)
+        self._exporter: Exporter | None = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None and self.metrics is None:
+            from kvproto.metrics import Metrics
+
+            self.metrics = Metrics(labels={"role": "P", "engine": name})
+        if self.metrics is not None:
+            pool, ledger = self.pool, self.ledger
+            self.metrics.track_holdings(lambda: pool.held_count, lambda: ledger.held_requests)
+        if metrics_port is not None:
+            from kvproto.metrics import serve
+
+            assert self.metrics is not None
+            self._exporter = serve(self.metrics, metrics_port)
+            self.metrics_port = self._exporter.port
+            log.info("%s: metrics on %s", name, self._exporter.url)
 
     # -- helpers ---------------------------------------------------------------------
     def _now(self) -> float:
@@ -152,10 +177,13 @@ class ProducerAdapter:
             gens = tuple(self._gen_view[list(blocks)].tolist()) if blocks else ()
         else:  # pragma: no cover - VRAM only
             gens = tuple(int(g) for g in self.region.gen[list(blocks)].tolist()) if blocks else ()
+        if self.metrics is not None:
+            self._reg_at[handle] = now
         effects = self.ledger.register(handle, request_id, blocks, now, group=group,
                                        expected=expected)
         self._apply(effects, now)
         if any(isinstance(e, (Rejected, Free)) for e in effects):
+            self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.initial_lease,
@@ -188,13 +216,23 @@ class ProducerAdapter:
         # journal to the events that matter instead of one tick per poll.
         due = self.ledger.next_deadline()
         if due is not None and now >= due:
-            self._apply(self.ledger.tick(now), now)
+            self._tick(now, due)
         return n
 
     def tick(self) -> None:
         """Only let time pass (no I/O): expiries and staging cleanup."""
         now = self._now()
-        self._apply(self.ledger.tick(now), now)
+        self._tick(now, self.ledger.next_deadline())
+
+    def _tick(self, now: float, due: float | None) -> None:
+        if self.metrics is None:
+            self._apply(self.ledger.tick(now), now)
+            return
+        t0 = time.perf_counter()
+        effects = self.ledger.tick(now)
+        self.metrics.tick(time.perf_counter() - t0,
+                          max(0.0, now - due) if due is not None else 0.0)
+        self._apply(effects, now)
 
     def _on_message(self, peer: str, buf: bytes, now: float) -> None:
         if peer not in self.peers:
@@ -219,6 +257,7 @@ class ProducerAdapter:
             self._apply(self.ledger.reject("unexpected_kind", peer, msg.kind_name, now), now)
 
     def _apply(self, effects: list[Effect], now: float) -> None:
+        m = self.metrics
         for e in effects:
             if isinstance(e, Free):
                 if e.reclaimed:
@@ -235,10 +274,19 @@ class ProducerAdapter:
                         self._return_block(b)
                 log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
                           len(e.reclaimed))
+                if m is not None:
+                    t = self._reg_at.pop(e.handle, None)
+                    stranded = (now - t) * len(e.blocks) if t is not None and e.reason in (
+                        "expired", "aborted") else 0.0
+                    m.free(e.reason, len(e.reclaimed), stranded)
             elif isinstance(e, Ack):
                 self._send_ack(e)
+                if m is not None:  # one ack per heartbeat the ledger handled
+                    m.heartbeat(0)
             elif isinstance(e, Rejected):
                 self._count("rejected:" + e.reason)
+                if m is not None:
+                    m.rejected(e.reason)
                 log.info("rejected %s from %r: %s", e.reason, e.peer, e.detail)
             if self.observer is not None:
                 self.observer(e, now)
@@ -315,3 +363,6 @@ class ProducerAdapter:
         self._closed = True
         self.server.close()
         self.region.close()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
