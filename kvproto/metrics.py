@@ -33,7 +33,8 @@ Metric names (each with the constant labels):
 * ``kvproto_fenced_reads_total``: D READs whose generation stamps changed (never served);
 * ``kvproto_reads_total{outcome}``, ``kvproto_read_bytes_total``: D requests finished by
   outcome (``done:pulled``, ``failed:fenced``, ...) and bytes pulled;
-* ``kvproto_recomputed_blocks_total``: blocks D could not pull and must recompute;
+* ``kvproto_recomputed_blocks_total``: blocks D could not pull and must recompute (a
+  request that failed for any reason but a client abort);
 * ``kvproto_handshake_failures_total{reason}``: D handshakes that failed;
 * ``kvproto_reads_in_flight``: D READs not finished yet.
 """

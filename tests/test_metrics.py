@@ -4,6 +4,7 @@ scraped values checked against P's event journal."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -202,11 +203,16 @@ def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
         register("expires", 3)  # never admitted on D: its lease runs out
         register("p_abort", 1)  # aborted on P, never read: freed when abort_grace ends
         d_abort = register("d_abort")  # D gives up before reading: released
+        # Params that lost their generations: D refuses to read (fail closed), releases,
+        # and the engine must recompute those 2 blocks.
+        bad = dataclasses.replace(register("bad"), generations=())
         p.conn.send(("abort", "p_abort"))
         for i, pr in enumerate(pulled):
             d.admit(f"ok{i}", pr)
             d.schedule(f"ok{i}")
         d.admit("d_abort", d_abort)
+        d.admit("bad", bad)
+        d.schedule("bad")
         comps: list[Any] = []
         end = time.monotonic() + 15
         while len(comps) < 6 and time.monotonic() < end:
@@ -229,7 +235,7 @@ def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
         while time.monotonic() < t_end:
             comps += d.poll()
             s = p.call("stats", reply="stats")[1]
-            if s["held"] == 0 and len(comps) >= 7:
+            if s["held"] == 0 and len(comps) >= 8:
                 break
             time.sleep(0.01)
         assert s["held"] == 0, s
@@ -240,7 +246,7 @@ def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
             d.close(1.0)
         p.stop()
     j = _journal_counts(journal)  # P stopped: the journal is complete and flushed
-    assert j["frees"] == {"transferred": 6, "expired": 1, "aborted": 1, "released": 1}
+    assert j["frees"] == {"transferred": 6, "expired": 1, "aborted": 1, "released": 2}
     assert by_label(final, "kvproto_frees_total", "reason") == j["frees"]
     assert {k: v for k, v in s["frees"].items() if v} == j["frees"]
     assert by_label(final, "kvproto_rejections_total", "reason") == j["rejects"]
@@ -256,7 +262,8 @@ def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
     assert value(d_vals, "kvproto_reads_total", outcome="done:pulled") == 6
     assert value(d_vals, "kvproto_reads_total", outcome="failed:aborted") == 1
     assert value(d_vals, "kvproto_read_bytes_total") == 6 * 2 * BB
-    assert value(d_vals, "kvproto_recomputed_blocks_total") == 2  # d_abort's two blocks
+    assert value(d_vals, "kvproto_reads_total", outcome="failed:transfer_error") == 1
+    assert value(d_vals, "kvproto_recomputed_blocks_total") == 2  # bad's (not the aborted)
     assert value(d_vals, "kvproto_fenced_reads_total") == 0
     assert value(d_vals, "kvproto_reads_in_flight") == 0
     assert value(d_vals, "kvproto_heartbeats_total") >= 1

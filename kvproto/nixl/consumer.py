@@ -335,8 +335,8 @@ class ConsumerAdapter:
         m = self.metrics
         if m is not None:
             m.read_finished(f"{f.state}:{f.reason}", nbytes)
-            if f.state != D_DONE and p is not None:
-                m.recomputed(len(p.blocks))
+            if f.state != D_DONE and f.reason != "aborted" and p is not None:
+                m.recomputed(len(p.blocks))  # the engine must prefill these again
         if f.state == D_DONE:
             local = tuple(self._held_local.get(f.request_id, ()))
             self._out.append(Completion(f.request_id, f.state, f.reason, local, nbytes, secs))
