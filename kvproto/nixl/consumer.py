@@ -661,10 +661,14 @@ class ConsumerAdapter:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
             e = self.engines.get(engine)
-            if e is None or e.remote_gen is None:
+            if e is None or e.remote_gen is None or e.state != "ready":
                 for rd in rds:
                     self._read_failed(rd, "error:peer_gone", now)
                 continue
+            if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
+                for rd in [rd for rd in rds if rd.params.epoch != e.epoch]:
+                    self._read_failed(rd, "error:peer_gone", now)
+                rds = [rd for rd in rds if rd.params.epoch == e.epoch]
             start = 0
             while start < len(rds):
                 end = start + 1
