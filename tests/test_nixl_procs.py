@@ -339,11 +339,14 @@ def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[st
     assert bench.run(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
-    keys = ("raw_gbps", "kvproto_gbps", "ratio", "small_block_rps_raw",
-            "small_block_rps_kvproto", "handshake_ms", "heartbeat_bytes_per_s")
+    keys = ("raw_gbps", "kvproto_gbps", "ratio", "ratio_4k", "cpu_ratio_4k",
+            "small_block_rps_raw", "small_block_rps_kvproto", "stamp_reads_per_request_4k",
+            "handshake_ms", "heartbeat_bytes_per_s")
     for k in keys:
         assert isinstance(res[k], (int, float)) and math.isfinite(res[k]) and res[k] > 0, k
     assert len(res["raw_rounds_ms"]) == len(res["kvproto_rounds_ms"]) == args.rounds
+    assert res["ratio_4k"] == res["small_block_ratio"]
+    assert res["stamp_reads_per_request_4k"] <= 1  # stamp checks are batched, never more
     # 100 handles in flight: about one byte per handle id per heartbeat round.
     assert res["heartbeat"]["bytes_per_round"] < 100 * 2 + 64
 
