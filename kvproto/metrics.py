@@ -48,9 +48,12 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvproto.lifecycle import R_ABORTED, R_EXPIRED, Ack, Effect, Free, Rejected
+
 log = logging.getLogger(__name__)
 
 MAX_LABEL_VALUES: Final = 64
+_STRANDED: Final = frozenset({R_EXPIRED, R_ABORTED})  # nobody pulled: blocks sat unused
 TICK_BUCKETS: Final = (1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 0.05, 0.25, 1.0)
 
 # registry -> {(namespace, constant label names): {metric name: metric family}}
@@ -151,6 +154,20 @@ class Metrics:
         self._in_flight = gauge("reads_in_flight", "D READs not finished yet")
 
     # -- P --------------------------------------------------------------------------------
+    def p_effect(self, e: Effect, now: float, registered_at: float | None = None) -> None:
+        """Count one effect of a P ``Ledger``, as the P adapter applies it (a connector
+        that drives a ``Ledger`` itself calls this too). ``registered_at``: for a
+        ``Free``, the request's registration time (its stranded block-seconds when an
+        expiry or abort freed it); one ``Ack`` is one heartbeat the ledger handled."""
+        if isinstance(e, Free):
+            stranded = ((now - registered_at) * len(e.blocks)
+                        if registered_at is not None and e.reason in _STRANDED else 0.0)
+            self.free(e.reason, len(e.reclaimed), stranded)
+        elif isinstance(e, Ack):
+            self.heartbeat(0)
+        elif isinstance(e, Rejected):
+            self.rejected(e.reason)
+
     def free(self, reason: str, blocks: int, stranded_block_seconds: float = 0.0) -> None:
         self._frees.child(reason).inc()
         if blocks:

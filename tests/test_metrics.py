@@ -78,6 +78,36 @@ def test_metrics_served_on_loopback_with_constant_labels() -> None:
     assert value(v, "kvproto_held_requests", **lb) == 3
 
 
+def test_ledger_effects_map_to_metrics() -> None:
+    """``Metrics.p_effect``: what the P adapter (and a connector driving a Ledger) feed."""
+    from prometheus_client import generate_latest
+
+    from kvproto.lifecycle import Ack, BlockPool, Free, Ledger, Rejected
+
+    m = Metrics(labels={"engine": "p"})
+    L = Ledger(CFG, BlockPool(8))
+    reg: dict[int, float] = {}
+    effects = []
+    for i, now in enumerate((0.0, 0.5)):
+        h = L.new_handle()
+        reg[h] = now
+        effects += [(e, now) for e in L.register(h, f"r{i}", (2 * i, 2 * i + 1), now)]
+    effects += [(e, 1.0) for e in L.heartbeat("d", 1, [1, 2], 1, 1.0)]
+    effects += [(e, 1.0) for e in L.done("d", 1, 1, 1.0)]
+    effects += [(e, 1.0) for e in L.reject("bad_magic", "x", "", 1.0)]
+    effects += [(e, 9.0) for e in L.tick(9.0)]  # r1 expires: 2 blocks x (9.0 - 0.5) s
+    for e, now in effects:
+        m.p_effect(e, now, reg.get(e.handle) if isinstance(e, Free) else None)
+    kinds = [type(e).__name__ for e, _ in effects]
+    assert kinds.count("Free") == 2 and Ack in map(type, (e for e, _ in effects))
+    assert Rejected in map(type, (e for e, _ in effects))
+    v = scrape_values(generate_latest(m.registry).decode())
+    assert by_label(v, "kvproto_frees_total", "reason") == {"transferred": 1, "expired": 1}
+    assert value(v, "kvproto_stranded_block_seconds_total") == pytest.approx(17.0)
+    assert value(v, "kvproto_heartbeats_total") == 1
+    assert value(v, "kvproto_rejections_total", reason="bad_magic") == 1
+
+
 def test_one_registry_many_engines_and_bounded_labels() -> None:
     """The connector's shape: several engines' metrics in one registry, told apart by
     their constant labels; a label cannot grow past MAX_LABEL_VALUES values."""

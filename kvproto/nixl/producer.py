@@ -284,18 +284,15 @@ class ProducerAdapter:
                 log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
                           len(e.reclaimed))
                 if m is not None:
-                    t = self._reg_at.pop(e.handle, None)
-                    stranded = (now - t) * len(e.blocks) if t is not None and e.reason in (
-                        "expired", "aborted") else 0.0
-                    m.free(e.reason, len(e.reclaimed), stranded)
+                    m.p_effect(e, now, self._reg_at.pop(e.handle, None))
             elif isinstance(e, Ack):
                 self._send_ack(e)
-                if m is not None:  # one ack per heartbeat the ledger handled
-                    m.heartbeat(0)
+                if m is not None:
+                    m.p_effect(e, now)
             elif isinstance(e, Rejected):
                 self._count("rejected:" + e.reason)
                 if m is not None:
-                    m.rejected(e.reason)
+                    m.p_effect(e, now)
                 log.info("rejected %s from %r: %s", e.reason, e.peer, e.detail)
             if self.observer is not None:
                 self.observer(e, now)
