@@ -297,3 +297,21 @@ def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
     assert value(d_vals, "kvproto_fenced_reads_total") == 0
     assert value(d_vals, "kvproto_reads_in_flight") == 0
     assert value(d_vals, "kvproto_heartbeats_total") >= 1
+
+
+def test_demo_refuses_a_bad_metrics_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's mistake exits 2 with one line, before any engine starts."""
+    pytest.importorskip("nixl._api")
+    import socket
+
+    from kvproto import cli
+
+    assert cli.main(["demo", "--metrics-port", "70000"]) == 2
+    assert "not a TCP port" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert cli.main(["demo", "--metrics-port", str(busy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{busy}" in err[0]

@@ -526,6 +526,21 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto demo: the nixl package is not importable", file=sys.stderr)
         return 3
     quiet_nixl_logging()
+    port = getattr(args, "metrics_port", None)
+    if port is not None:
+        import socket
+
+        if not 0 <= port <= 65535:
+            print(f"kvproto demo: --metrics-port {port} is not a TCP port (0-65535)",
+                  file=sys.stderr)
+            return 2
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                print(f"kvproto demo: cannot serve metrics on 127.0.0.1:{port}: {e.strerror}",
+                      file=sys.stderr)
+                return 2
     demo = Demo(args)
     try:
         report = demo.run()
