@@ -25,6 +25,7 @@ check: setup
 bench: setup
 	$(VENV)/bin/kvproto bench ledger
 	$(VENV)/bin/kvproto bench transfer
+	$(VENV)/bin/kvproto bench wire
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis tla/states

@@ -270,6 +270,7 @@ class Outcome:
     result: TlcResult
     as_expected: bool
     summary: str
+    violated: str | None = None  # the property that failed, named from the cfg for liveness
 
 
 def _properties(cfg_text: str) -> list[str]:
@@ -294,6 +295,12 @@ def violated_name(res: TlcResult, cfg_text: str) -> str | None:
 
 
 def judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
+    o = _judge(model, res, cfg_text)
+    o.violated = violated_name(res, cfg_text)
+    return o
+
+
+def _judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
     name = violated_name(res, cfg_text)
     stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states, "
              f"depth {res.depth if res.depth is not None else '?'}, {res.seconds:.1f} s"
@@ -338,7 +345,7 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
     r = o.result
     return {
         "model": o.model.name, "cfg": f"tla/{o.model.cfg}", "expect": o.model.expect,
-        "result": r.result, "violated": r.violated, "kind": r.kind,
+        "result": r.result, "violated": o.violated, "kind": r.kind,
         "as_expected": o.as_expected, "distinct": r.distinct, "generated": r.generated,
         "depth": r.depth, "seconds": round(r.seconds, 2), "exit_code": r.exit_code,
         "summary": o.summary,

@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "ledger": ("kvproto.bench", "lifecycle hot path vs a scanning reference"),
     "transfer": ("kvproto.nixl.bench", "raw NIXL READs vs the kvproto-managed path"),
+    "wire": ("kvproto.wirebench", "wire decode/encode vs the ledger's handling, same run"),
     "vllm": ("kvproto.vllm.bench", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
 }
 

@@ -1190,7 +1190,9 @@ class Consumer:
         """Transfer params received. The initial term is aged by ``max_delay``."""
         self.now = max(self.now, now)
         out: list[DEffect] = []
-        peer = self.peers.setdefault(params.engine, _Peer())
+        peer = self.peers.get(params.engine)
+        if peer is None:  # not setdefault: that would build a _Peer on every admit
+            peer = self.peers[params.engine] = _Peer()
         if rid in self.reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return out

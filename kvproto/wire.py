@@ -16,7 +16,8 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from itertools import accumulate, pairwise
+from typing import Any, Final, NamedTuple
 
 MAGIC: Final = b"KV"
 VERSION: Final = 1
@@ -45,8 +46,10 @@ class WireError(ValueError):
         self.detail = detail
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
+    """A decoded message. A named tuple: the hot decoders build one per notification,
+    and a tuple is the cheapest immutable record to build."""
+
     kind: int
     epoch: int
     handles: tuple[int, ...]
@@ -124,8 +127,10 @@ def _sorted_unique(handles: Iterable[int]) -> list[int]:
 # -- encoders ---------------------------------------------------------------------------
 
 
-def encode_done(epoch: int, handle: int, expected: int) -> bytes:
-    """``done``: this reader's READ of ``handle`` completed. Sent (or attached to the
+def encode_done_reference(epoch: int, handle: int, expected: int) -> bytes:
+    """Reference encoder (the fast ``encode_done`` must match it byte for byte).
+
+    ``done``: this reader's READ of ``handle`` completed. Sent (or attached to the
     READ as its notification) only after the data landed."""
     _check_range("handle", handle, MAX_HANDLE)
     _check_range("expected", expected, MAX_EXPECTED)
@@ -184,9 +189,9 @@ def chunk_handles(sorted_handles: Sequence[int], max_bytes: int) -> list[Sequenc
     return _chunk(sorted_handles, max_bytes - _RESERVE)
 
 
-def encode_heartbeat(epoch: int, seq: int, handles: Iterable[int], expected: int,
-                     max_bytes: int) -> list[bytes]:
-    """``heartbeat``: renew the leases of ``handles``. Chunked so that no message exceeds
+def encode_heartbeat_reference(epoch: int, seq: int, handles: Iterable[int], expected: int,
+                               max_bytes: int) -> list[bytes]:
+    """Reference encoder. ``heartbeat``: renew the leases of ``handles``. Chunked so that no message exceeds
     ``max_bytes``; chunk k carries sequence number ``seq + k`` (mod 2**32)."""
     _check_range("seq", seq, MAX_SEQ)
     _check_range("expected", expected, MAX_EXPECTED)
@@ -203,9 +208,9 @@ def encode_release(epoch: int, handles: Iterable[int], expected: int,
     return _batched(KIND_RELEASE, epoch, (expected,), handles, max_bytes)
 
 
-def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
-               max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
-    """``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
+def encode_ack_reference(epoch: int, seq: int, term: float, refused: Iterable[int],
+                         max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
+    """Reference encoder. ``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
     Two handle lists follow: refused, then pending (not registered yet). Every chunk
     repeats seq and term, so any chunk alone is valid."""
     _check_range("seq", seq, MAX_SEQ)
@@ -243,8 +248,11 @@ def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
 # -- decoder -----------------------------------------------------------------------------
 
 
-def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) -> Message:
-    """Decode one message or raise WireError. ``epoch``, when given, must match."""
+def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
+                     epoch: int | None = None) -> Message:
+    """The reference decoder: every kind, every check; the fast ``decode`` hands it
+    every message it does not fully recognise. Decode one message or raise WireError.
+    ``epoch``, when given, must match."""
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise WireError("not_bytes", f"expected bytes, got {type(buf).__name__}")
     buf = bytes(buf)
@@ -314,6 +322,192 @@ def _get_handles(buf: bytes, pos: int) -> tuple[list[int], int]:
             raise WireError("bad_field", "handle above 2**64-1")
         hs.append(prev)
     return hs, pos
+
+
+# -- fast path -----------------------------------------------------------------------------
+#
+# ``struct``-based encoders and decoders for the hot messages (done, heartbeat, ack). Each
+# recognises the common shapes (one-byte ``expected``, single-byte handle deltas, empty ack
+# lists, one chunk) and hands everything else, including every malformed input, to the
+# reference codec above: the bytes and the errors are the reference's by construction, and
+# tests/test_wire.py checks byte equality and decode equality against it with hypothesis.
+
+_PREFIX: Final = struct.Struct(">2sBB")
+_DONE_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_DONE)
+_HB_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_HEARTBEAT)
+_ACK_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_ACK)
+_HEAD: Final = struct.Struct(">4sI")  # magic, version and kind as one 4-byte field; epoch
+_DONE_HEAD: Final = struct.Struct(">4sIB")  # ... and a one-byte ``expected``
+_new_message = tuple.__new__
+
+
+def _varint_bytes(v: int) -> bytes:
+    if v < 0x80:
+        return bytes((v,))
+    out = bytearray()
+    _put_varint(out, v)
+    return bytes(out)
+
+
+def encode_done(epoch: int, handle: int, expected: int) -> bytes:
+    """``done``: this reader's READ of ``handle`` completed. Sent (or attached to the
+    READ as its notification) only after the data landed. Same bytes as
+    ``encode_done_reference``."""
+    if (type(epoch) is int and type(handle) is int and type(expected) is int
+            and 0 <= epoch <= 0xFFFFFFFF and 1 <= expected < 0x80 and 0 <= handle <= MAX_HANDLE):
+        return _DONE_HEAD.pack(_DONE_PREFIX, epoch, expected) + _varint_bytes(handle)
+    return encode_done_reference(epoch, handle, expected)
+
+
+def _delta_bytes(hs: list[int]) -> bytes | None:
+    """The handle list's body (first handle, then deltas) when every delta fits one byte."""
+    n = len(hs)
+    if n == 0:
+        return b"\x00"
+    first = hs[0]
+    if type(first) is not int or first < 0 or hs[-1] > MAX_HANDLE:
+        return None
+    if n == 1:
+        return b"\x01" + _varint_bytes(first)
+    if not all(type(h) is int for h in hs):
+        return None
+    deltas = bytes([b - a if b - a < 0x80 else 0 for a, b in pairwise(hs)])
+    if 0 in deltas:  # a delta of two bytes or more
+        return None
+    return _varint_bytes(n) + _varint_bytes(first) + deltas
+
+
+def encode_heartbeat(epoch: int, seq: int, handles: Iterable[int], expected: int,
+                     max_bytes: int) -> list[bytes]:
+    """``heartbeat``: renew the leases of ``handles``. Chunked so that no message exceeds
+    ``max_bytes``; chunk k carries sequence number ``seq + k`` (mod 2**32). Same bytes as
+    ``encode_heartbeat_reference``."""
+    if (type(epoch) is int and type(seq) is int and type(expected) is int
+            and 0 <= epoch <= 0xFFFFFFFF and 0 <= seq <= MAX_SEQ and 0 <= expected < 0x80
+            and max_bytes >= _RESERVE + MAX_VARINT_BYTES):
+        try:
+            hs = sorted(set(handles))
+        except TypeError:
+            hs = None
+        if hs is not None and len(hs) + MAX_VARINT_BYTES <= max_bytes - _RESERVE:
+            body = _delta_bytes(hs)
+            if body is not None:
+                return [_HEAD.pack(_HB_PREFIX, epoch) + _varint_bytes(seq) + bytes((expected,))
+                        + body]
+        return encode_heartbeat_reference(epoch, seq, hs if hs is not None else handles,
+                                          expected, max_bytes)
+    return encode_heartbeat_reference(epoch, seq, handles, expected, max_bytes)
+
+
+def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
+               max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
+    """``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
+    Two handle lists follow: refused, then pending (not registered yet). Every chunk
+    repeats seq and term, so any chunk alone is valid. Same bytes as
+    ``encode_ack_reference``; the fast path is the common ack (nothing refused or
+    pending)."""
+    if (not refused and not pending and type(epoch) is int and type(seq) is int
+            and 0 <= epoch <= 0xFFFFFFFF and 0 <= seq <= MAX_SEQ
+            and max_bytes >= _RESERVE + 5 + MAX_VARINT_BYTES):
+        term_ms = int(term * 1000)
+        if 0 <= term_ms <= 0xFFFFFFFF:
+            return [_HEAD.pack(_ACK_PREFIX, epoch) + _varint_bytes(seq) + _varint_bytes(term_ms)
+                    + b"\x00\x00"]
+    return encode_ack_reference(epoch, seq, term, refused, max_bytes, pending=pending)
+
+
+def _fast_handles(buf: bytes, pos: int, end: int) -> tuple[tuple[int, ...], int] | None:
+    """A handle list whose deltas are one byte each (count and first handle may be
+    longer), or None for the reference decoder to handle."""
+    count, pos = _get_varint(buf, pos)
+    if count == 0:
+        return (), pos
+    first, pos = _get_varint(buf, pos)
+    stop = pos + count - 1
+    if stop > end or first > MAX_HANDLE:
+        return None
+    if count == 1:
+        return (first,), pos
+    rest = buf[pos:stop]
+    if not rest.isascii() or 0 in rest:  # a multi-byte delta, or a duplicate handle
+        return None
+    hs = tuple(accumulate(rest, initial=first))
+    if hs[-1] > MAX_HANDLE:
+        return None
+    return hs, stop
+
+
+def _decode_fast(buf: bytes, n: int, prefix: bytes, ep: int) -> Message | None:
+    if prefix == _DONE_PREFIX:
+        expected = buf[8]
+        if not 0 < expected < 0x80:
+            return None
+        # The handle is the rest: a canonical varint, unrolled up to three bytes.
+        last = buf[n - 1]
+        if last >= 0x80 or (last == 0 and n > 10):
+            return None
+        if n == 10:
+            h = last
+        elif n == 11:
+            b0 = buf[9]
+            if b0 < 0x80:
+                return None
+            h = (b0 & 0x7F) | last << 7
+        elif n == 12:
+            b0 = buf[9]
+            b1 = buf[10]
+            if b0 < 0x80 or b1 < 0x80:
+                return None
+            h = (b0 & 0x7F) | (b1 & 0x7F) << 7 | last << 14
+        else:
+            h, pos = _get_varint(buf, 9)
+            if pos != n or h > MAX_HANDLE:
+                return None
+        return _new_message(Message, (KIND_DONE, ep, (h,), expected, 0, 0, ()))
+    if prefix == _HB_PREFIX:
+        seq, pos = _get_varint(buf, 8)
+        expected, pos = _get_varint(buf, pos)
+        if seq > MAX_SEQ or expected > MAX_EXPECTED:
+            return None
+        r = _fast_handles(buf, pos, n)
+        if r is None or r[1] != n:
+            return None
+        return _new_message(Message, (KIND_HEARTBEAT, ep, r[0], expected, seq, 0, ()))
+    if prefix == _ACK_PREFIX:
+        seq, pos = _get_varint(buf, 8)
+        term_ms, pos = _get_varint(buf, pos)
+        if seq > MAX_SEQ or term_ms > 0xFFFFFFFF:
+            return None
+        if pos == n - 2 and buf[pos] == 0 and buf[pos + 1] == 0:
+            return _new_message(Message, (KIND_ACK, ep, (), 0, seq, term_ms, ()))
+        r = _fast_handles(buf, pos, n)
+        if r is None:
+            return None
+        r2 = _fast_handles(buf, r[1], n)
+        if r2 is None or r2[1] != n:
+            return None
+        return _new_message(Message, (KIND_ACK, ep, r[0], 0, seq, term_ms, r2[0]))
+    return None
+
+
+def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) -> Message:
+    """Decode one message or raise WireError. ``epoch``, when given, must match.
+
+    Done, heartbeat and ack messages of the common shapes take a ``struct`` fast path;
+    everything else (release, multi-byte deltas, every malformed input) goes through
+    ``decode_reference``, so results and errors are the reference decoder's."""
+    if type(buf) is bytes:
+        n = len(buf)
+        if 10 <= n <= max_bytes:
+            prefix, ep = _HEAD.unpack_from(buf)
+            if epoch is None or ep == epoch:
+                try:
+                    m = _decode_fast(buf, n, prefix, ep)
+                except WireError:
+                    m = None
+                if m is not None:
+                    return m
+    return decode_reference(buf, max_bytes=max_bytes, epoch=epoch)
 
 
 # -- handshake payload -------------------------------------------------------------------

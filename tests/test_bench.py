@@ -40,3 +40,22 @@ def test_scan_reference_is_a_faithful_baseline() -> None:
     ref.heartbeat(["a"], 8.0)
     assert ref.tick(10.0) == ["b"]
     assert ref.tick(13.0) == ["a"]
+
+
+def test_bench_wire_json_puts_decode_and_ledger_side_by_side(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["-q", "bench", "wire", "--requests", "600", "--repeat", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("decode_done_us", "decode_done_reference_us", "ledger_done_us",
+              "decode_heartbeat_us_per_id", "ledger_heartbeat_us_per_id",
+              "done_decode_over_ledger", "heartbeat_decode_over_ledger",
+              "encode_done_us", "encode_done_reference_us"):
+        assert r[k] > 0, k
+    assert r["done_decode_over_ledger"] == pytest.approx(r["decode_done_us"] / r["ledger_done_us"],
+                                                         rel=0.05, abs=0.002)
+    assert r["requests"] == 600
+
+
+def test_bench_wire_refuses_bad_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "wire", "--repeat", "0"]) == 2
+    assert "--repeat" in capsys.readouterr().err

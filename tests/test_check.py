@@ -177,6 +177,12 @@ def test_judge_tells_expected_from_unexpected() -> None:
     live = tlc.TlcResult("x", 13, "violation", violated="Temporal properties", kind="liveness")
     assert check.violated_name(live, "PROPERTY ReportedIsFreed\n") == "ReportedIsFreed"
     assert check.violated_name(live, "PROPERTY A B\n") == "Temporal properties"
+    # The outcome (and so the JSON verdict) names the property, not TLC's generic phrase.
+    drop = check.judge(check.MODELS["bug_drop_early"], live, "PROPERTY ReportedIsFreed\n")
+    assert drop.as_expected and drop.violated == "ReportedIsFreed"
+    assert check._outcome_json(drop)["violated"] == "ReportedIsFreed"
+    assert check.judge(bug, viol, "").violated == "NoFreeUnderRead"
+    assert check.judge(check.MODELS["ci"], ok, "").violated is None
 
 
 # ---------------------------------------------------------------------------
@@ -279,3 +285,14 @@ def test_json_goes_to_stdout_and_progress_to_stderr(capsys: pytest.CaptureFixtur
     assert res["as_expected"] and res["violated"] == "NoFreeUnderRead"
     assert res["trace"] and res["trace"][0]["action"] == "Initial predicate"
     assert "checking bug_abort_frees_now" in cap.err
+
+
+@pytest.mark.tlc
+def test_json_verdict_names_the_liveness_property(capsys: pytest.CaptureFixture[str]) -> None:
+    """bug_drop_early breaks a temporal property; TLC's output does not name it, the cfg
+    does, and the JSON verdict must carry that name."""
+    _tlc_or_skip()
+    assert main(["-q", "check", "--json", "bug_drop_early"]) == check.EXIT_OK
+    res = json.loads(capsys.readouterr().out)
+    assert res["kind"] == "liveness" and res["as_expected"]
+    assert res["violated"] == "ReportedIsFreed"

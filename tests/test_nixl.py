@@ -186,6 +186,49 @@ def test_fenced_race_data_is_really_corrupt(pair: tuple[ProducerAdapter, Consume
     assert [(c.state, c.reason) for c in comps] == [("failed", "fenced")]
 
 
+def test_one_stamp_read_for_many_requests_fences_only_the_changed_one(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    """Requests whose data landed together share one stamp READ. A stamp that changed
+    between the data READ and the stamp READ (P freed and reused those blocks) fences
+    that request alone: its data is not served and it sends no done; the others complete
+    with verified data and P frees them as transferred."""
+    p, d = pair
+    params = [prefill(p, f"b{i}", 2 + i) for i in range(3)]
+    d.admit("b0", params[0])
+    pump(p, [d], lambda: d.engines[p.name].state == "ready")
+
+    def hook(phase: str, rid: str) -> None:
+        if phase == "before_gen" and rid == "b1":  # P reuses b1's blocks meanwhile
+            p.region.gen[list(params[1].blocks)] += 1
+
+    d.phase_hook = hook
+    for i, pr in enumerate(params):
+        if i:
+            d.admit(f"b{i}", pr)
+        d.schedule(f"b{i}")
+    # Let every data READ finish in the transport before D's next poll looks at them
+    # (polling an Xfer only records its state; P polls so that its side progresses), so
+    # all three land in that one poll.
+    end = time.monotonic() + 10
+    while any(r.xfer is not None and r.xfer.poll() != "done" for r in d._polling.values()):
+        assert time.monotonic() < end, "data READs did not finish"
+        p.poll()
+    comps = pump(p, [d], lambda: not d.reads and p.pool.held_count == 0)
+    comps = pump(p, [d], lambda: len(comps) == 3, sink=comps)
+    got = {c.request_id: (c.state, c.reason) for c in comps}
+    assert got == {"b0": ("done", "pulled"), "b1": ("failed", "fenced"),
+                   "b2": ("done", "pulled")}
+    assert all(verified(d, c, c.request_id) for c in comps if c.state == "done")
+    assert d.counters["fenced"] == 1
+    assert d.counters["stamp_requests"] == 3
+    assert d.counters["stamp_reads"] == 1
+    # b0's done rode on the stamp READ; b2's was sent after the stamps matched; b1 sent
+    # a release instead.
+    assert d.counters.get("sent:done", 0) == 1 and d.counters.get("sent:release", 0) == 1
+    assert p.ledger.frees["transferred"] == 2 and p.ledger.frees["released"] == 1
+    assert p.check_invariants() == []
+
+
 def test_malformed_notification_from_live_peer(pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
     p, d = pair
     params = prefill(p, "held", 2)

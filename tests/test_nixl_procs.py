@@ -248,21 +248,39 @@ def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Pat
     the P adapter's journal is a behaviour of the TLA+ spec (``kvproto validate``)."""
     journal = tmp_path / "journal.jsonl"
     cmd = [sys.executable, "-m", "kvproto.cli", "-q", "demo", "--seed", "3", "--duration", "2",
-           "--rate", "20", "--journal", str(journal), "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+           "--rate", "20", "--journal", str(journal), "--json", "--metrics-port", "0"]
+    errf = open(tmp_path / "stderr.txt", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True,
                             start_new_session=True)  # its own process group: killable whole
+    scraped: dict[str, float] = {}
+    url = ""
     try:
-        out, err = proc.communicate(timeout=240)
+        # While the demo runs: find P's endpoint, and scrape it (a real HTTP GET) once the
+        # workload has ended and the engines drain.
+        assert proc.stdout is not None
+        seen: list[str] = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("metrics: P "):
+                url = line.split()[2]
+            if "workload done" in line:
+                assert url, "no metrics endpoint printed"
+                scraped = scrape_frees(url)
+                break
+        out, _ = proc.communicate(timeout=240)
+        out = "".join(seen) + out
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"demo did not finish in 240s:\n{out[-2000:]}\n{err[-2000:]}"
-                             ) from None
+        out, _ = proc.communicate()
+        raise AssertionError(f"demo did not finish in 240s:\n{out[-2000:]}") from None
     finally:
         try:  # no engine process may outlive the test
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        errf.seek(0)
+        err = errf.read()
+        errf.close()
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
     assert "fault: kill -9 of D engine C" in out
     for needle in ("requests", "completed", "failed (by reason)", "bytes moved", "GB/s",
@@ -277,12 +295,35 @@ def test_demo_small_workload_exits_clean_and_its_journal_validates(tmp_path: Pat
     assert report["journal"] == str(journal)
     lines = journal.read_text().splitlines()
     assert sum('"type":"register"' in ln for ln in lines) >= 15
+    # The scrape was live: the report points at that endpoint, and what it said then is
+    # at most what the journal holds at the end (frees by reason), and not nothing.
+    assert report["metrics"]["P"] == url
+    final: dict[str, int] = {}
+    for ln in lines[1:]:
+        for eff in json.loads(ln)["effects"]:
+            if eff["type"] == "free":
+                final[eff["reason"]] = final.get(eff["reason"], 0) + 1
+    assert {k: v for k, v in report["frees"].items() if v} == final
+    assert scraped and all(0 < v <= final.get(k, 0) for k, v in scraped.items()), (scraped,
+                                                                                    final)
     try:
         verdicts = validate([journal])
     except TLCMissing as e:  # pragma: no cover - depends on the machine
         pytest.skip(str(e))
     assert [v.allowed for v in verdicts] == [True], verdicts[0].describe()
     assert verdicts[0].steps == len(lines) - 1
+
+
+def scrape_frees(url: str) -> dict[str, float]:
+    """GET a Prometheus endpoint; P's frees by reason (nonzero ones)."""
+    import urllib.request
+
+    from kvproto.metrics import scrape_values
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        vals = scrape_values(r.read().decode())
+    return {dict(lb)["reason"]: v for (name, lb), v in vals.items()
+            if name == "kvproto_frees_total" and v}
 
 
 def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[str]) -> None:
@@ -298,11 +339,14 @@ def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[st
     assert bench.run(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
-    keys = ("raw_gbps", "kvproto_gbps", "ratio", "small_block_rps_raw",
-            "small_block_rps_kvproto", "handshake_ms", "heartbeat_bytes_per_s")
+    keys = ("raw_gbps", "kvproto_gbps", "ratio", "ratio_4k", "cpu_ratio_4k",
+            "small_block_rps_raw", "small_block_rps_kvproto", "stamp_reads_per_request_4k",
+            "handshake_ms", "heartbeat_bytes_per_s")
     for k in keys:
         assert isinstance(res[k], (int, float)) and math.isfinite(res[k]) and res[k] > 0, k
     assert len(res["raw_rounds_ms"]) == len(res["kvproto_rounds_ms"]) == args.rounds
+    assert res["ratio_4k"] == res["small_block_ratio"]
+    assert res["stamp_reads_per_request_4k"] <= 1  # stamp checks are batched, never more
     # 100 handles in flight: about one byte per handle id per heartbeat round.
     assert res["heartbeat"]["bytes_per_round"] < 100 * 2 + 64
 

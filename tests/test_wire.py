@@ -297,6 +297,115 @@ def test_fuzzed_bodies_behind_a_valid_header_raise_only_wire_error(kind: int,
 
 
 # ---------------------------------------------------------------------------
+# The fast path against the reference codec (byte equality, same decode results)
+# ---------------------------------------------------------------------------
+
+# Handles as a ledger hands them out (small, dense: the fast shapes) and anywhere in range.
+dense_handles = st.lists(st.integers(0, 5000), max_size=300)
+any_handles = st.one_of(dense_handles, handle_sets,
+                        st.lists(st.integers(0, 2000), min_size=120, max_size=600))
+
+
+def outcome(f: Any, *args: Any, **kwargs: Any) -> Any:
+    """``f``'s result, or the type and message of what it raised."""
+    try:
+        return f(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        return (type(e).__name__, getattr(e, "reason", None), str(e))
+
+
+@given(epochs, st.one_of(st.integers(0, 300), handles_st, st.integers(-2, 1 << 65)),
+       st.one_of(st.integers(1, 200), expecteds, st.integers(-1, 1 << 17)))
+def test_fast_encode_done_is_byte_identical(epoch: int, handle: int, expected: int) -> None:
+    assert (outcome(wire.encode_done, epoch, handle, expected)
+            == outcome(wire.encode_done_reference, epoch, handle, expected))
+
+
+@given(st.one_of(epochs, st.just(1 << 32)), st.one_of(seqs, st.just(MAX_SEQ + 1)), any_handles,
+       st.integers(0, MAX_EXPECTED + 1), st.integers(16, 4096))
+def test_fast_encode_heartbeat_is_byte_identical(epoch: int, seq: int, handles: list[int],
+                                                 expected: int, max_bytes: int) -> None:
+    assert (outcome(wire.encode_heartbeat, epoch, seq, handles, expected, max_bytes)
+            == outcome(wire.encode_heartbeat_reference, epoch, seq, handles, expected, max_bytes))
+
+
+def test_fast_encoders_refuse_what_the_reference_refuses() -> None:
+    for args in [(EPOCH, 1, [True], 1, 4096), (EPOCH, 1, [1, -1], 1, 4096),
+                 (EPOCH, 1, [1, MAX_HANDLE + 1], 1, 4096), (EPOCH, True, [1], 1, 4096)]:
+        assert (outcome(wire.encode_heartbeat, *args)
+                == outcome(wire.encode_heartbeat_reference, *args))
+        assert outcome(wire.encode_heartbeat, *args)[0] == "ValueError"
+    assert outcome(wire.encode_done, EPOCH, True, 1) == outcome(wire.encode_done_reference,
+                                                                EPOCH, True, 1)
+
+
+@given(epochs, seqs, st.one_of(st.floats(0, 5000, allow_nan=False), st.just(-1.0)),
+       st.one_of(st.just([]), dense_handles), st.one_of(st.just([]), dense_handles),
+       st.integers(32, 4096))
+def test_fast_encode_ack_is_byte_identical(epoch: int, seq: int, term: float,
+                                           refused: list[int], pending: list[int],
+                                           max_bytes: int) -> None:
+    assert (outcome(wire.encode_ack, epoch, seq, term, refused, max_bytes, pending=pending)
+            == outcome(wire.encode_ack_reference, epoch, seq, term, refused, max_bytes,
+                       pending=pending))
+
+
+@st.composite
+def wire_messages(draw: st.DrawFn) -> bytes:
+    """A valid message of any kind (reference encoders), sometimes mutated."""
+    epoch = draw(st.sampled_from([EPOCH, 0, 0xFFFFFFFF]))
+    kind = draw(st.sampled_from(["done", "hb", "ack", "release"]))
+    if kind == "done":
+        buf = wire.encode_done_reference(epoch, draw(st.one_of(st.integers(0, 1 << 21),
+                                                               handles_st)), draw(expecteds))
+    elif kind == "hb":
+        buf = wire.encode_heartbeat_reference(epoch, draw(seqs), draw(any_handles),
+                                              draw(st.integers(0, MAX_EXPECTED)), 1 << 16)[0]
+    elif kind == "ack":
+        buf = wire.encode_ack_reference(epoch, draw(seqs), draw(st.integers(0, 10**6)) / 1000,
+                                        draw(dense_handles), 1 << 16,
+                                        pending=draw(dense_handles))[0]
+    else:
+        buf = wire.encode_release(epoch, draw(any_handles), draw(expecteds), 1 << 16)[0]
+    how = draw(st.sampled_from(["as_is", "as_is", "flip", "cut", "append"]))
+    if how == "flip" and buf:
+        i = draw(st.integers(0, len(buf) - 1))
+        buf = buf[:i] + bytes([buf[i] ^ draw(st.integers(1, 255))]) + buf[i + 1:]
+    elif how == "cut":
+        buf = buf[:draw(st.integers(0, len(buf)))]
+    elif how == "append":
+        buf = buf + draw(st.binary(min_size=1, max_size=4))
+    return buf
+
+
+@settings(max_examples=400)
+@given(wire_messages(), st.sampled_from([None, EPOCH]), st.sampled_from([1 << 16, 12, 4096]))
+def test_fast_decode_agrees_with_the_reference(buf: bytes, epoch: int | None,
+                                               max_bytes: int) -> None:
+    got = outcome(wire.decode, buf, max_bytes=max_bytes, epoch=epoch)
+    assert got == outcome(wire.decode_reference, buf, max_bytes=max_bytes, epoch=epoch)
+    if isinstance(got, Message):
+        assert type(got) is Message and got.kind_name in ("done", "heartbeat", "ack", "release")
+
+
+def test_fast_decode_takes_the_fast_path_for_hot_messages() -> None:
+    """The hot shapes decode without the reference decoder (it is not consulted)."""
+    hot = [wire.encode_done(EPOCH, 123456, 2), wire.encode_done(EPOCH, 5, 1),
+           *wire.encode_heartbeat(EPOCH, 9, range(1000, 1300), 2, 4096),
+           *wire.encode_ack(EPOCH, 9, 20.0, (), 4096),
+           *wire.encode_ack(EPOCH, 9, 20.0, [4, 6], 4096, pending=[300])]
+    expect = [wire.decode_reference(b) for b in hot]
+    real = wire.decode_reference
+    try:
+        def refuse(*a: Any, **k: Any) -> wire.Message:
+            raise AssertionError("reference decoder used")
+        wire.decode_reference = refuse  # type: ignore[assignment]
+        assert [wire.decode(b, epoch=EPOCH) for b in hot] == expect
+    finally:
+        wire.decode_reference = real  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------
 # Handshake payload
 # ---------------------------------------------------------------------------
 

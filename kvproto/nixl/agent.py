@@ -281,8 +281,9 @@ class Xfer:
                   remote_idx: Sequence[int], notif: bytes, nbytes: int) -> Xfer | str:
         """Build a READ; on failure return the error token."""
         try:
-            h = agent.make_prepped_xfer("READ", local, list(local_idx), remote,
-                                        list(remote_idx), notif)
+            h = agent.make_prepped_xfer(
+                "READ", local, local_idx if type(local_idx) is list else list(local_idx),
+                remote, remote_idx if type(remote_idx) is list else list(remote_idx), notif)
         except Exception as e:
             log.warning("make_prepped_xfer failed: %s", e)
             return error_name(e)

@@ -266,7 +266,9 @@ def throughput(block_bytes: int, k: int, nreq: int, rounds: int, tag: str,
                                                                       strict=True)),
                 "raw_stamps_gbps": nbytes / stamp_med / 1e9, "raw_stamps_rps": nreq / stamp_med,
                 "raw_rps": nreq / raw_med, "kvproto_rps": nreq / man_med,
-                "raw_rounds_s": raw_t, "managed_rounds_s": man_t}
+                "raw_rounds_s": raw_t, "managed_rounds_s": man_t,
+                "stamp_reads_per_request": d.counters.get("stamp_reads", 0)
+                / max(1, d.counters.get("stamp_requests", 0))}
     finally:
         d.close(5.0)
         p.stop()
@@ -340,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         "block_bytes": args.block_kib * 1024, "blocks_per_request": args.blocks_per_request,
         "requests_per_round": args.requests, "rounds": args.rounds,
         "raw_gbps": round(big["raw_gbps"], 4), "kvproto_gbps": round(big["kvproto_gbps"], 4),
-        "ratio": round(big["ratio_paired"], 4),
+        "ratio": round(big["ratio_paired"], 4),  # 256 KiB by default; target >= 0.97
         "ratio_of_medians": round(big["ratio_of_medians"], 4),
         "cpu_ratio": round(big["cpu_ratio"], 4),
         "raw_stamps_gbps": round(big["raw_stamps_gbps"], 4),
@@ -351,6 +353,11 @@ def run(args: argparse.Namespace) -> int:
         "small_block_rps_raw": round(small["raw_rps"], 1),
         "small_block_rps_kvproto": round(small["kvproto_rps"], 1),
         "small_block_ratio": round(small["ratio_paired"], 4),
+        "ratio_4k": round(small["ratio_paired"], 4),  # target >= 0.5 (same figure)
+        "ratio_4k_of_medians": round(small["ratio_of_medians"], 4),
+        # D's CPU time, raw / managed: less sensitive to other load than wall time.
+        "cpu_ratio_4k": round(small["cpu_ratio"], 4),
+        "stamp_reads_per_request_4k": round(small["stamp_reads_per_request"], 4),
         "handshake_ms": round(statistics.median(hs) * 1000, 2),
         "handshake_ms_all": [round(x * 1000, 2) for x in hs],
         "heartbeat_bytes_per_s": round(hb["heartbeat_bytes_per_s"], 1),
@@ -376,7 +383,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"    raw                       {res['small_block_rps_raw']:10.1f} requests/s")
     print(f"    raw + stamp READ          {res['small_block_rps_raw_stamps']:10.1f} requests/s")
     print(f"    kvproto                   {res['small_block_rps_kvproto']:10.1f} requests/s"
-          f"   ratio {res['small_block_ratio']:.3f}")
+          f"   ratio_4k {res['ratio_4k']:.3f} (paired median; target >= 0.5;"
+          f" D CPU time ratio {res['cpu_ratio_4k']:.3f})")
+    print(f"    stamp READs per request   {res['stamp_reads_per_request_4k']:10.3f}"
+          "   (one stamp READ serves every request whose data landed in the same poll)")
     print(f"  handshake latency (median)  {res['handshake_ms']:8.2f} ms  {res['handshake_ms_all']}")
     print(f"  heartbeats at {hb['in_flight']} in flight: {hb['heartbeat_bytes_per_s']:.0f} B/s"
           f" ({hb['bytes_per_request']:.2f} B/request per {hb['heartbeat_interval_s']:g}s round,"

@@ -25,8 +25,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -48,6 +47,7 @@ from kvproto.nixl.agent import (
     DISCONNECT,
     DONE,
     NOT_FOUND,
+    PROC,
     KVRegion,
     RemoteRegion,
     Xfer,
@@ -69,6 +69,9 @@ from kvproto.wire import (
     encode_release,
 )
 
+if TYPE_CHECKING:
+    from kvproto.metrics import Exporter, Metrics
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
@@ -77,16 +80,22 @@ OutHook = Callable[[str, str, bytes], list[bytes]]
 # Test hook called with the request id at a READ phase ("before_post", "before_gen").
 PhaseHook = Callable[[str, str], None]
 
+# Stamps fetched by one stamp READ at most (a request with more blocks gets its own READ).
+# Bounds the descriptor list of one READ; the queue itself is bounded by the local blocks.
+MAX_STAMP_DESCS = 4096
+
+_SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
+
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
           "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
           "wrong_name": "handshake_wrong_peer"}
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
     """A request left the machine. For ``done`` the KV is in ``local_blocks`` of this
-    rank's cache until ``free_local`` is called."""
+    rank's cache until ``free_local`` is called. (A named tuple: one is built per
+    request on D's hot path.)"""
 
     request_id: str
     state: str
@@ -138,21 +147,32 @@ class _Read:
                  "started", "warned", "xfer")
 
     def __init__(self, rid: str, params: TransferParams, local: list[int], started: float,
-                 remote: list[int] | None = None, gens: list[int] | None = None) -> None:
+                 remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
         self.rid = rid
         self.params = params
         self.engine = params.engine
         self.local = local
         # The remote blocks read and the stamps they must carry (all of the params' by
         # default; a suffix when the engine already holds a prefix locally).
-        self.remote = list(params.blocks) if remote is None else remote
-        self.gens = list(params.generations) if gens is None else gens
+        self.remote: Sequence[int] = params.blocks if remote is None else remote
+        self.gens: Sequence[int] = params.generations if gens is None else gens
         self.started = started
         self.phase = "data"
         self.xfer: Xfer | None = None
         self.nbytes = 0
         self.warned = False
         self.extra: list[bytes] = []
+
+
+class _StampBatch:
+    """One READ of the generation stamps of several requests (same P engine)."""
+
+    __slots__ = ("local", "reads", "xfer")
+
+    def __init__(self, reads: list[_Read], local: list[int], xfer: Xfer) -> None:
+        self.reads = reads  # the first one's done rides on this READ
+        self.local = local  # the local stamp slots, in the order of ``reads``
+        self.xfer = xfer
 
 
 class ConsumerAdapter:
@@ -163,7 +183,8 @@ class ConsumerAdapter:
                  tp_size: int = 1, handshake_timeout: float = 2.0, handshake_attempts: int = 4,
                  backoff: float = 0.1, peer_timeout: float | None = None,
                  fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None,
-                 progress_thread: bool = False,
+                 progress_thread: bool = False, metrics: Metrics | None = None,
+                 metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
         are the local blocks: ``schedule`` names the blocks each READ lands in."""
@@ -188,7 +209,10 @@ class ConsumerAdapter:
         self.handshake_version = HANDSHAKE_VERSION  # test hook
         self.engines: dict[str, _Engine] = {}
         self.params: dict[str, TransferParams] = {}
-        self.reads: dict[str, _Read] = {}
+        self.reads: dict[str, _Read] = {}  # every READ not finished yet
+        self._polling: dict[str, _Read] = {}  # data READs posted and still in progress
+        self._stamp_queue: dict[str, list[_Read]] = {}  # engine -> data landed, no stamps yet
+        self._batches: list[_StampBatch] = []  # stamp READs in progress
         self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
         self._want: dict[str, None] = {}  # schedule intents (ordered)
         self._plans: dict[str, list[int]] = {}  # rid -> engine-chosen local blocks
@@ -201,6 +225,25 @@ class ConsumerAdapter:
         self._metadata: bytes = self.agent.get_agent_metadata()
         self._rng = random.Random(hash(name) & 0xFFFF)
         self._closed = False
+        # Prometheus (opt-in), as on P: ``metrics`` shares a registry, ``metrics_port``
+        # (0: any free port) serves it on 127.0.0.1 and becomes the chosen port.
+        self.metrics: Metrics | None = metrics
+        self._exporter: Exporter | None = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None and self.metrics is None:
+            from kvproto.metrics import Metrics
+
+            self.metrics = Metrics(labels={"role": "D", "engine": name})
+        if self.metrics is not None:
+            reads = self.reads
+            self.metrics.track_in_flight(lambda: len(reads))
+        if metrics_port is not None:
+            from kvproto.metrics import serve
+
+            assert self.metrics is not None
+            self._exporter = serve(self.metrics, metrics_port)
+            self.metrics_port = self._exporter.port
+            log.info("%s: metrics on %s", name, self._exporter.url)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -305,9 +348,14 @@ class ConsumerAdapter:
         return e.epoch if e is not None else 0
 
     def _finished(self, f: Finished) -> None:
-        self.params.pop(f.request_id, None)
+        p = self.params.pop(f.request_id, None)
         self._want.pop(f.request_id, None)
         nbytes, secs = self._done_info.pop(f.request_id, (0, 0.0))
+        m = self.metrics
+        if m is not None:
+            m.read_finished(f"{f.state}:{f.reason}", nbytes)
+            if f.state != D_DONE and f.reason != "aborted" and p is not None:
+                m.recomputed(len(p.blocks))  # the engine must prefill these again
         if f.state == D_DONE:
             local = tuple(self._held_local.get(f.request_id, ()))
             self._out.append(Completion(f.request_id, f.state, f.reason, local, nbytes, secs))
@@ -317,11 +365,13 @@ class ConsumerAdapter:
 
     def _send(self, kind: str, engine: str, buf: bytes) -> bool:
         bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
+        c = self.counters
+        sent = _SENT.get(kind) or ("sent:" + kind, "sent_bytes:" + kind)
         for b in bufs:
             try:
                 self.agent.send_notif(engine, b)
-                self._count("sent:" + kind)
-                self._count("sent_bytes:" + kind, len(b))
+                c[sent[0]] = c.get(sent[0], 0) + 1
+                c[sent[1]] = c.get(sent[1], 0) + len(b)
             except Exception as ex:
                 name = error_name(ex)
                 self._count("send_error")
@@ -349,6 +399,8 @@ class ConsumerAdapter:
         for m in msgs:
             if not self._send("heartbeat", hb.engine, m):
                 return
+        if self.metrics is not None:
+            self.metrics.heartbeat(len(hb.handles))
 
     def _flush_releases(self) -> None:
         if not self._releases:
@@ -459,6 +511,8 @@ class ConsumerAdapter:
             e.client = None
         e.state = "idle"
         self._count("handshake_failed:" + reason)
+        if self.metrics is not None:
+            self.metrics.handshake_failed(reason)
         log.warning("%s: handshake with %s failed: %s (%s)", self.name, e.name, reason, detail)
         self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
 
@@ -515,17 +569,29 @@ class ConsumerAdapter:
                         log.debug("remove_remote_agent(%s): %s", e.name, error_name(ex))
 
     # -- reads -----------------------------------------------------------------------------
+    #
+    # A READ is two phases. The data READ runs per request; when it lands the request
+    # joins its P engine's stamp queue, and the next ``poll`` fetches the generation
+    # stamps of every queued request of that engine with one READ (at most
+    # ``MAX_STAMP_DESCS`` stamps per READ). That READ carries the first request's ``done``
+    # as its notification; the machine sends the others' ``done`` (``SendDone``) once
+    # their stamps have landed and matched. So P still hears ``done`` only after the data
+    # and the stamps landed, every stamp is read after its data (fail closed: a stamp that
+    # changed means the blocks were freed, and the data is never served), and a fenced
+    # request other than the carrier sends no ``done`` at all.
     def _post_read(self, pr: PostRead, now: float) -> None:
-        p = self.params.get(pr.request_id)
+        rid = pr.request_id
+        p = self.params.get(rid)
         e = self.engines.get(pr.engine)
-        nblocks = len(pr.blocks)
-        plan = self._plans.get(pr.request_id)
+        blocks = pr.blocks
+        nblocks = len(blocks)
+        plan = self._plans.get(rid)
         why = ""
         if p is None or e is None or e.state != "ready" or e.region is None:
             why = "engine not ready"
         elif p.epoch != e.epoch:
             why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
-        elif nblocks and (min(pr.blocks) < 0 or max(pr.blocks) >= e.region.num_blocks):
+        elif nblocks and (min(blocks) < 0 or max(blocks) >= e.region.num_blocks):
             why = "block id outside P's layout"
         elif len(p.generations) != nblocks:
             why = "params carry no generation per block"
@@ -537,97 +603,185 @@ class ConsumerAdapter:
             why = "no local blocks free"
         if why:
             self._count("read_refused")
-            log.warning("%s: cannot read %s: %s", self.name, pr.request_id, why)
-            self._apply(self.machine.read_result(pr.request_id, False, now), now)
+            log.warning("%s: cannot read %s: %s", self.name, rid, why)
+            self._apply(self.machine.read_result(rid, False, now), now)
             return
         assert p is not None and e is not None and e.region is not None
         if plan is not None:
             local, skip = plan, nblocks - len(plan)
-            rd = _Read(pr.request_id, p, local, now, list(pr.blocks[skip:]),
-                       list(p.generations[skip:]))
+            rd = _Read(rid, p, local, now, blocks[skip:], p.generations[skip:])
         else:
-            local = [self._free_local.popleft() for _ in range(nblocks)]
-            rd = _Read(pr.request_id, p, local, now)
-        self._held_local[pr.request_id] = local
-        self.reads[pr.request_id] = rd
+            free = self._free_local
+            local = [free.popleft() for _ in range(nblocks)]
+            rd = _Read(rid, p, local, now)
+        self._held_local[rid] = local
+        self.reads[rid] = rd
         if self.phase_hook is not None:
-            self.phase_hook("before_post", pr.request_id)
-        nbytes = len(local) * self.region.block_bytes
-        x = Xfer.make_read(self.agent, self.local_kv, self.region.block_index(local),
-                           e.remote_kv, e.region.block_index(rd.remote), b"", nbytes)
-        self._start(rd, x, now)
-
-    def _start(self, rd: _Read, x: Xfer | str, now: float) -> None:
+            self.phase_hook("before_post", rid)
+        if self.region.segments or e.region.segments:  # engine caches: descriptor indices
+            x = Xfer.make_read(self.agent, self.local_kv, self.region.block_index(local),
+                               e.remote_kv, e.region.block_index(rd.remote), b"",
+                               len(local) * self.region.block_bytes)
+        else:
+            x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, blocks, b"",
+                               nblocks * self.region.block_bytes)
         if isinstance(x, str):
             self._read_failed(rd, x, now)
             return
         rd.xfer = x
         st = x.post()
-        if st.startswith("error"):
+        if st == DONE:
+            self._data_landed(rd, now)
+        elif st == PROC:
+            self._polling[rid] = rd
+        else:
             self._read_failed(rd, st, now)
-        elif st == DONE:
-            self._advance(rd, now)
 
     def _poll_reads(self, now: float) -> None:
-        for rd in list(self.reads.values()):
-            x = rd.xfer
-            if x is None:
-                continue
-            st = x.poll()
-            if st == DONE:
-                self._advance(rd, now)
-            elif st.startswith("error"):
-                self._read_failed(rd, st, now)
-            elif not rd.warned and now - rd.started > self.config.max_read_time:
-                rd.warned = True
-                self._count("read_over_max_read_time")
-                log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
-                            self.name, rd.rid)
+        if self._batches:
+            for b in list(self._batches):
+                st = b.xfer.poll()
+                if st == PROC:
+                    self._warn_slow(b.reads[0], now)
+                    continue
+                self._batches.remove(b)
+                if st == DONE:
+                    self._stamps_landed(b, now)
+                else:
+                    self._release_xfer(b.xfer)
+                    for rd in b.reads:
+                        self._read_failed(rd, st, now)
+        if self._polling:
+            for rd in list(self._polling.values()):
+                x = rd.xfer
+                assert x is not None
+                st = x.poll()
+                if st == PROC:
+                    self._warn_slow(rd, now)
+                    continue
+                del self._polling[rd.rid]
+                if st == DONE:
+                    self._data_landed(rd, now)
+                else:
+                    self._read_failed(rd, st, now)
+        if self._stamp_queue:
+            self._post_stamps(now)
+
+    def _warn_slow(self, rd: _Read, now: float) -> None:
+        if not rd.warned and now - rd.started > self.config.max_read_time:
+            rd.warned = True
+            self._count("read_over_max_read_time")
+            log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
+                        self.name, rd.rid)
 
     def _release_xfer(self, x: Xfer) -> None:
         if not x.release():
             self.zombies.append(x)
 
-    def _advance(self, rd: _Read, now: float) -> None:
+    def _data_landed(self, rd: _Read, now: float) -> None:
+        """The data READ landed: release it and queue the request for its stamp READ."""
         x = rd.xfer
         assert x is not None
         rd.nbytes += x.nbytes
         self._release_xfer(x)
         rd.xfer = None
-        if rd.phase == "data":
-            rd.phase = "gen"
-            if self.phase_hook is not None:
-                self.phase_hook("before_gen", rd.rid)
-            e = self.engines.get(rd.engine)
-            if e is None or e.remote_gen is None:
-                self._read_failed(rd, "error:peer_gone", now)
-                return
-            p = rd.params
-            notif = encode_done(p.epoch, p.handle, p.expected)
-            notifs = self.fault_hook("done", rd.engine, notif) if self.fault_hook else [notif]
-            # The done notification rides on the stamp READ (a dropped one rides on nothing).
-            g = Xfer.make_read(self.agent, self.local_gen, rd.local, e.remote_gen,
-                               rd.remote, notifs[0] if notifs else b"", 0)
-            rd.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps landed
-            self._start(rd, g, now)
-            return
-        # Both READs landed: compare the stamps (fail closed).
-        del self.reads[rd.rid]
-        for extra in rd.extra:
-            self._send_raw(rd.engine, extra)
-        if self._gen_view is not None:  # DRAM: a numpy view of the registered stamps
-            got = self._gen_view[rd.local].tolist()
-        else:  # pragma: no cover - VRAM
-            got = self.region.gen[torch.tensor(rd.local, dtype=torch.int64,
-                                               device=self.region.gen.device)].tolist()
-        fenced = got != rd.gens
-        if fenced:
-            self._count("fenced")
-            log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
-                        got[:4], rd.gens[:4])
+        rd.phase = "gen"
+        if self.phase_hook is not None:
+            self.phase_hook("before_gen", rd.rid)
+        q = self._stamp_queue.get(rd.engine)
+        if q is None:
+            self._stamp_queue[rd.engine] = [rd]
         else:
-            self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
-        self._apply(self.machine.read_result(rd.rid, True, now, fenced=fenced), now)
+            q.append(rd)
+
+    def _post_stamps(self, now: float) -> None:
+        queued, self._stamp_queue = self._stamp_queue, {}
+        for engine, rds in queued.items():
+            e = self.engines.get(engine)
+            if e is None or e.remote_gen is None or e.state != "ready":
+                for rd in rds:
+                    self._read_failed(rd, "error:peer_gone", now)
+                continue
+            if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
+                for rd in [rd for rd in rds if rd.params.epoch != e.epoch]:
+                    self._read_failed(rd, "error:peer_gone", now)
+                rds = [rd for rd in rds if rd.params.epoch == e.epoch]
+            start = 0
+            while start < len(rds):
+                end = start + 1
+                ndesc = len(rds[start].local)
+                while end < len(rds) and ndesc + len(rds[end].local) <= MAX_STAMP_DESCS:
+                    ndesc += len(rds[end].local)
+                    end += 1
+                self._post_stamp_batch(e, rds[start:end], now)
+                start = end
+
+    def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
+        carrier = rds[0]
+        p = carrier.params
+        notif = encode_done(p.epoch, p.handle, p.expected)
+        notifs = self.fault_hook("done", e.name, notif) if self.fault_hook else [notif]
+        carrier.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps
+        if len(rds) == 1:
+            local: list[int] = carrier.local
+            remote: Sequence[int] = carrier.remote
+        else:
+            local = [b for rd in rds for b in rd.local]
+            remote = [b for rd in rds for b in rd.remote]
+        # The carrier's done rides on the stamp READ (a dropped one rides on nothing).
+        x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote,
+                           notifs[0] if notifs else b"", 0)
+        if isinstance(x, str):
+            for rd in rds:
+                self._read_failed(rd, x, now)
+            return
+        b = _StampBatch(rds, local, x)
+        self._count("stamp_reads")
+        self._count("stamp_requests", len(rds))
+        st = x.post()
+        if st == DONE:
+            self._stamps_landed(b, now)
+        elif st == PROC:
+            self._batches.append(b)
+        else:
+            self._release_xfer(x)
+            for rd in rds:
+                self._read_failed(rd, st, now)
+
+    def _stamps_landed(self, b: _StampBatch, now: float) -> None:
+        """Compare every request's stamps with its params (fail closed) and finish it."""
+        self._release_xfer(b.xfer)
+        gv = self._gen_view
+        if gv is not None:  # DRAM: a numpy view of the registered stamps
+            # Few stamps: scalar reads (numpy fancy indexing has a ~7 us fixed cost).
+            got = [int(gv[i]) for i in b.local] if len(b.local) <= 8 else gv[b.local].tolist()
+        else:  # pragma: no cover - VRAM
+            got = self.region.gen[torch.tensor(b.local, dtype=torch.int64,
+                                               device=self.region.gen.device)].tolist()
+        rds = b.reads
+        carrier = rds[0]
+        for extra in carrier.extra:
+            self._send_raw(carrier.engine, extra)
+        reads = self.reads
+        machine = self.machine
+        off = 0
+        for rd in rds:
+            n = len(rd.local)
+            mine = got[off:off + n] if len(rds) > 1 else got
+            off += n
+            expect = rd.gens
+            fenced = tuple(mine) != tuple(expect)
+            del reads[rd.rid]
+            if fenced:
+                self._count("fenced")
+                if self.metrics is not None:
+                    self.metrics.fenced()
+                log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
+                            mine[:4], list(expect[:4]))
+            else:
+                self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
+            self._apply(machine.read_result(rd.rid, True, now, fenced=fenced,
+                                            notif_attached=rd is carrier), now)
 
     def _read_failed(self, rd: _Read, why: str, now: float) -> None:
         self._count("read_error:" + why)
@@ -635,12 +789,18 @@ class ConsumerAdapter:
         if rd.xfer is not None:
             self._release_xfer(rd.xfer)
             rd.xfer = None
+        self._polling.pop(rd.rid, None)
         self.reads.pop(rd.rid, None)
         self._apply(self.machine.read_result(rd.rid, False, now), now)
         if why == DISCONNECT:
             self._lose(rd.engine, now, "READ reported REMOTE_DISCONNECT")
 
     # -- notifications (acks) ----------------------------------------------------------------
+    def _rejected(self, reason: str) -> None:
+        self._count("rejected:" + reason)
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
     def _poll_notifs(self, now: float) -> None:
         try:
             notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
@@ -653,22 +813,22 @@ class ConsumerAdapter:
             e = self.engines.get(name)
             for m in msgs:
                 if e is None or e.state != "ready":
-                    self._count("rejected:unknown_peer")
+                    self._rejected("unknown_peer")
                     log.info("%s: message from unknown or not-ready peer %r rejected",
                              self.name, name[:64])
                     continue
                 try:
                     msg = decode(m, max_bytes=self.config.max_message_bytes, epoch=e.epoch)
                 except WireError as ex:
-                    self._count("rejected:" + ex.reason)
+                    self._rejected(ex.reason)
                     log.info("%s: bad message from %s: %s", self.name, name, ex)
                     continue
                 except Exception:  # the decoder should only raise WireError
-                    self._count("rejected:malformed")
+                    self._rejected("malformed")
                     log.exception("%s: decoding a message from %s failed", self.name, name)
                     continue
                 if msg.kind != KIND_ACK:
-                    self._count("rejected:unexpected_kind")
+                    self._rejected("unexpected_kind")
                     log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
                              name)
                     continue
@@ -694,3 +854,6 @@ class ConsumerAdapter:
             if e.client is not None:
                 e.client.close()
         self.region.close()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None

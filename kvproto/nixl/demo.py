@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw held blocks over time, faults marked")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="KV memory: cuda (VRAM) when present, else cpu (DRAM)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve P's Prometheus metrics on 127.0.0.1:PORT while the demo runs "
+                        "(0: any free port; the D ranks get free ports too); the URLs are "
+                        "printed and go in the report")
     p.add_argument("--json", action="store_true", help="also print the report as one JSON object")
 
 
@@ -104,6 +108,7 @@ class Demo:
         self.pending_aborts: list[tuple[float, str, str]] = []  # (t, "P"|rank, rid)
         self.not_admitted = Counter[str]()
         self.unexpected_deaths: list[str] = []
+        self.metrics_urls: dict[str, str] = {}  # process name -> Prometheus endpoint
         device = args.device
         if device == "auto":
             import torch
@@ -142,8 +147,9 @@ class Demo:
         tag = f"{os.getpid()}-{self.args.seed}"
         pname = f"demo-P-{tag}"
         self.pname = pname
+        mport = getattr(self.args, "metrics_port", None)
         popts = {"drop": self.args.drop, "dup": self.args.dup, "seed": self.args.seed,
-                 "journal": self.journal, "device": self.device}
+                 "journal": self.journal, "device": self.device, "metrics_port": mport}
         p = self._spawn("P", producer_main, pname, self.cfg.to_dict(), self.args.p_blocks,
                         self.block_bytes, popts)
         self.engines = {"A": ("A",), "B": ("B0", "B1"), "C": ("C",)}
@@ -151,7 +157,8 @@ class Demo:
             for i, rank in enumerate(ranks):
                 self._spawn(rank, consumer_main, f"demo-D{rank}-{tag}", self.cfg.to_dict(),
                             512, self.block_bytes, {},
-                            {"device": self.device, "tp_rank": i, "tp_size": len(ranks)})
+                            {"device": self.device, "tp_rank": i, "tp_size": len(ranks),
+                             "metrics_port": None if mport is None else 0})
         _, host, port, epoch = self._expect(p, "ready")
         for eng_ranks in self.engines.values():
             for rank in eng_ranks:
@@ -160,6 +167,12 @@ class Demo:
         print(f"kvproto demo: P {pname} (epoch {epoch}) on {host}:{port}; D engines "
               f"A (1 rank), B (2 ranks, fan-in 2), C (1 rank, killed mid-run); "
               f"device {self.device}; seed {self.args.seed}", flush=True)
+        if mport is not None:
+            end = time.monotonic() + 10
+            while len(self.metrics_urls) < len(self.procs) and time.monotonic() < end:
+                self._poll(0.05)
+            for name in sorted(self.metrics_urls, key=lambda n: (n != "P", n)):
+                print(f"metrics: {name} {self.metrics_urls[name]}", flush=True)
 
     # -- messages ---------------------------------------------------------------------------
     def _on_msg(self, p: Proc, m: tuple[Any, ...]) -> None:
@@ -180,6 +193,8 @@ class Demo:
                 self.read_seconds += secs
                 self.corrupted += corrupted
             self._settle(r)
+        elif kind == "metrics":
+            self.metrics_urls[p.name] = f"http://127.0.0.1:{int(m[2])}/metrics"
         elif kind == "stats":
             if p.name == "P":
                 self.p_stats = m[1]
@@ -410,6 +425,7 @@ class Demo:
             "p_invariants": ps.get("invariants", ["no final stats from P"]),
             "unexpected_deaths": self.unexpected_deaths,
             "journal": self.journal,
+            "metrics": dict(self.metrics_urls),
         }
         clean = (double_frees == 0 and self.corrupted == 0 and reclaimed and not open_reqs
                  and not report["p_invariants"] and not self.unexpected_deaths and completed > 0)
@@ -495,6 +511,11 @@ def print_report(r: dict[str, Any]) -> None:
     if r["open"]:
         line("requests without an outcome", r["open"])
     line("event journal", r["journal"])
+    if r.get("metrics"):
+        line("metrics (served while running)", r["metrics"].get("P", ""))
+        for name, url in sorted(r["metrics"].items()):
+            if name != "P":
+                line(f"  D rank {name}", url)
     print(f"  result: {'CLEAN' if r['clean'] else 'NOT CLEAN'}")
 
 
@@ -505,6 +526,21 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto demo: the nixl package is not importable", file=sys.stderr)
         return 3
     quiet_nixl_logging()
+    port = getattr(args, "metrics_port", None)
+    if port is not None:
+        import socket
+
+        if not 0 <= port <= 65535:
+            print(f"kvproto demo: --metrics-port {port} is not a TCP port (0-65535)",
+                  file=sys.stderr)
+            return 2
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                print(f"kvproto demo: cannot serve metrics on 127.0.0.1:{port}: {e.strerror}",
+                      file=sys.stderr)
+                return 2
     demo = Demo(args)
     try:
         report = demo.run()

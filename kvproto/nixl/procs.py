@@ -52,6 +52,14 @@ def _setup_logging(level: int) -> None:
     quiet_nixl_logging()  # NIXL logs every agent creation at INFO to stdout otherwise
 
 
+def _metrics_port(opts: dict[str, Any]) -> int | None:
+    """``opts["metrics_port"]``: serve Prometheus metrics on 127.0.0.1 (0: any free port);
+    absent or None: no exporter. The chosen port is reported as ("metrics", name, port)
+    right after "ready"."""
+    v = opts.get("metrics_port")
+    return None if v is None else int(v)
+
+
 def _fault_rng_hook(drop: float, dup: float, seed: int, stats: dict[str, int]) -> Any:
     rng = random.Random(seed)
 
@@ -102,11 +110,14 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         sink=writer.sink if writer is not None else None,
                         strict_pool=False, observer=observe,
                         epoch=opts.get("epoch"),
-                        progress_thread=bool(opts.get("progress_thread", False)))
+                        progress_thread=bool(opts.get("progress_thread", False)),
+                        metrics_port=_metrics_port(opts))
     idle_sleep = float(opts.get("idle_sleep", 0.0005))
     if opts.get("handshake_version"):
         p.handshake_version = int(opts["handshake_version"])
     conn.send(("ready", p.host, p.port, p.epoch))
+    if p.metrics_port is not None:
+        conn.send(("metrics", name, p.metrics_port))
     stop = False
     try:
         while not stop:
@@ -162,7 +173,8 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         "adapter": dict(p.counters), "violations": p.pool.violations,
                         "invariants": p.check_invariants(), "faults": dict(faults),
                         "stranded_block_seconds": stats["stranded_block_seconds"],
-                        "peers": sorted(p.peers), "t": time.monotonic()}))
+                        "peers": sorted(p.peers), "metrics_port": p.metrics_port,
+                        "t": time.monotonic()}))
                 elif op == "pause":  # benchmarks/tests: stop polling for a while
                     time.sleep(float(cmd[1]))
                 elif op == "stop":
@@ -198,7 +210,8 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     device = str(opts.get("device") or default_device())
     d = ConsumerAdapter(name, cfg, num_blocks=num_blocks, block_bytes=block_bytes,
                         device=device, phase_hook=phase if stall else None,
-                        tp_rank=int(opts.get("tp_rank", 0)), tp_size=int(opts.get("tp_size", 1)))
+                        tp_rank=int(opts.get("tp_rank", 0)), tp_size=int(opts.get("tp_size", 1)),
+                        metrics_port=_metrics_port(opts))
     if opts.get("handshake_version"):
         d.handshake_version = int(opts["handshake_version"])
     for eng, (host, port) in engines.items():
@@ -206,6 +219,8 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     keys: dict[str, str] = {}
     sched_at: dict[str, float] = {}
     conn.send(("ready", name))
+    if d.metrics_port is not None:
+        conn.send(("metrics", name, d.metrics_port))
     stop = False
     try:
         while not stop:
@@ -251,7 +266,8 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                     conn.send(("stats", {"counters": dict(d.counters),
                                          "finished": dict(d.machine.finished),
                                          "machine": dict(d.machine.counters),
-                                         "in_flight": d.in_flight, "name": name}))
+                                         "in_flight": d.in_flight, "name": name,
+                                         "metrics_port": d.metrics_port}))
                 elif op == "stop":
                     stop = True
             time.sleep(0.001 if not comps and not d.in_flight else 0.0001)

@@ -371,6 +371,9 @@ class _DWorker:
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
+        # Admitted and not finished: request id -> (P engine, handle), and those keys.
+        self.admitted: dict[str, tuple[str, int]] = {}
+        self.handles: set[tuple[str, int]] = set()
         self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
@@ -383,10 +386,16 @@ class _DWorker:
     def apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
+            key = (ad.params.engine, ad.params.handle)
+            if ad.request_id in self.admitted or key in self.handles:
+                # The same handle twice (e.g. D's n>1 children share P's params): one
+                # pulls, the others prefill locally.
+                self._ended(ad.request_id)
+                continue
+            self.admitted[ad.request_id] = key
+            self.handles.add(key)
             a.add_engine(ad.params.engine, ad.host, ad.port)
             a.admit(ad.request_id, ad.params)
-            if a.state(ad.request_id) == "new":  # not admitted (a duplicate handle)
-                self._ended(ad.request_id)
         for ld in orders.loads:
             rid = ld.request_id
             if rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
@@ -425,6 +434,9 @@ class _DWorker:
 
     def _drain(self, completions: Iterable[Completion]) -> None:
         for c in completions:
+            key = self.admitted.pop(c.request_id, None)
+            if key is not None:
+                self.handles.discard(key)
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
