@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.vllm,
 CONNECTOR = os.environ.get("KVPROTO_E2E_CONNECTOR", "kvproto")
 STOCK = CONNECTOR == "stock"
 MAX_TOKENS = 8
+SAMPLE_SEED = 7
 P_KV_BYTES = 8 << 20        # P: 128 blocks of 32 tokens, so that churn reuses all of them
 FREE_TIMEOUT = 8 * sc.LEASE + 20.0   # a hang bound, not a timing assertion
 
@@ -72,6 +73,7 @@ class Pair:
         self.pd = pd
         self.ref = reference
         self.journals = journals
+        self.sampled: dict[str, list[list[int]]] = {}
         self.baseline = int(pd.p.stats()["free_blocks"])
 
     def p_back_to_baseline(self) -> tuple[bool, float]:
@@ -93,8 +95,14 @@ def pair(model: str, workdir: Path) -> Iterator[Pair]:
     pd = h.PD(p, d)
     try:
         reference = sc.reference_outputs(ref, ALL, max_tokens=MAX_TOKENS)
+        # n=2 on D needs sampling (vLLM refuses n>1 greedy): seeded, so the single engine
+        # gives the completions D must reproduce from P's KV
+        sampled = ref.generate({f"{k}-s": v for k, v in NGEN.items()}, max_tokens=MAX_TOKENS,
+                               n=2, temperature=1.0, seed=SAMPLE_SEED)
         ref.close()
-        yield Pair(pd, reference, [workdir / "P1.jsonl", workdir / "D1.jsonl"])
+        pr = Pair(pd, reference, [workdir / "P1.jsonl", workdir / "D1.jsonl"])
+        pr.sampled = {k[:-2]: r.token_ids for k, r in sampled.items()}
+        yield pr
     finally:
         ref.kill()
         pd.close()
@@ -228,15 +236,20 @@ def test_abort_on_p_after_prefill(pair: Pair) -> None:
 
 
 def test_n_greater_than_one(pair: Pair) -> None:
-    """n=2 on P (two sibling prefills), D decodes once: D's output equals the reference
-    and every sibling's blocks come back to P exactly once."""
+    """n=2 on P (two sibling prefills) and n=2 on D (two children sharing P's params):
+    D's completions equal the single engine's (greedy n=1, and seeded sampling n=2), and
+    every sibling's blocks come back to P exactly once."""
     for rid, prompt in NGEN.items():
         res = pair.pd.prefill(rid, prompt, n=2)
         assert res.kv_transfer_params, res
         pair.pd.submit_decode(rid, prompt, res, max_tokens=MAX_TOKENS)
-    out = pair.pd.d.wait(NGEN, 120)
+        res2 = pair.pd.prefill(rid + "-s", prompt, n=2)
+        pair.pd.submit_decode(rid + "-s", prompt, res2, max_tokens=MAX_TOKENS, n=2,
+                              temperature=1.0, seed=SAMPLE_SEED)
+    out = pair.pd.d.wait([*NGEN, *(f"{k}-s" for k in NGEN)], 120)
     for rid in NGEN:
         assert out[rid].tokens == pair.ref[rid], rid
+        assert out[rid + "-s"].token_ids == pair.sampled[rid], rid
     ok, _ = pair.p_back_to_baseline()
     assert ok
     if not STOCK:

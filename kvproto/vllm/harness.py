@@ -534,10 +534,11 @@ class PD:
                           kv_transfer_params={"do_remote_decode": True}, **kw)
 
     def submit_decode(self, rid: str, prompt: Sequence[int], p_result: Result, *,
-                      max_tokens: int = 8, n: int = 1) -> None:
+                      max_tokens: int = 8, n: int = 1, temperature: float = 0.0,
+                      seed: int | None = None) -> None:
         """Send a request to D with P's transfer params, unchanged."""
-        self.d.submit(rid, prompt, max_tokens=max_tokens, n=n,
-                      kv_transfer_params=p_result.kv_transfer_params)
+        self.d.submit(rid, prompt, max_tokens=max_tokens, n=n, temperature=temperature,
+                      seed=seed, kv_transfer_params=p_result.kv_transfer_params)
 
     def run(self, prompts: Mapping[str, Sequence[int]], *, max_tokens: int = 8,
             timeout: float = 180.0) -> dict[str, Result]:
@@ -743,12 +744,18 @@ class _Child:  # pragma: no cover - runs in the engine process
                 continue
             if m["first_token_t"] is None and any(len(c.token_ids) for c in o.outputs):
                 m["first_token_t"] = now
+            # n>1: an output may carry only the children that progressed; keep each
+            # child's latest (cumulative) completion by its index
+            comp = m.setdefault("comp", {})
+            for c in o.outputs:
+                comp[c.index] = (list(c.token_ids), c.finish_reason)
             if not o.finished:
                 continue
+            done = [comp[i] for i in sorted(comp)]
             self.conn.send(("out", {
                 "rid": rid, "internal_id": self.ids.get(rid, rid),
-                "token_ids": [list(c.token_ids) for c in o.outputs],
-                "finish_reasons": [c.finish_reason for c in o.outputs],
+                "token_ids": [t for t, _ in done],
+                "finish_reasons": [f for _, f in done],
                 "kv_transfer_params": _plain(o.kv_transfer_params),
                 "submit_t": m["submit_t"], "first_token_t": m["first_token_t"],
                 "finish_t": now, "error": None}))
