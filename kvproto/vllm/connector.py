@@ -118,6 +118,7 @@ from kvproto.vllm.sched import (
 
 if TYPE_CHECKING:
     from kvproto.journal import JournalWriter
+    from kvproto.metrics import Exporter, Metrics
     from kvproto.nixl.consumer import Completion, ConsumerAdapter
     from kvproto.nixl.producer import ProducerAdapter
 
@@ -271,7 +272,7 @@ class _PWorker:
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, port: int) -> None:
+                 num_blocks: int, port: int, metrics: Metrics | None = None) -> None:
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -289,7 +290,8 @@ class _PWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
-            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread)
+            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
+            metrics=metrics)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -354,7 +356,7 @@ class _DWorker:
     """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int) -> None:
+                 num_blocks: int, metrics: Metrics | None = None) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
@@ -369,7 +371,8 @@ class _DWorker:
         self.adapter: ConsumerAdapter = ConsumerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
-            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors)
+            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
+            metrics=metrics)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Admitted and not finished: request id -> (P engine, handle), and those keys.
         self.admitted: dict[str, tuple[str, int]] = {}
@@ -508,6 +511,7 @@ class KVProtoConnector(KVConnectorBase_V1):
         self.dw: _DWorker | None = None
         self._delta = _Delta()
         self._next_stats = 0.0
+        self._exporter: Exporter | None = None
         # Worker: this step's outputs, handed to vLLM by the hooks below.
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
@@ -530,11 +534,20 @@ class KVProtoConnector(KVConnectorBase_V1):
         from kvproto.nixl.agent import quiet_nixl_logging
 
         quiet_nixl_logging()
+        metrics: Metrics | None = None
+        if self.opts.metrics_port is not None:  # kvproto's own registry, P and D
+            from kvproto.metrics import Metrics, serve
+
+            metrics = Metrics(labels={"engine": self.engine_id})
         if self.opts.producer:
             self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
-                               self.opts.handshake_port)
+                               self.opts.handshake_port, metrics)
         if self.opts.consumer:
-            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks)
+            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
+                               metrics)
+        if metrics is not None and self.opts.metrics_port is not None:
+            self._exporter = serve(metrics, self.opts.metrics_port)
+            log.info("kvproto: metrics on %s", self._exporter.url)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.pw is None:
@@ -643,6 +656,9 @@ class KVProtoConnector(KVConnectorBase_V1):
                 except Exception as e:  # pragma: no cover - teardown
                     log.debug("kvproto shutdown: %s", e)
         self.pw = self.dw = None
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
 
     # -- scheduler side ------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
