@@ -11,15 +11,17 @@ from kvproto import cli
 from kvproto.vllm.bench import ConnectorRun, build_report, format_report
 
 
-def _run(wrong: int, late_wrong: int, tok_s: list[float]) -> ConnectorRun:
+def _run(wrong: int, late_wrong: int, tok_s: list[float], cpu: float = 1.0) -> ConnectorRun:
     return ConnectorRun(requests=64, wrong=wrong, errors=0, late_requests=4,
                         late_wrong=late_wrong, round_tok_s=tok_s, ttft_ms=[10.0, 30.0],
-                        stranded_block_seconds=12.345, seconds_to_free=2.0)
+                        stranded_block_seconds=12.345, seconds_to_free=2.0,
+                        round_cpu_ms_per_tok=[cpu, cpu * 2])
 
 
 def test_report_has_the_issue_keys_and_ratio() -> None:
     rep = build_report({"stock": _run(0, 4, [100.0, 200.0, 300.0]),
-                        "kvproto": _run(0, 0, [99.0, 190.0, 330.0])}, meta={"wall_s": 1.0})
+                        "kvproto": _run(0, 0, [99.0, 190.0, 330.0], cpu=1.25)},
+                       meta={"wall_s": 1.0})
     for name in ("stock", "kvproto"):
         e = rep[name]
         assert set(e) >= {"requests", "wrong_outputs", "throughput_tok_s", "ttft_ms_mean",
@@ -32,6 +34,7 @@ def test_report_has_the_issue_keys_and_ratio() -> None:
     assert rep["throughput_ratio"] == 0.95
     assert rep["throughput_ratio_paired"] == 0.99   # median of 0.99, 0.95, 1.1
     assert rep["wall_s"] == 1.0
+    assert rep["stock"]["cpu_ms_per_token"] == 1.5 and rep["cpu_efficiency_ratio"] == 0.8
     json.dumps(rep)   # one JSON object
     text = format_report(rep)
     assert "wrong_outputs" in text and "0.95" in text

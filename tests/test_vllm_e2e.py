@@ -249,6 +249,12 @@ def test_pair_journals_validate(pair: Pair) -> None:
     assert pair.pd.p.alive() and pair.pd.d.alive()
     st = pair.pd.p.stats()
     assert int(st["free_blocks"]) == pair.baseline and st["scheduler_requests"] == 0
+    if not STOCK:
+        for e in (pair.pd.p, pair.pd.d):
+            c = _counters(e)
+            assert "invariant_violations" in c and "held_blocks" in c, (e.spec.name, c)
+            assert _num(c, "invariant_violations") == 0, (e.spec.name, c)
+            assert _num(c, "held_blocks") == 0, (e.spec.name, c)
     pair.pd.close()
     if STOCK:
         pytest.skip("the stock connector writes no journal")

@@ -14,7 +14,9 @@ Per connector: a P/D pair (separate processes) runs
   integrated over time until P has them all back (``stranded_block_seconds``).
 
 Every D output is compared token for token with a single engine that has no connector
-(``wrong_outputs``). Progress goes to stderr; ``--json`` prints one JSON object on stdout:
+(``wrong_outputs``). ``cpu_efficiency_ratio`` (stock/kvproto CPU time of P and D per
+generated token, medians over rounds) is the figure other load on the machine disturbs
+least. Progress goes to stderr; ``--json`` prints one JSON object on stdout:
 ``stock``, ``kvproto`` (``requests``, ``wrong_outputs``, ``errors``, ``throughput_tok_s``,
 ``ttft_ms_mean``, ``stranded_block_seconds``, ...) and ``throughput_ratio``
 (kvproto/stock). Exit codes: 0 done, 1 kvproto served a wrong output, 2 bad arguments,
@@ -38,6 +40,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CONNECTORS = ("stock", "kvproto")
+IDLE_S = 5.0   # seconds both pairs sit idle while their CPU use is measured
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,11 +70,13 @@ class ConnectorRun:
     late_wrong: int = 0
     late_errors: int = 0
     round_tok_s: list[float] = field(default_factory=list)
+    round_cpu_ms_per_tok: list[float] = field(default_factory=list)
+    idle_cpu_pct: float = 0.0
     ttft_ms: list[float] = field(default_factory=list)
     stranded_block_seconds: float = 0.0
     stranded_freed: bool = True
     seconds_to_free: float = 0.0
-    counters: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)   # kvproto's own, per side
 
 
 def build_report(runs: dict[str, ConnectorRun], *, meta: dict[str, Any] | None = None
@@ -90,6 +95,9 @@ def build_report(runs: dict[str, ConnectorRun], *, meta: dict[str, Any] | None =
             "throughput_tok_s": round(statistics.median(r.round_tok_s), 1)
             if r.round_tok_s else 0.0,
             "throughput_rounds_tok_s": [round(x, 1) for x in r.round_tok_s],
+            "idle_cpu_pct": round(r.idle_cpu_pct, 1),
+            "cpu_ms_per_token": round(statistics.median(r.round_cpu_ms_per_tok), 3)
+            if r.round_cpu_ms_per_tok else None,
             "ttft_ms_mean": round(statistics.fmean(r.ttft_ms), 2) if r.ttft_ms else 0.0,
             "stranded_block_seconds": round(r.stranded_block_seconds, 2),
             "stranded_all_freed": r.stranded_freed,
@@ -107,6 +115,11 @@ def build_report(runs: dict[str, ConnectorRun], *, meta: dict[str, Any] | None =
         paired = round(statistics.median(pairs), 4) if pairs else None
     out["throughput_ratio"] = ratio
     out["throughput_ratio_paired"] = paired
+    cpu = None
+    if s and k and s.round_cpu_ms_per_tok and k.round_cpu_ms_per_tok:
+        km = statistics.median(k.round_cpu_ms_per_tok)
+        cpu = round(statistics.median(s.round_cpu_ms_per_tok) / km, 4) if km > 0 else None
+    out["cpu_efficiency_ratio"] = cpu
     if meta:
         out.update(meta)
     return out
@@ -160,6 +173,14 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for name in names:   # warm-up (first-use costs in both engines), not counted
             warm = {f"{name}-warm-{k}": v for k, v in list(rounds[0].items())[:4]}
             pairs[name].run(warm, max_tokens=2)
+        # idle cost: CPU the pairs use while holding nothing and serving nothing
+        idle0 = {n: pairs[n].p.cpu_seconds() + pairs[n].d.cpu_seconds() for n in names}
+        t_idle = time.monotonic()
+        time.sleep(IDLE_S)
+        for n in names:
+            used = pairs[n].p.cpu_seconds() + pairs[n].d.cpu_seconds() - idle0[n]
+            runs[n].idle_cpu_pct = 100.0 * used / (time.monotonic() - t_idle)
+            log.info("%s: idle P+D use %.1f%% of a core", n, runs[n].idle_cpu_pct)
         for i, prompts in enumerate(rounds):
             order = names if i % 2 == 0 else names[::-1]
             for name in order:
@@ -172,6 +193,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 run.errors += len(out.errors)
                 run.ttft_ms += out.ttft_ms
                 run.round_tok_s.append(out.throughput_tok_s)
+                if out.tokens:
+                    run.round_cpu_ms_per_tok.append(1000.0 * out.extra["cpu_s"] / out.tokens)
                 log.info("round %d %s: %.0f tok/s, %d wrong, %d errors", i, name,
                          out.throughput_tok_s, len(out.wrong), len(out.errors))
         for name in names:
@@ -189,8 +212,10 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for name in names:
             pd = pairs[name]
             if name == "kvproto":
-                runs[name].counters = {k: v for k, v in pd.p.connector_stats().items()
-                                       if isinstance(v, (int, float))}
+                runs[name].counters = {
+                    side: {k: v for k, v in e.connector_stats().items()
+                           if isinstance(v, (int, float)) and v}
+                    for side, e in (("P", pd.p), ("D", pd.d))}
             log.info("%s: D killed with %d unread requests", name, len(kill))
             out = sc.d_killed(pd, {f"{name}-{k}": v for k, v in kill.items()},
                               timeout=max(60.0, 10 * args.lease))
@@ -259,5 +284,6 @@ def format_report(res: dict[str, Any]) -> str:
     lines.append(f"{'late D wrong outputs':24}"
                  + "".join(f"{res[n]['late_d']['wrong_outputs']!s:>14}" for n in names))
     lines.append(f"throughput_ratio (kvproto/stock): {res['throughput_ratio']} "
-                 f"(paired rounds: {res['throughput_ratio_paired']})")
+                 f"(paired rounds: {res['throughput_ratio_paired']}; CPU per token, "
+                 f"stock/kvproto: {res.get('cpu_efficiency_ratio')})")
     return "\n".join(lines)

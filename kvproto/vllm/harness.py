@@ -35,7 +35,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -259,6 +259,15 @@ class Engine:
                 raise HarnessError(f"{self.spec.name}: not ready after {timeout:.0f} s"
                                    f"{self._log_tail()}")
         return self
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads) the engine process has used so far;
+        0.0 where /proc is unavailable or the process is gone."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def alive(self) -> bool:
         return self._proc.is_alive() and not self._dead
@@ -552,33 +561,6 @@ class PD:
     def close(self) -> None:
         for e in (self.d, self.p):
             e.close()
-
-
-@contextlib.contextmanager
-def pd_pair(model: str, workdir: str | os.PathLike[str], connector: dict[str, Any],
-            **kw: Any) -> Iterator[PD]:
-    p_spec, d_spec = pd_specs(model, workdir, connector, **kw)
-    p, d = start_engines([p_spec, d_spec])
-    pd = PD(p, d)
-    try:
-        yield pd
-    finally:
-        pd.close()
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.2,
-             engines: Sequence[Engine] = ()) -> bool:
-    """Poll ``predicate()`` until true or ``timeout``; keeps draining ``engines``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        for e in engines:
-            if e.alive():
-                e.poll(0)
-        time.sleep(interval)
 
 
 # ---------------------------------------------------------------------------- the child

@@ -93,11 +93,15 @@ def reference_outputs(ref: Engine, prompts: Mapping[str, Sequence[int]], *,
 
 def correctness(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, list[int]],
                 *, max_tokens: int) -> Outcome:
-    """All prompts through P then D, several in flight at once."""
+    """All prompts through P then D, several in flight at once. ``extra["cpu_s"]``: CPU
+    time P and D used meanwhile (a figure that other load on the machine disturbs less
+    than wall time)."""
     out = Outcome()
+    cpu0 = pd.p.cpu_seconds() + pd.d.cpu_seconds()
     t0 = time.time()
     results = pd.run(prompts, max_tokens=max_tokens)
     out.wall_s = max(r.finish_t for r in results.values()) - t0
+    out.extra["cpu_s"] = pd.p.cpu_seconds() + pd.d.cpu_seconds() - cpu0
     compare(results, reference, out)
     for rid, r in results.items():
         p = pd.p.results[rid]
