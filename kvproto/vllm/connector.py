@@ -80,6 +80,12 @@ D (decode engine)
     stop, so every request ends within the handshake/lease bounds.
   * A client abort (``request_finished`` on D) orders an abort: release when no READ is
     in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
+  * D's n>1 children carry the same params (one handle): the first pulls, the others are
+    ended before a load and prefill locally (or hit D's prefix cache).
+
+Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
+holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
+before a load order is capped (``MAX_ENDED``); per-step buffers are emptied every step.
 
 Limits of this version: tensor parallel size 1 on both sides (expected readers per P rank
 is configurable and decided by the ledger); one KV cache group (no hybrid allocator).
