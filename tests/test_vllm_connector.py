@@ -114,6 +114,7 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         params = pr.prefill("r1", [3, 5, 7], 12)
         pr.ds.new_request("r1", params)
         pr.step()  # admit (heartbeats start, handshake) and register
+        assert pr.p.adapter.check_invariants() == []  # holding, with vLLM's allocator
         assert pr.ds.matched_tokens("r1", 12, 4) == (8, True)  # one block is local already
         pr.ds.allocated("r1", [9, 2, 11], local_prefix_blocks=1, num_external_tokens=8)
         pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
