@@ -323,7 +323,7 @@ class _PWorker:
                 log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
                 self.finished_sending.add(o.request_id)
                 continue
-            self._reg_at.setdefault(o.handle, (a.ledger.now, len(o.blocks)))
+            self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
             if tp is not None and tp.generations != o.generations:
                 # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
                 a._count("stale_stamp_snapshot")
