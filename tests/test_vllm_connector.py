@@ -54,14 +54,15 @@ def caches(n_layers: int = 2) -> list[torch.Tensor]:
 
 
 class Pair:
-    def __init__(self, p_layers: int = 2, d_layers: int = 2, **kw: Any) -> None:
+    def __init__(self, p_layers: int = 2, d_layers: int = 2, metrics: Any = None,
+                 **kw: Any) -> None:
         o = opts(**kw)
         n = next(_ids)
         self.pk, self.dk = caches(p_layers), caches(d_layers)
         for t in self.pk:
             t.normal_()
-        self.p = _PWorker(o, f"P-{os.getpid()}-{n}", self.pk, NB, 0)
-        self.d = _DWorker(o, f"D-{os.getpid()}-{n}", self.dk, NB)
+        self.p = _PWorker(o, f"P-{os.getpid()}-{n}", self.pk, NB, 0, metrics)
+        self.d = _DWorker(o, f"D-{os.getpid()}-{n}", self.dk, NB, metrics)
         a = self.p.adapter
         self.peer = PeerInfo(a.name, a.epoch, a.host, a.port)
         self.ps = PScheduler(o, NB)
@@ -113,6 +114,7 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         params = pr.prefill("r1", [3, 5, 7], 12)
         pr.ds.new_request("r1", params)
         pr.step()  # admit (heartbeats start, handshake) and register
+        assert pr.p.adapter.check_invariants() == []  # holding, with vLLM's allocator
         assert pr.ds.matched_tokens("r1", 12, 4) == (8, True)  # one block is local already
         pr.ds.allocated("r1", [9, 2, 11], local_prefix_blocks=1, num_external_tokens=8)
         pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
@@ -228,3 +230,34 @@ def test_prometheus_counters_by_reason() -> None:
     assert v("kvproto:recomputed_blocks_total") == 3
     assert v("kvproto:handshake_failures_total") == 1
     assert v("kvproto:rejected_total", reason="bad_params") == 4
+
+
+def test_shared_kvproto_metrics_registry() -> None:
+    """With ``metrics_port`` the worker halves feed kvproto.metrics (one registry, P and
+    D): a fenced read and an expiry show up there."""
+    from prometheus_client import generate_latest
+
+    from kvproto.metrics import Metrics, scrape_values
+
+    m = Metrics(labels={"engine": "e1"})
+    pr = Pair(metrics=m)
+    try:
+        params = pr.prefill("late", [4, 6], 8)
+        pr.step()
+        pr.p.adapter.clock = lambda: time.monotonic() + 10.0
+        pr.step()
+        pr.ds.new_request("late", params)
+        pr.step()
+        pr.ds.matched_tokens("late", 8, 0)
+        pr.ds.allocated("late", [1, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "late" in pr.recv)
+        vals = scrape_values(generate_latest(m.registry).decode())
+
+        def v(name: str, **labels: str) -> float:
+            key = (name, tuple(sorted({"engine": "e1", **labels}.items())))
+            return vals.get(key, 0.0)
+
+        assert v("kvproto_fenced_reads_total") == 1
+        assert v("kvproto_frees_total", reason="expired") == 1
+    finally:
+        pr.close()

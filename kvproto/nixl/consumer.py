@@ -31,6 +31,7 @@ import torch
 
 from kvproto.lifecycle import (
     D_DONE,
+    D_NEW,
     WAITING,
     Config,
     Consumer,
@@ -269,7 +270,7 @@ class ConsumerAdapter:
         ``local_blocks``: where the READ lands (the engine's allocator chose them); when
         fewer than P's blocks, the engine holds the prefix already and only the last
         ``len(local_blocks)`` are read. Without it this adapter allocates them."""
-        if local_blocks is not None and rid in self.machine.reqs:
+        if local_blocks is not None and self.machine.state(rid) != D_NEW:
             self._plans[rid] = list(local_blocks)
         st = self.machine.state(rid)
         if st == WAITING:

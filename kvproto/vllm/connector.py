@@ -80,6 +80,12 @@ D (decode engine)
     stop, so every request ends within the handshake/lease bounds.
   * A client abort (``request_finished`` on D) orders an abort: release when no READ is
     in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
+  * D's n>1 children carry the same params (one handle): the first pulls, the others are
+    ended before a load and prefill locally (or hit D's prefix cache).
+
+Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
+holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
+before a load order is capped (``MAX_ENDED``); per-step buffers are emptied every step.
 
 Limits of this version: tensor parallel size 1 on both sides (expected readers per P rank
 is configurable and decided by the ledger); one KV cache group (no hybrid allocator).
@@ -118,6 +124,7 @@ from kvproto.vllm.sched import (
 
 if TYPE_CHECKING:
     from kvproto.journal import JournalWriter
+    from kvproto.metrics import Exporter, Metrics
     from kvproto.nixl.consumer import Completion, ConsumerAdapter
     from kvproto.nixl.producer import ProducerAdapter
 
@@ -271,7 +278,7 @@ class _PWorker:
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, port: int) -> None:
+                 num_blocks: int, port: int, metrics: Metrics | None = None) -> None:
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -289,7 +296,8 @@ class _PWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
-            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread)
+            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
+            metrics=metrics)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -315,7 +323,7 @@ class _PWorker:
                 log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
                 self.finished_sending.add(o.request_id)
                 continue
-            self._reg_at.setdefault(o.handle, (a.ledger.now, len(o.blocks)))
+            self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
             if tp is not None and tp.generations != o.generations:
                 # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
                 a._count("stale_stamp_snapshot")
@@ -354,7 +362,7 @@ class _DWorker:
     """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int) -> None:
+                 num_blocks: int, metrics: Metrics | None = None) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
@@ -369,7 +377,8 @@ class _DWorker:
         self.adapter: ConsumerAdapter = ConsumerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
-            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors)
+            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
+            metrics=metrics)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Admitted and not finished: request id -> (P engine, handle), and those keys.
         self.admitted: dict[str, tuple[str, int]] = {}
@@ -508,6 +517,7 @@ class KVProtoConnector(KVConnectorBase_V1):
         self.dw: _DWorker | None = None
         self._delta = _Delta()
         self._next_stats = 0.0
+        self._exporter: Exporter | None = None
         # Worker: this step's outputs, handed to vLLM by the hooks below.
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
@@ -530,11 +540,20 @@ class KVProtoConnector(KVConnectorBase_V1):
         from kvproto.nixl.agent import quiet_nixl_logging
 
         quiet_nixl_logging()
+        metrics: Metrics | None = None
+        if self.opts.metrics_port is not None:  # kvproto's own registry, P and D
+            from kvproto.metrics import Metrics, serve
+
+            metrics = Metrics(labels={"engine": self.engine_id})
         if self.opts.producer:
             self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
-                               self.opts.handshake_port)
+                               self.opts.handshake_port, metrics)
         if self.opts.consumer:
-            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks)
+            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
+                               metrics)
+        if metrics is not None and self.opts.metrics_port is not None:
+            self._exporter = serve(metrics, self.opts.metrics_port)
+            log.info("kvproto: metrics on %s", self._exporter.url)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.pw is None:
@@ -643,6 +662,9 @@ class KVProtoConnector(KVConnectorBase_V1):
                 except Exception as e:  # pragma: no cover - teardown
                     log.debug("kvproto shutdown: %s", e)
         self.pw = self.dw = None
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
 
     # -- scheduler side ------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -47,6 +47,8 @@ EXTRA_KEYS: dict[str, str] = {
     "handshake_timeout": "D: seconds per handshake attempt (2.0)",
     "handshake_attempts": "D: attempts before a handshake fails (4)",
     "group_siblings": "P: register vLLM's n>1 children as one sibling group (true)",
+    "metrics_port": "serve kvproto's own Prometheus metrics (kvproto.metrics, P and D) on "
+                    "127.0.0.1:<port> from the worker (0: any free port; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
     "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
@@ -71,6 +73,7 @@ class ConnectorOptions:
     handshake_attempts: int = 4
     group_siblings: bool = True
     progress_thread: bool = True
+    metrics_port: int | None = None
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
 
@@ -127,6 +130,8 @@ class ConnectorOptions:
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
                    group_siblings=group, progress_thread=prog,
+                   metrics_port=None if extra.get("metrics_port") is None
+                   else num("metrics_port", 0, 0, 65535, True),
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
 
