@@ -352,18 +352,24 @@ class DoubleFree(RuntimeError):
     """A block's reference count would drop below zero."""
 
 
+MAX_POOL_BLOCKS: Final = 1 << 24  # a pool's capacity cap (its count list is 8 B a block)
+
+
 class BlockPool:
     """Reference-counted KV blocks. ``held + free == capacity`` at all times.
 
     A block is *held* while any registered request references it (prefix sharing and
     n>1 siblings share blocks). Only the lifecycle machine calls ``hold``/``drop``.
+    Capacity is at most ``MAX_POOL_BLOCKS``.
     """
 
     __slots__ = ("_rc", "capacity", "free_count", "held_count", "strict", "violations")
 
     def __init__(self, capacity: int, *, strict: bool = True) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) \
+                or not 1 <= capacity <= MAX_POOL_BLOCKS:
+            raise ValueError(f"capacity must be an int within [1, {MAX_POOL_BLOCKS}], "
+                             f"got {capacity!r}")
         self.capacity = capacity
         self._rc = [0] * capacity
         self.held_count = 0
