@@ -292,7 +292,8 @@ class Simulator:
                                                  self._tick_seq(), rank, ok))
             elif isinstance(eff, PostRead):
                 gens = tuple(self.gens[b] for b in eff.blocks)
-                dur = self.rng.uniform(0.01, self.config.max_read_time)
+                mrt = self.config.max_read_time
+                dur = self.rng.uniform(min(0.01, mrt / 2), mrt)
                 self.reads[(rank, eff.request_id)] = Read(rank, eff.request_id, eff.handle,
                                                           eff.blocks, gens, self.now,
                                                           self.now + dur)
