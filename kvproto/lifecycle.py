@@ -563,9 +563,10 @@ class _Staged:
 
 
 MAX_STAGED_MSGS_PER_HANDLE: Final = 64
-# The deadline heap is rebuilt from the live requests once it holds more than
-# 2 * live + HEAP_SLACK entries (dead entries of requests freed outside a tick, and the
-# early entries aborts push), so it never holds more than that.
+# The deadline heap is rebuilt from the live requests once it holds more than twice as
+# many entries as there are live requests (dead entries of requests freed outside a
+# tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
+# than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
 _INF: Final = math.inf
 _NEG_INF: Final = -math.inf
@@ -584,8 +585,8 @@ class Ledger:
     ``max_tick_work`` entries per call: the rest carries over (``next_deadline`` then
     reports a time already past, so adapters tick again at once); an expiry may be late,
     never early. Caps: staging ``max_staged`` handles, tombstones ``max_tombstones``,
-    sibling-group memory ``max_groups_remembered``, deadline heap 2 * held +
-    ``HEAP_SLACK`` entries; at each cap the oldest entry is dropped and counted.
+    sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
+    ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
 
     Time: a non-finite ``now`` is refused (a ``Rejected("bad_time")`` effect, counted,
     nothing changes); a ``now`` before the ledger's clock is clamped to it (counted
@@ -711,9 +712,10 @@ class Ledger:
 
     def _maybe_compact(self) -> None:
         """Rebuild the deadline heap once dead entries outnumber live ones (amortized O(1)
-        per free: a rebuild costs O(held) and follows at least held + HEAP_SLACK frees or
+        per free: a rebuild costs O(held) and follows at least max(held, HEAP_SLACK) frees or
         aborts since the last one)."""
-        if len(self._heap) > 2 * len(self._live) + HEAP_SLACK:
+        n = len(self._heap)
+        if n > 2 * len(self._live) and n > HEAP_SLACK:
             self._heap[:] = [(r.deadline, h) for h, r in self._live.items()]  # in place
             heapq.heapify(self._heap)
             self._count("heap_rebuilt")
@@ -912,7 +914,7 @@ class Ledger:
         r = self._live.get(handle)
         if r is not None:
             self._finish(r, DONE, reader, expected, now, out)
-            if out and len(self._heap) > 2 * len(self._live) + HEAP_SLACK:
+            if out and len(self._heap) > 2 * len(self._live):
                 self._maybe_compact()
         else:
             self._not_live(DONE, reader, handle, expected, now, out)
@@ -1238,7 +1240,7 @@ class Consumer:
     at most one member of a sibling group is ever read. Costs: every event O(1) except
     the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every request)
     and peer-level events (O(requests of that peer)); tick is O(1) when nothing is due.
-    The lease heap holds at most 2 * requests + ``HEAP_SLACK`` entries (rebuilt beyond).
+    The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
 
     Time: a non-finite ``now`` is refused (counted ``bad_time``, no effect, nothing
     changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
@@ -1292,7 +1294,8 @@ class Consumer:
 
     def _finish(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
         del self.reqs[r.rid]
-        if len(self._lease_heap) > 2 * len(self.reqs) + HEAP_SLACK:
+        n = len(self._lease_heap)
+        if n > 2 * len(self.reqs) and n > HEAP_SLACK:
             # In place: tick iterates this very list.
             self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
                                    if q.state in (WAITING, HANDSHAKING)]
