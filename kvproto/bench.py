@@ -16,7 +16,8 @@ figures are also reported as ratios against a baseline measured in the same run:
   heap entries are re-inserted lazily), at the default ``max_tick_work``; against
   ``unbounded_tick_ms_*``, the one tick that does all of it (no budget), in the same run;
   ``expiry_ticks_*`` ticks to drain them and ``expiry_lag_ms_*`` how late the last
-  expiry came (ticks back to back);
+  expiry came (ticks back to back); tick times are thread CPU time
+  (``worst_tick_wall_ms_*``: wall time, which also counts other processes' load);
 * ``heap_entries_over_live``: the deadline heap's largest size over the held requests
   under churn (10^4 held, requests registered and transferred at 10^5/s, aborts);
   ``peak_heap_entries_churn``: its largest size under the same churn with nothing held
@@ -203,7 +204,9 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
     40 in the request: a lazy re-insert). Ticks back to back (1 us apart, as an engine
     step loop that sees ``next_deadline()`` in the past would) until every due entry is
     processed. GC is off while ticking (a full collection over 10^6 objects is the
-    runtime's pause, not the tick's work)."""
+    runtime's pause, not the tick's work). The worst tick is measured in thread CPU time
+    (the tick's own work; wall time also counts other processes on a loaded machine),
+    and in wall time."""
     cfg = Config(max_tombstones=min(MAX_CAP, max(1024, n)),
                  max_tick_work=MAX_CAP if budget is None else budget)
     L = Ledger(cfg, BlockPool(64))
@@ -217,16 +220,18 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
         L.heartbeat("d0", i, half[i:i + 512], 1, 20.0)  # deadline -> 40: re-insert at 30
     gc.collect()
     gc.disable()
-    worst = 0.0
+    worst = worst_wall = 0.0
     ticks = 0
     freed = 0
     now = 30.0
     try:
         while True:
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             out = L.tick(now)
             dt = time.perf_counter() - t0
-            worst = max(worst, dt)
+            worst = max(worst, time.thread_time() - c0)
+            worst_wall = max(worst_wall, dt)
             ticks += 1
             freed += sum(1 for e in out if isinstance(e, Free))
             nxt = L.next_deadline()
@@ -236,8 +241,8 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
     finally:
         gc.enable()
     assert freed == n - len(half) and L.held_requests == len(half)
-    return {"worst_tick_ms": round(worst * 1e3, 3), "ticks": ticks,
-            "lag_ms": round((now - 30.0) * 1e3, 3)}
+    return {"worst_tick_ms": round(worst * 1e3, 3), "worst_tick_wall_ms": round(worst_wall * 1e3, 3),
+            "ticks": ticks, "lag_ms": round((now - 30.0) * 1e3, 3)}
 
 
 def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
@@ -292,6 +297,7 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None) 
         b = bench_mass_expiry(n, Config().max_tick_work)
         u = bench_mass_expiry(n, None)
         expiry[f"worst_tick_ms_{label}"] = b["worst_tick_ms"]
+        expiry[f"worst_tick_wall_ms_{label}"] = b["worst_tick_wall_ms"]
         expiry[f"expiry_ticks_{label}"] = b["ticks"]
         expiry[f"expiry_lag_ms_{label}"] = b["lag_ms"]
         expiry[f"unbounded_tick_ms_{label}"] = u["worst_tick_ms"]
@@ -347,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
           f"({res['held_requests']:,} held: {res['total_mib']} MiB)")
     print(f"  heartbeat bytes per id            {res['heartbeat_bytes_per_id']:>12}   target <= 12 "
           f"(upstream string format: {res['upstream_heartbeat_bytes_per_id']})")
-    print(f"  worst tick, mass expiry (ms)      budget {res['tick_budget']}   unbounded")
+    print(f"  worst tick, mass expiry (CPU ms)  budget {res['tick_budget']}   unbounded")
     for label in ("1e5", "1e6"):
         print(f"    {label} leases at once          {res[f'worst_tick_ms_{label}']:>12.3f} "
               f"{res[f'unbounded_tick_ms_{label}']:>11.1f}   target <= 5 at 1e5 "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -569,7 +570,10 @@ MAX_STAGED_MSGS_PER_HANDLE: Final = 64
 # than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
 _INF: Final = math.inf
-_NEG_INF: Final = -math.inf
+# A machine's clock before its first event: the lowest finite float, so that the hot
+# paths' one check ``self.now <= now < inf`` also refuses -inf (and NaN, which compares
+# false).
+CLOCK_START: Final = -sys.float_info.max
 
 
 # ---------------------------------------------------------------------------
@@ -609,7 +613,7 @@ class Ledger:
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
         self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
         self._next_handle = 1
-        self.now = -math.inf
+        self.now = CLOCK_START
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
 
@@ -695,7 +699,7 @@ class Ledger:
     def _clock(self, now: float) -> float | None:
         """The event's time: ``now``, or the ledger's clock when ``now`` is before it
         (clamped, counted); None when ``now`` is not a finite number (refused)."""
-        if self.now <= now < _INF and now != _NEG_INF:
+        if self.now <= now < _INF:
             self.now = now
             return now
         if not math.isfinite(now):
@@ -707,7 +711,7 @@ class Ledger:
     def _bad_time(self, event: str, now: float) -> list[Effect]:
         """Refuse an event whose time is not finite: counted, journaled as a rejection at
         the ledger's own clock, nothing else changes."""
-        t = self.now if math.isfinite(self.now) else 0.0
+        t = self.now if self.now != CLOCK_START else 0.0
         return self.reject("bad_time", "", f"{event} at time {now!r}", t)
 
     def _maybe_compact(self) -> None:
@@ -903,7 +907,7 @@ class Ledger:
 
     def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
         """One reader's READ completed. Mirrors TLA+ ``Done``."""
-        if self.now <= now < _INF and now != _NEG_INF:
+        if self.now <= now < _INF:
             self.now = now
         else:
             clk = self._clock(now)
@@ -1030,27 +1034,31 @@ class Ledger:
         ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
         Mirrors the spec's Tick with some due requests left for later (``ExpiryMayLag``):
         an expiry may be late, never early."""
-        clk = self._clock(now)
-        if clk is None:
-            return self._bad_time(TICK, now)
-        now = clk
+        if self.now <= now < _INF:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return self._bad_time(TICK, now)
+            now = clk
         out: list[Effect] = []
         heap = self._heap
-        live = self._live
-        budget = self.config.max_tick_work
-        while heap and heap[0][0] <= now:
-            if budget <= 0:
-                self._count("tick_budget_exhausted")
-                break
-            budget -= 1
-            _, h = heapq.heappop(heap)
-            r = live.get(h)
-            if r is None:
-                continue  # freed already: drop the stale entry
-            if r.deadline > now:
-                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
-                continue
-            self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
+        if heap and heap[0][0] <= now:
+            live = self._live
+            budget = self.config.max_tick_work
+            while heap and heap[0][0] <= now:
+                if budget <= 0:
+                    self._count("tick_budget_exhausted")
+                    break
+                budget -= 1
+                _, h = heapq.heappop(heap)
+                r = live.get(h)
+                if r is None:
+                    continue  # freed already: drop the stale entry
+                if r.deadline > now:
+                    heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                    continue
+                self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
         staged = self._staged
         if staged:
             limit = now - self.config.max_staged_age
@@ -1068,7 +1076,7 @@ class Ledger:
         """Record an adapter-level rejection (malformed bytes, unknown peer...). A
         non-finite ``now`` is recorded at the ledger's clock (0 before any event)."""
         clk = self._clock(now)
-        now = clk if clk is not None else (self.now if math.isfinite(self.now) else 0.0)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0.0)
         self._count("rejected:" + reason)
         return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
 
@@ -1260,7 +1268,7 @@ class Consumer:
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
         self._lease_heap: list[tuple[float, str]] = []  # (lease_end, rid); lazy
         self._next_hb = -math.inf
-        self.now = -math.inf
+        self.now = CLOCK_START
         self.heartbeat_chunk = heartbeat_chunk
         self.counters: dict[str, int] = {}
         self.finished: dict[str, int] = {}
@@ -1270,7 +1278,7 @@ class Consumer:
 
     def _clock(self, now: float) -> float | None:
         """The time to decide with: max(clock, now); None for a non-finite ``now``."""
-        if self.now <= now < _INF and now != _NEG_INF:
+        if self.now <= now < _INF:
             self.now = now
             return now
         if not math.isfinite(now):
