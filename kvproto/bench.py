@@ -207,8 +207,7 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
     runtime's pause, not the tick's work). The worst tick is measured in thread CPU time
     (the tick's own work; wall time also counts other processes on a loaded machine),
     and in wall time."""
-    cfg = Config(max_tombstones=min(MAX_CAP, max(1024, n)),
-                 max_tick_work=MAX_CAP if budget is None else budget)
+    cfg = Config(max_tick_work=MAX_CAP if budget is None else budget)  # default caps
     L = Ledger(cfg, BlockPool(64))
     hs = [L.new_handle() for _ in range(n)]
     for i, h in enumerate(hs):

@@ -251,7 +251,7 @@ class Config:
     max_tombstones: int = 65536  # freed handles remembered to classify late messages as stale
     max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
     max_groups_remembered: int = 65536  # transferred sibling groups remembered for late members
-    max_tick_work: int = 1024  # deadline-heap entries one tick may process; the rest carry over
+    max_tick_work: int = 512  # deadline-heap entries one tick may process; the rest carry over
 
     @property
     def lease_horizon(self) -> float:
