@@ -38,7 +38,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kvproto.lifecycle import Config, ConfigError
+from kvproto.cli import number
+from kvproto.lifecycle import MAX_DURATION, Config, ConfigError
 from kvproto.tlc import (
     SPEC_DIR,
     MissingJar,
@@ -128,8 +129,21 @@ MAX_UNITS = 6  # the longest term in model time units when --unit is not given
 LIVE_UNITS = 3  # the longest term in units for the NoLeak pass
 
 
+MAX_LEASE_CONFIG_BYTES = 1 << 20
+# A lease model's time constants must be TLC integers (32-bit, and the spec adds terms
+# together): more units than this is refused as a usage error (and would never finish).
+MAX_MODEL_UNITS = 1 << 20
+
+
 class LeaseConfigError(ValueError):
     """A lease config file or flag that cannot be read (not: a config that is unsafe)."""
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
@@ -142,9 +156,16 @@ def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text()
+            with p.open("rb") as f:
+                raw = f.read(MAX_LEASE_CONFIG_BYTES + 1)
         except OSError as e:
             raise LeaseConfigError(f"cannot read {path}: {e.strerror or e}") from e
+        if len(raw) > MAX_LEASE_CONFIG_BYTES:
+            raise LeaseConfigError(f"{path}: larger than {MAX_LEASE_CONFIG_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LeaseConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         try:
             if p.suffix == ".toml":
                 import tomllib
@@ -152,9 +173,9 @@ def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
                 data = tomllib.loads(text)
             else:
                 data = json.loads(text)
-        except ValueError as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, TOMLDecodeError
             raise LeaseConfigError(f"{path}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}:"
-                                   f" {e}") from e
+                                   f" {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise LeaseConfigError(f"{path}: expected an object of Config keys, "
                                    f"got {type(data).__name__}")
@@ -165,10 +186,12 @@ def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
         raise LeaseConfigError(f"unknown config keys: {', '.join(unknown)} "
                                f"(known: {', '.join(sorted(known))})")
     for k, v in data.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise LeaseConfigError(f"{k} must be a finite number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+            raise LeaseConfigError(f"{k} must be a finite number, got {str(v)[:40]}")
         if v < 0:
             raise LeaseConfigError(f"{k} must be >= 0, got {v}")
+        if k in TIMING_KEYS and v > MAX_DURATION:
+            raise LeaseConfigError(f"{k} must be <= {MAX_DURATION} s (2**32-1 ms), got {v}")
     for k in ("initial_lease", "lease_extension", "heartbeat_interval", "max_read_time"):
         if k in data and data[k] <= 0:
             raise LeaseConfigError(f"{k} must be > 0, got {data[k]}")
@@ -188,8 +211,8 @@ class Quantized:
 
 
 def quantize(config: Config, unit: float) -> Quantized:
-    if unit <= 0:
-        raise LeaseConfigError(f"--unit must be > 0, got {unit}")
+    if not (math.isfinite(unit) and unit > 0):
+        raise LeaseConfigError(f"--unit must be a finite number > 0, got {unit}")
     units: dict[str, int] = {}
     exact = True
     for key, const in _TERMS.items():
@@ -202,6 +225,12 @@ def quantize(config: Config, unit: float) -> Quantized:
         exact &= abs(q - round(q)) < 1e-9
     units["HeartbeatInterval"] = max(units["HeartbeatInterval"], 1)
     units["MaxReadTime"] = max(units["MaxReadTime"], 1)
+    big = {k: v for k, v in units.items() if v > MAX_MODEL_UNITS}
+    if big:
+        k, v = next(iter(big.items()))
+        raise LeaseConfigError(
+            f"with --unit {unit:g} s, {k} is {v} model time units; TLC needs at most "
+            f"{MAX_MODEL_UNITS} (its integers are 32-bit): pass a coarser --unit")
     return Quantized(unit, units, exact)
 
 
@@ -368,18 +397,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bugs", action="store_true",
                    help="the deliberately buggy models: exit 0 only if TLC catches each one")
     p.add_argument("--list", action="store_true", help="list the models and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="check the arguments and print what would be checked (models, the "
+                        "lease numbers in model units), without running TLC")
     g = p.add_argument_group("checking your own lease numbers (seconds)")
     g.add_argument("--lease-config", metavar="FILE",
                    help="JSON (or .toml) object of kvproto Config keys, e.g. "
                         '{"initial_lease": 30, "lease_extension": 20, "heartbeat_interval": 5}')
     for key in TIMING_KEYS:
-        g.add_argument(f"--{key.replace('_', '-')}", type=float, metavar="S", dest=key,
+        g.add_argument(f"--{key.replace('_', '-')}", type=number(0, MAX_DURATION), metavar="S",
+                       dest=key,
                        help=f"{key} (overrides the file; default {getattr(Config(), key):g})")
-    g.add_argument("--unit", type=float, metavar="S",
+    g.add_argument("--unit", type=number(0, MAX_DURATION, lo_open=True), metavar="S",
                    help="seconds per model time unit (default: the coarsest unit that keeps "
                         "every timing rule as it is in seconds)")
-    p.add_argument("--workers", type=int, metavar="N", help="TLC worker threads (default: cores)")
-    p.add_argument("--timeout", type=float, metavar="S",
+    p.add_argument("--workers", type=number(1, 256, integer=True), metavar="N",
+                   help="TLC worker threads (default: cores)")
+    p.add_argument("--timeout", type=number(0, 7 * 86400, lo_open=True), metavar="S",
                    help="give up a model after S seconds (exit 4)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per model on stdout instead of text")
@@ -448,6 +482,11 @@ def run(args: argparse.Namespace) -> int:
             if n not in seen:
                 seen.add(n)
                 jobs.append((MODELS[n], None))
+    if args.plan:
+        for model, text in jobs:
+            print(f"would check {model.name} (tla/{model.cfg})"
+                  f"{' with the numbers above' if text is not None else ''}", file=out)
+        return EXIT_OK
     rc = EXIT_OK
     for model, text in jobs:
         if not quiet:

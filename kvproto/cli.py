@@ -7,6 +7,11 @@ missing optional dependency only affects the command that needs it.
 Exit codes: 0 success; 1 the command ran and found a problem (violation, divergence,
 failed check); 2 usage or input error; 3 missing runtime dependency (Java, jar, nixl);
 4 internal error. Subcommands may document more specific codes.
+
+A user's mistake never shows a traceback: argument errors are one line (``Parser``),
+numbers are checked where they are parsed (``number``: finite, in range), and anything
+unforeseen that escapes a command is reported as one line with exit 4 (the traceback
+goes to the debug log, ``-vv``).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -41,12 +48,48 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit 2), not usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def number(lo: float | None = None, hi: float | None = None, *, integer: bool = False,
+           lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number within [lo, hi] (lo excluded with
+    ``lo_open``), an int with ``integer``. The message names the range."""
+    if integer:
+        what = "an integer"
+    else:
+        what = "a finite number"
+    rng = []
+    if lo is not None:
+        rng.append(f"{'>' if lo_open else '>='} {lo:g}")
+    if hi is not None:
+        rng.append(f"<= {hi:g}")
+    want = what + (" " + " and ".join(rng) if rng else "")
+
+    def parse(text: str) -> float:
+        try:
+            v: float = int(text, 10) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text[:40]!r}") from None
+        if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+                or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text[:40]!r}")
+        return v
+
+    parse.__name__ = "integer" if integer else "number"  # argparse names the type in errors
+    return parse
+
+
 def _load(module: str) -> object:
     return importlib.import_module(module)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kvproto",
         description="KV-block lifecycle protocol for P/D disaggregated LLM serving.",
     )
@@ -93,6 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # pragma: no cover - e.g. `kvproto replay j | head`
         return EXIT_OK
+    except Exception as e:  # a bug or an unforeseen input: one line, never a traceback
+        logging.getLogger("kvproto").debug("internal error", exc_info=True)
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        print(f"kvproto {args.command}: internal error: {type(e).__name__}: {msg} "
+              "(rerun with -vv for details)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

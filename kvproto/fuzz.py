@@ -1243,9 +1243,14 @@ def run_fuzz(machine: type[LifecycleMachine], stg: settings, seed: int | None = 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--examples", type=int, default=1000, help="examples to run (default 1000)")
-    p.add_argument("--steps", type=int, default=60, help="max rule steps per example (default 60)")
-    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    from kvproto.cli import number
+
+    p.add_argument("--examples", type=number(1, 10**9, integer=True), default=1000,
+                   help="examples to run (default 1000)")
+    p.add_argument("--steps", type=number(1, 10**6, integer=True), default=60,
+                   help="max rule steps per example (default 60)")
+    p.add_argument("--seed", type=number(0, 2**63, integer=True), default=0,
+                   help="hypothesis seed (default 0)")
     p.add_argument("--config", action="append", choices=sorted(CONFIGS),
                    help="fuzz only under this config (repeatable; default: all)")
     p.add_argument("--mutant", default=None,

@@ -8,6 +8,11 @@ line is one input event of P's ledger and the effects it produced::
      "now": 12.5}, "effects": [{"type": "free", "handle": 3, ...}]}
 
 Replay feeds the events to a fresh ``Ledger`` and compares effects line by line.
+
+Reading is defensive (the file may come from anywhere): lines are read as bytes, at most
+``MAX_LINE_BYTES`` each, must be UTF-8 JSON nested at most ``MAX_JSON_DEPTH`` deep with
+no NaN/Infinity, and the header's capacity is at most ``MAX_CAPACITY`` blocks. Anything
+else is a ``JournalError`` naming the line: never a traceback, never a huge allocation.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any, Final
 
 from kvproto.lifecycle import (
+    MAX_POOL_BLOCKS,
     R_ABORTED,
     R_EXPIRED,
     Abort,
@@ -46,6 +53,9 @@ from kvproto.lifecycle import (
 log = logging.getLogger(__name__)
 
 JOURNAL_VERSION: Final = 1
+MAX_LINE_BYTES: Final = 16 << 20  # a heartbeat of a 1 MiB message is about 8 MiB of JSON
+MAX_JSON_DEPTH: Final = 8  # the format needs 4 (line, effects list, effect, blocks list)
+MAX_CAPACITY: Final = MAX_POOL_BLOCKS  # blocks in the header (BlockPool's own cap)
 
 _EVENT_TYPES: Final[dict[str, type]] = {
     "register": Register, "done": Done, "heartbeat": Heartbeat, "release": Release,
@@ -177,36 +187,129 @@ class JournalWriter:
         self.close()
 
 
-def read_journal(lines: Iterator[str] | IO[str]) -> tuple[dict[str, Any],
-                                                         Iterator[tuple[int, Event, list[Effect]]]]:
-    """Parse the header eagerly and return it with a lazy iterator of (line, event, effects)."""
-    it = iter(lines)
+def journal_lines(f: IO[bytes]) -> Iterator[bytes]:
+    """The lines of a binary file, each at most ``MAX_LINE_BYTES`` (a longer one raises
+    JournalError without reading it all into memory)."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise JournalError(lineno, f"line longer than {MAX_LINE_BYTES} bytes")
+        yield raw
+
+
+_JSON_STRING: Final = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _json_depth(raw: bytes) -> int:
+    """Nesting depth of a JSON text (brackets outside strings); O(len), at C speed
+    except for the brackets themselves."""
+    depth = best = 0
+    for c in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        if c in b"[{":
+            depth += 1
+            best = max(best, depth)
+        else:
+            depth -= 1
+    return best
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} (JSON has no NaN or Infinity)")
+
+
+def parse_line(raw: str | bytes, lineno: int, what: str = "") -> Any:
+    """One journal line as JSON, within the limits; JournalError naming the line if not."""
+    if isinstance(raw, str):
+        b = raw.encode("utf-8", errors="surrogatepass")
+    else:
+        b = bytes(raw)
+    if len(b) > MAX_LINE_BYTES:
+        raise JournalError(lineno, f"{what}longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = b.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JournalError(lineno, f"{what}not UTF-8 (byte {e.start}: {b[e.start:e.start + 1]!r})"
+                           ) from None
+    if b.count(b"[") + b.count(b"{") > MAX_JSON_DEPTH and _json_depth(b) > MAX_JSON_DEPTH:
+        raise JournalError(lineno, f"{what}JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:  # pragma: no cover - the depth check comes first
+        raise JournalError(lineno, f"{what}JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, too many digits, NaN/Infinity
+        raise JournalError(lineno, f"{what}not JSON: {e}") from None
+
+
+def header_capacity(header: dict[str, Any]) -> int:
+    """The header's block capacity, checked against ``MAX_CAPACITY``."""
+    capacity = header.get("capacity")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) \
+            or not 1 <= capacity <= MAX_CAPACITY:
+        raise JournalError(1, f"header capacity must be an int within [1, {MAX_CAPACITY}], "
+                              f"got {str(capacity)[:40]}")
+    return capacity
+
+
+def header_config(header: dict[str, Any]) -> Config:
+    try:
+        return Config.from_dict(header.get("config", {}))
+    except (ConfigError, TypeError, ValueError, OverflowError) as e:
+        raise JournalError(1, f"invalid config in header: {e}") from None
+
+
+def read_journal_objects(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes]
+                         ) -> tuple[dict[str, Any], Iterator[tuple[int, dict[str, Any]]]]:
+    """The header and a lazy iterator of (line, JSON object) for the other lines."""
+    it: Iterator[str | bytes] = iter(lines)
     try:
         first = next(it)
     except StopIteration:
         raise JournalError(1, "empty journal (no header line)") from None
-    try:
-        header = json.loads(first)
-    except json.JSONDecodeError as e:
-        raise JournalError(1, f"header is not JSON: {e}") from None
+    header = parse_line(first, 1, "header is ")
     if not isinstance(header, dict) or header.get("kvproto_journal") != JOURNAL_VERSION:
         raise JournalError(1, f"not a kvproto journal (version {JOURNAL_VERSION}) header")
 
-    def body() -> Iterator[tuple[int, Event, list[Effect]]]:
+    def body() -> Iterator[tuple[int, dict[str, Any]]]:
         for lineno, raw in enumerate(it, start=2):
             if not raw.strip():
                 continue
-            try:
-                d = json.loads(raw)
-                if not isinstance(d, dict) or "event" not in d:
-                    raise ValueError("line must be an object with an 'event'")
-                ev = event_from_json(d["event"])
-                effs = [effect_from_json(e) for e in d.get("effects", [])]
-            except (json.JSONDecodeError, ValueError, TypeError) as e:
-                raise JournalError(lineno, str(e)) from None
-            yield lineno, ev, effs
+            d = parse_line(raw, lineno)
+            if not isinstance(d, dict) or "event" not in d:
+                raise JournalError(lineno, "line must be an object with an 'event'")
+            yield lineno, d
 
     return header, body()
+
+
+def read_journal(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes]
+                 ) -> tuple[dict[str, Any], Iterator[tuple[int, Event, list[Effect]]]]:
+    """Parse the header eagerly and return it with a lazy iterator of (line, event,
+    effects). Lines may be str or bytes (bytes are checked to be UTF-8)."""
+    header, objs = read_journal_objects(lines)
+
+    def body() -> Iterator[tuple[int, Event, list[Effect]]]:
+        for lineno, d in objs:
+            yield lineno, *decode_row(lineno, d)
+
+    return header, body()
+
+
+def decode_row(lineno: int, d: dict[str, Any]) -> tuple[Event, list[Effect]]:
+    """The event and effects of one parsed journal line (JournalError if malformed)."""
+    try:
+        ev = event_from_json(d["event"])
+        effects = d.get("effects", [])
+        if not isinstance(effects, list):
+            raise ValueError("'effects' must be a list")
+        effs = [effect_from_json(e) for e in effects]
+    except (ValueError, TypeError, OverflowError) as e:
+        raise JournalError(lineno, str(e)[:500]) from None
+    return ev, effs
 
 
 class ReplayResult:
@@ -221,17 +324,13 @@ class ReplayResult:
         return not self.divergences and not self.violations
 
 
-def replay(source: IO[str] | Iterator[str], out: IO[str] | None = None, *,
+def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
+           out: IO[str] | None = None, *,
            full_check_every: int = 1000, max_reports: int = 10) -> ReplayResult:
     """Replay a journal through a fresh ledger. Raises JournalError on unreadable input."""
     header, body = read_journal(source)
-    try:
-        config = Config.from_dict(header.get("config", {}))
-    except ConfigError as e:
-        raise JournalError(1, f"invalid config in header: {e}") from None
-    capacity = header.get("capacity")
-    if not isinstance(capacity, int) or capacity < 1:
-        raise JournalError(1, f"header capacity must be a positive int, got {capacity!r}")
+    config = header_config(header)
+    capacity = header_capacity(header)
     pool = BlockPool(capacity, strict=False)
     ledger = Ledger(config, pool)
     res = ReplayResult()
@@ -285,17 +384,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     path = args.journal
     try:
-        f: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        f: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
-        print(f"kvproto replay: cannot open {path}: {e.strerror}", file=sys.stderr)
+        print(f"kvproto replay: cannot open {path}: {e.strerror or e}", file=sys.stderr)
         return 2
     try:
-        res = replay(f, None if args.no_effects else sys.stdout)
+        res = replay(journal_lines(f), None if args.no_effects else sys.stdout)
     except JournalError as e:
         print(f"kvproto replay: {path}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a directory, or a read error
+        print(f"kvproto replay: cannot read {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
     finally:
-        if f is not sys.stdin:
+        if path != "-":
             f.close()
     for d in res.divergences:
         print(f"kvproto replay: DIVERGED {d}", file=sys.stderr)

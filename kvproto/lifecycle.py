@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -217,6 +218,20 @@ class ConfigError(ValueError):
     """An invalid configuration. The message says which rule failed and why."""
 
 
+# What the wire and the adapters can carry (spec/PROTOCOL.md, "Configuration"): the
+# adapters feed the ledger whole milliseconds, and a granted term travels in an ack as a
+# u32 of milliseconds, so every duration is at least 1 ms (or 0 where 0 is allowed) and
+# at most 2**32-1 ms (about 49.7 days).
+MIN_DURATION: Final = 0.001
+MAX_DURATION: Final = 0xFFFFFFFF / 1000
+# Caps on the integer knobs: each sizes a tracking structure, so each has a ceiling.
+MAX_CAP: Final = 1 << 24
+MIN_MESSAGE_BYTES: Final = 64  # room for the largest header and prefix plus one handle
+MAX_MESSAGE_BYTES: Final = 1 << 20
+_DURATIONS: Final = ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
+                     "max_delay", "max_read_time", "clock_drift", "max_staged_age")
+
+
 @dataclass(frozen=True)
 class Config:
     """Timing assumptions (seconds) and caps. See spec/PROTOCOL.md, "Configuration".
@@ -236,6 +251,7 @@ class Config:
     max_tombstones: int = 65536  # freed handles remembered to classify late messages as stale
     max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
     max_groups_remembered: int = 65536  # transferred sibling groups remembered for late members
+    max_tick_work: int = 512  # deadline-heap entries one tick may process; the rest carry over
 
     @property
     def lease_horizon(self) -> float:
@@ -288,14 +304,24 @@ class Config:
         for name in ("max_delay", "clock_drift", "abort_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in _DURATIONS:
+            v = getattr(self, name)
+            if v and not MIN_DURATION <= v <= MAX_DURATION:
+                raise ConfigError(
+                    f"{name} must be within [{MIN_DURATION}, {MAX_DURATION}] s (or 0 where 0 is "
+                    f"allowed), got {v}: the adapters count whole milliseconds and a term "
+                    "travels as a u32 of milliseconds")
         for ok, why in self.timing_rules():
             if not ok:
                 raise ConfigError(why)
-        if self.max_staged < 1 or self.max_tombstones < 1 or self.max_groups_remembered < 1:
-            raise ConfigError("max_staged, max_tombstones and max_groups_remembered must be >= 1")
-        if not 64 <= self.max_message_bytes <= 1 << 20:
+        for name in ("max_staged", "max_tombstones", "max_groups_remembered", "max_tick_work"):
+            v = getattr(self, name)
+            if not 1 <= v <= MAX_CAP:
+                raise ConfigError(f"{name} must be within [1, {MAX_CAP}], got {v}")
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ConfigError(
-                f"max_message_bytes must be within [64, 1048576], got {self.max_message_bytes}")
+                f"max_message_bytes must be within [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}], "
+                f"got {self.max_message_bytes}")
         return self
 
     def to_dict(self) -> dict[str, float | int]:
@@ -327,18 +353,24 @@ class DoubleFree(RuntimeError):
     """A block's reference count would drop below zero."""
 
 
+MAX_POOL_BLOCKS: Final = 1 << 24  # a pool's capacity cap (its count list is 8 B a block)
+
+
 class BlockPool:
     """Reference-counted KV blocks. ``held + free == capacity`` at all times.
 
     A block is *held* while any registered request references it (prefix sharing and
     n>1 siblings share blocks). Only the lifecycle machine calls ``hold``/``drop``.
+    Capacity is at most ``MAX_POOL_BLOCKS``.
     """
 
     __slots__ = ("_rc", "capacity", "free_count", "held_count", "strict", "violations")
 
     def __init__(self, capacity: int, *, strict: bool = True) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) \
+                or not 1 <= capacity <= MAX_POOL_BLOCKS:
+            raise ValueError(f"capacity must be an int within [1, {MAX_POOL_BLOCKS}], "
+                             f"got {capacity!r}")
         self.capacity = capacity
         self._rc = [0] * capacity
         self.held_count = 0
@@ -532,6 +564,16 @@ class _Staged:
 
 
 MAX_STAGED_MSGS_PER_HANDLE: Final = 64
+# The deadline heap is rebuilt from the live requests once it holds more than twice as
+# many entries as there are live requests (dead entries of requests freed outside a
+# tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
+# than max(2 * live, HEAP_SLACK) entries.
+HEAP_SLACK: Final = 64
+_INF: Final = math.inf
+# A machine's clock before its first event: the lowest finite float, so that the hot
+# paths' one check ``self.now <= now < inf`` also refuses -inf (and NaN, which compares
+# false).
+CLOCK_START: Final = -sys.float_info.max
 
 
 # ---------------------------------------------------------------------------
@@ -543,9 +585,17 @@ class Ledger:
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
 
     Costs (n = held requests): done/heartbeat/release/abort O(1) per request; register
-    O(blocks); tick O(1) when nothing is due, O(k log n) for k due entries. Caps: staging
-    ``max_staged`` handles, tombstones ``max_tombstones``, sibling-group memory
-    ``max_groups_remembered``; at each cap the oldest entry is dropped and counted.
+    O(blocks); tick O(1) when nothing is due, O(k log n) for k due entries, and at most
+    ``max_tick_work`` entries per call: the rest carries over (``next_deadline`` then
+    reports a time already past, so adapters tick again at once); an expiry may be late,
+    never early. Caps: staging ``max_staged`` handles, tombstones ``max_tombstones``,
+    sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
+    ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
+
+    Time: a non-finite ``now`` is refused (a ``Rejected("bad_time")`` effect, counted,
+    nothing changes); a ``now`` before the ledger's clock is clamped to it (counted
+    ``clock_regression``): the event is real, and applying it later than it happened is
+    the same as a slower delivery, which never frees anything early.
     """
 
     def __init__(self, config: Config, pool: BlockPool, *,
@@ -563,7 +613,7 @@ class Ledger:
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
         self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
         self._next_handle = 1
-        self.now = -math.inf
+        self.now = CLOCK_START
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
 
@@ -603,8 +653,14 @@ class Ledger:
     def live_handles(self) -> list[int]:
         return list(self._live)
 
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
+        return len(self._heap)
+
     def next_deadline(self) -> float | None:
-        """Earliest time a tick can change anything (for adapters' sleep)."""
+        """Earliest time a tick can change anything (for adapters' sleep). After a tick
+        that ran out of its work budget this is a time already past: tick again soon."""
         nxt = self._heap[0][0] if self._heap else None
         if self._staged:
             s = next(iter(self._staged.values())).since + self.config.max_staged_age
@@ -640,13 +696,33 @@ class Ledger:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def _clock(self, now: float) -> float:
+    def _clock(self, now: float) -> float | None:
+        """The event's time: ``now``, or the ledger's clock when ``now`` is before it
+        (clamped, counted); None when ``now`` is not a finite number (refused)."""
+        if self.now <= now < _INF:
+            self.now = now
+            return now
+        if not math.isfinite(now):
+            return None
         # Time never runs backwards inside the machine: a stale clock reading is clamped.
-        if now < self.now:
-            self._count("clock_regression")
-            return self.now
-        self.now = now
-        return now
+        self._count("clock_regression")
+        return self.now
+
+    def _bad_time(self, event: str, now: float) -> list[Effect]:
+        """Refuse an event whose time is not finite: counted, journaled as a rejection at
+        the ledger's own clock, nothing else changes."""
+        t = self.now if self.now != CLOCK_START else 0.0
+        return self.reject("bad_time", "", f"{event} at time {now!r}", t)
+
+    def _maybe_compact(self) -> None:
+        """Rebuild the deadline heap once dead entries outnumber live ones (amortized O(1)
+        per free: a rebuild costs O(held) and follows at least max(held, HEAP_SLACK) frees or
+        aborts since the last one)."""
+        n = len(self._heap)
+        if n > 2 * len(self._live) and n > HEAP_SLACK:
+            self._heap[:] = [(r.deadline, h) for h, r in self._live.items()]  # in place
+            heapq.heapify(self._heap)
+            self._count("heap_rebuilt")
 
     def _emit(self, ev: Event, out: list[Effect]) -> list[Effect]:
         if self.sink is not None:
@@ -757,8 +833,11 @@ class Ledger:
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         """Prefill finished: hold ``blocks`` for remote decode. Mirrors TLA+ ``Register``."""
         blocks = tuple(blocks)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(REGISTER, now)
+        now = clk
         ev = Register(handle, request_id, blocks, now, group, expected)
-        now = self._clock(now)
         out: list[Effect] = []
         err = None
         if not isinstance(handle, int) or isinstance(handle, bool) or handle < 0:
@@ -791,6 +870,7 @@ class Ledger:
             self._by_rid[request_id] = handle
             self.pool._hold(blocks)
             self._free(r, row, out)
+            self._maybe_compact()
             return self._emit(ev, out)
         self.pool._hold(blocks)
         self._live[handle] = r
@@ -811,6 +891,8 @@ class Ledger:
                     self._renew(r, t)
                 else:
                     self._finish(r, kind, reader, exp, now, out)
+            if out:
+                self._maybe_compact()
         return self._emit(ev, out)
 
     def _renew(self, r: _Req, arrival: float) -> bool:
@@ -825,14 +907,19 @@ class Ledger:
 
     def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
         """One reader's READ completed. Mirrors TLA+ ``Done``."""
-        if now < self.now:
-            now = self._clock(now)
-        else:
+        if self.now <= now < _INF:
             self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return self._bad_time(DONE, now)
+            now = clk
         out: list[Effect] = []
         r = self._live.get(handle)
         if r is not None:
             self._finish(r, DONE, reader, expected, now, out)
+            if out and len(self._heap) > 2 * len(self._live):
+                self._maybe_compact()
         else:
             self._not_live(DONE, reader, handle, expected, now, out)
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
@@ -840,7 +927,10 @@ class Ledger:
     def release(self, reader: str, handles: Sequence[int], expected: int,
                 now: float) -> list[Effect]:
         """A reader will never pull these requests. Mirrors TLA+ ``Release``."""
-        now = self._clock(now)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(RELEASE, now)
+        now = clk
         out: list[Effect] = []
         for h in handles:
             r = self._live.get(h)
@@ -848,6 +938,8 @@ class Ledger:
                 self._finish(r, RELEASE, reader, expected, now, out)
             else:
                 self._not_live(RELEASE, reader, h, expected, now, out)
+        if out:
+            self._maybe_compact()
         return self._emit(Release(reader, tuple(handles), expected, now), out) if self.sink else out
 
     def _not_live(self, event: str, reader: str, handle: int, expected: int, now: float,
@@ -864,7 +956,10 @@ class Ledger:
     def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
                   now: float) -> list[Effect]:
         """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle."""
-        now = self._clock(now)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(HEARTBEAT, now)
+        now = clk
         ext_dl = now + self.config.lease_extension
         live = self._live
         refused: list[int] | None = None
@@ -905,7 +1000,10 @@ class Ledger:
 
     def abort(self, request_id: str, now: float) -> list[Effect]:
         """Client or router abort on P. Mirrors TLA+ ``Abort``. Never frees at once."""
-        now = self._clock(now)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(ABORT, now)
+        now = clk
         out: list[Effect] = []
         h = self._by_rid.get(request_id)
         r = self._live.get(h) if h is not None else None
@@ -922,29 +1020,49 @@ class Ledger:
             if dl < r.deadline:  # only when abort_grace is below the lease horizon
                 r.deadline = dl
                 heapq.heappush(self._heap, (dl, r.handle))
+                self._maybe_compact()
         r.state = row.dst
         self._apply_effect_counter(row)
         return self._emit(Abort(request_id, now), out)
 
     def tick(self, now: float) -> list[Effect]:
-        """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due."""
-        now = self._clock(now)
+        """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due.
+
+        Processes at most ``config.max_tick_work`` due heap entries (expiries, dead
+        entries, lazy re-inserts), earliest deadline first; the rest stays due and
+        ``next_deadline()`` reports it (a time already past). Staging entries past
+        ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
+        Mirrors the spec's Tick with some due requests left for later (``ExpiryMayLag``):
+        an expiry may be late, never early."""
+        if self.now <= now < _INF:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return self._bad_time(TICK, now)
+            now = clk
         out: list[Effect] = []
         heap = self._heap
-        live = self._live
-        while heap and heap[0][0] <= now:
-            _, h = heapq.heappop(heap)
-            r = live.get(h)
-            if r is None:
-                continue  # freed already: drop the stale entry
-            if r.deadline > now:
-                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
-                continue
-            self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
+        if heap and heap[0][0] <= now:
+            live = self._live
+            budget = self.config.max_tick_work
+            while heap and heap[0][0] <= now:
+                if budget <= 0:
+                    self._count("tick_budget_exhausted")
+                    break
+                budget -= 1
+                _, h = heapq.heappop(heap)
+                r = live.get(h)
+                if r is None:
+                    continue  # freed already: drop the stale entry
+                if r.deadline > now:
+                    heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                    continue
+                self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
         staged = self._staged
         if staged:
             limit = now - self.config.max_staged_age
-            while staged:
+            while staged:  # never late: at most max_staged entries, O(1) each
                 st = next(iter(staged.values()))
                 if st.since > limit:
                     break
@@ -955,8 +1073,10 @@ class Ledger:
         return out
 
     def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
-        """Record an adapter-level rejection (malformed bytes, unknown peer...)."""
-        now = self._clock(now)
+        """Record an adapter-level rejection (malformed bytes, unknown peer...). A
+        non-finite ``now`` is recorded at the ledger's clock (0 before any event)."""
+        clk = self._clock(now)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0.0)
         self._count("rejected:" + reason)
         return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
 
@@ -1128,6 +1248,12 @@ class Consumer:
     at most one member of a sibling group is ever read. Costs: every event O(1) except
     the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every request)
     and peer-level events (O(requests of that peer)); tick is O(1) when nothing is due.
+    The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
+
+    Time: a non-finite ``now`` is refused (counted ``bad_time``, no effect, nothing
+    changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
+    keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
+    event uses the rank's clock (a READ must fit the lease at the latest time seen).
     """
 
     def __init__(self, reader: str, config: Config, *,
@@ -1142,13 +1268,24 @@ class Consumer:
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
         self._lease_heap: list[tuple[float, str]] = []  # (lease_end, rid); lazy
         self._next_hb = -math.inf
-        self.now = -math.inf
+        self.now = CLOCK_START
         self.heartbeat_chunk = heartbeat_chunk
         self.counters: dict[str, int] = {}
         self.finished: dict[str, int] = {}
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _clock(self, now: float) -> float | None:
+        """The time to decide with: max(clock, now); None for a non-finite ``now``."""
+        if self.now <= now < _INF:
+            self.now = now
+            return now
+        if not math.isfinite(now):
+            self._count("bad_time")
+            return None
+        self._count("clock_regression")
+        return self.now
 
     def state(self, rid: str) -> str:
         r = self.reqs.get(rid)
@@ -1165,6 +1302,12 @@ class Consumer:
 
     def _finish(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
         del self.reqs[r.rid]
+        n = len(self._lease_heap)
+        if n > 2 * len(self.reqs) and n > HEAP_SLACK:
+            # In place: tick iterates this very list.
+            self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
+                                   if q.state in (WAITING, HANDSHAKING)]
+            heapq.heapify(self._lease_heap)
         p = r.params
         peer = self.peers.get(p.engine)
         if peer is not None and peer.reqs.get(p.handle) is r:
@@ -1188,7 +1331,8 @@ class Consumer:
 
     def admit(self, rid: str, params: TransferParams, now: float) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
-        self.now = max(self.now, now)
+        if self._clock(now) is None:
+            return []
         out: list[DEffect] = []
         peer = self.peers.get(params.engine)
         if peer is None:  # not setdefault: that would build a _Peer on every admit
@@ -1217,7 +1361,10 @@ class Consumer:
     def handshake_result(self, engine: str, ok: bool, now: float,
                          reason: str = "handshake") -> list[DEffect]:
         """The handshake with ``engine`` finished (ok) or failed (``reason``)."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         peer = self.peers.setdefault(engine, _Peer())
         peer.handshaking = False
@@ -1232,7 +1379,10 @@ class Consumer:
 
     def schedule(self, rid: str, now: float) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != WAITING:
@@ -1269,7 +1419,10 @@ class Consumer:
         With ``notif_attached`` the done notification travelled with the READ (NIXL's
         notif_msg); otherwise the machine emits SendDone.
         """
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != READING:
@@ -1291,7 +1444,10 @@ class Consumer:
 
     def abort(self, rid: str, now: float) -> list[DEffect]:
         """Client abort on D. Never releases under an in-flight READ."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None:
@@ -1310,7 +1466,10 @@ class Consumer:
         """P answered heartbeat ``seq``: lease end := send time + term - drift, except for
         ``refused`` handles (P will not renew them) and ``pending`` ones (P has not
         registered them yet: the previous estimate stands)."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         peer = self.peers.get(engine)
         sent = peer.outstanding.pop(seq, None) if peer is not None else None
@@ -1335,7 +1494,10 @@ class Consumer:
 
     def peer_lost(self, engine: str, now: float) -> list[DEffect]:
         """P disconnected (or crashed): fail everything not in flight, promptly."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         peer = self.peers.get(engine)
         if peer is None:
@@ -1354,7 +1516,10 @@ class Consumer:
     def tick(self, now: float) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
         fail requests whose lease can no longer cover a READ."""
-        self.now = max(self.now, now)
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         cfg = self.config
         margin = cfg.max_read_time + cfg.clock_drift

@@ -78,7 +78,10 @@ class AbortFreesNowLedger(Ledger):
         r = self._live.get(h) if h is not None else None
         if r is None or r.state == ABORTED:
             return super().abort(request_id, now)
-        now = self._clock(now)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time("abort", now)
+        now = clk
         out: list[Effect] = []
         r.state = ABORTED
         # BUG: free now, with the effect the table gives an abort whose grace ran out.
@@ -109,7 +112,10 @@ class StoppingSweepLedger(Ledger):
         return out
 
     def tick(self, now: float) -> list[Effect]:
-        now = self._clock(now)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time("tick", now)
+        now = clk
         out: list[Effect] = []
         order = self._order
         while order:

@@ -292,7 +292,8 @@ class Simulator:
                                                  self._tick_seq(), rank, ok))
             elif isinstance(eff, PostRead):
                 gens = tuple(self.gens[b] for b in eff.blocks)
-                dur = self.rng.uniform(0.01, self.config.max_read_time)
+                mrt = self.config.max_read_time
+                dur = self.rng.uniform(min(0.01, mrt / 2), mrt)
                 self.reads[(rank, eff.request_id)] = Read(rank, eff.request_id, eff.handle,
                                                           eff.blocks, gens, self.now,
                                                           self.now + dur)
@@ -551,11 +552,17 @@ class Simulator:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
-    p.add_argument("--seeds", type=int, default=4, help="number of seeded runs (default 4)")
-    p.add_argument("--duration", type=float, default=120.0,
+    from kvproto.cli import number
+    from kvproto.lifecycle import MAX_POOL_BLOCKS
+
+    p.add_argument("--seed", type=number(0, 2**63, integer=True), default=1,
+                   help="first seed (default 1)")
+    p.add_argument("--seeds", type=number(1, 10**6, integer=True), default=4,
+                   help="number of seeded runs (default 4)")
+    p.add_argument("--duration", type=number(0, 10**7, lo_open=True), default=120.0,
                    help="simulated seconds per run, before draining (default 120)")
-    p.add_argument("--capacity", type=int, default=512, help="P's KV blocks (default 512)")
+    p.add_argument("--capacity", type=number(16, MAX_POOL_BLOCKS, integer=True), default=512,
+                   help="P's KV blocks (default 512)")
     p.add_argument("--no-faults", action="store_true", help="a perfect network, no crashes")
     p.add_argument("--journal", metavar="PATH",
                    help="write the first run's P event journal (JSON Lines) here")

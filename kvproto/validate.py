@@ -43,7 +43,13 @@ from kvproto.conformance import (
     render,
     run_tlc,
 )
-from kvproto.journal import JournalError, read_journal
+from kvproto.journal import (
+    JournalError,
+    decode_row,
+    header_capacity,
+    journal_lines,
+    read_journal_objects,
+)
 from kvproto.lifecycle import (
     R_EXPIRED,
     Abort,
@@ -52,6 +58,7 @@ from kvproto.lifecycle import (
     ConfigError,
     Done,
     Effect,
+    Event,
     Free,
     Heartbeat,
     Register,
@@ -174,22 +181,19 @@ def _effects(effects: Sequence[Effect]) -> dict[str, str]:
 
 def journal_to_trace(path: str | Path) -> Trace:
     """Read a journal and build its trace (raises JournalError / TraceError)."""
-    with open(path, encoding="utf-8") as f:
-        header, body = read_journal(f)
-        rows = list(body)
+    # Read as bytes, within journal.py's limits (line length, nesting, capacity).
+    with open(path, "rb") as f:
+        header, objs = read_journal_objects(journal_lines(f))
+        raw: dict[int, dict[str, Any]] = {}  # the raw event objects, for the report
+        rows: list[tuple[int, Event, list[Effect]]] = []
+        for lineno, d in objs:
+            raw[lineno] = d["event"]
+            rows.append((lineno, *decode_row(lineno, d)))
     try:
         cfg = Config.from_dict(header.get("config", {}))
     except (ConfigError, TypeError) as e:
         raise TraceError(f"journal header config: {e}") from None
-    capacity = header.get("capacity")
-    if not isinstance(capacity, int) or capacity < 1:
-        raise TraceError("journal header lacks a valid capacity")
-    # Re-read the raw event objects for the report (read_journal gives dataclasses).
-    raw: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if lineno > 1 and line.strip():
-                raw[lineno] = json.loads(line).get("event", {})
+    capacity = header_capacity(header)
 
     durations = [cfg.initial_lease, cfg.lease_extension, cfg.abort_grace, cfg.max_staged_age]
     times = [float(ev.now) for _, ev, _ in rows]
@@ -385,7 +389,12 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
 def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BYTES,
              workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[Verdict]:
     """Validate journals (raises JournalError/TraceError on bad input, TLCMissing)."""
-    traces = [journal_to_trace(p) for p in paths]
+    traces: list[Trace] = []
+    for p in paths:
+        try:
+            traces.append(journal_to_trace(p))
+        except (JournalError, TraceError) as e:  # name the file: several may be given
+            raise TraceError(f"{p}: {e}") from None
     verdicts: list[Verdict] = []
     for i, b in enumerate(batches(traces, batch_bytes)):
         verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
@@ -401,10 +410,14 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("journals", nargs="+", metavar="JOURNAL.jsonl",
                    help="event journals (kvproto simulate --journal, or the NIXL adapters)")
-    p.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES,
+    from kvproto.cli import number
+
+    p.add_argument("--batch-bytes", type=number(1, 1 << 30, integer=True),
+                   default=DEFAULT_BATCH_BYTES,
                    help="TLA+ text per TLC run when checking several journals "
                         f"(default {DEFAULT_BATCH_BYTES})")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    p.add_argument("--timeout", type=number(0, 7 * 86400, lo_open=True),
+                   default=DEFAULT_TIMEOUT, metavar="S",
                    help="give up a batch after S seconds of TLC (exit 4; default "
                         f"{DEFAULT_TIMEOUT:.0f}); TLC time grows faster than a journal's length")
     p.add_argument("--keep", metavar="DIR",

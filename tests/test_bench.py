@@ -7,14 +7,22 @@ import json
 import pytest
 
 from kvproto import cli
-from kvproto.bench import ScanReference, bench_heartbeat_bytes, bench_memory
+from kvproto.bench import (
+    ScanReference,
+    bench_churn,
+    bench_heartbeat_bytes,
+    bench_mass_expiry,
+    bench_memory,
+)
 
 
 def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["-q", "bench", "ledger", "--quick", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     for key in ("events_per_s", "tick_us", "scan_tick_us", "bytes_per_request",
-                "heartbeat_bytes_per_id"):
+                "heartbeat_bytes_per_id", "worst_tick_ms_1e5", "worst_tick_ms_1e6",
+                "unbounded_tick_ms_1e5", "heap_entries_over_live", "peak_heap_entries_churn",
+                "peak_heap_entries_no_compaction", "tick_budget"):
         assert key in res, key
     assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}
     assert res["events_per_s"] > 0 and res["bytes_per_request"] > 0
@@ -59,3 +67,18 @@ def test_bench_wire_json_puts_decode_and_ledger_side_by_side(
 def test_bench_wire_refuses_bad_numbers(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "wire", "--repeat", "0"]) == 2
     assert "--repeat" in capsys.readouterr().err
+
+
+def test_mass_expiry_is_spread_over_ticks_by_the_budget() -> None:
+    bounded = bench_mass_expiry(3000, 100)
+    unbounded = bench_mass_expiry(3000, None)
+    # 3000 due entries (1500 expire, 1500 are re-inserted) at 100 per tick.
+    assert bounded["ticks"] == 30 and unbounded["ticks"] == 1
+    assert bounded["lag_ms"] > 0 == unbounded["lag_ms"]
+
+
+def test_churn_keeps_the_heap_compact_and_the_old_heap_would_not() -> None:
+    held = bench_churn(20_000, 1000)
+    assert held["entries_over_live"] <= 2 and held["rebuilds"] > 0
+    assert bench_churn(5000, 0)["peak_heap_entries"] <= 64
+    assert bench_churn(5000, 0, compact=False)["peak_heap_entries"] > 4000

@@ -539,3 +539,46 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
     for t in (1.0, 2.0, 4.9):
         assert consumer.tick(t) == []
     assert pops == 0
+
+
+# -- hardening (issue 11): bad time, compact lease heap -------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_time_is_refused_and_counted(consumer: Consumer, bad: float) -> None:
+    ready(consumer)
+    consumer.admit("r1", params(1), 1.0)
+    for call in (lambda: consumer.admit("r2", params(2), bad),
+                 lambda: consumer.schedule("r1", bad),
+                 lambda: consumer.tick(bad),
+                 lambda: consumer.abort("r1", bad),
+                 lambda: consumer.ack(ENGINE, 1, 20.0, (), bad),
+                 lambda: consumer.peer_lost(ENGINE, bad),
+                 lambda: consumer.handshake_result(ENGINE, False, bad),
+                 lambda: consumer.read_result("r1", True, bad)):
+        assert call() == []
+    assert consumer.counters["bad_time"] == 8
+    assert consumer.now == 1.0
+    assert consumer.state("r1") == WAITING and consumer.state("r2") == lifecycle.D_NEW
+    # The request still fails when its lease can no longer cover a READ.
+    assert finished(consumer.tick(40.0)) == [("r1", "failed", "lease_lost")]
+
+
+def test_a_stale_time_never_lets_a_read_start_on_a_lease_that_ran_out(consumer: Consumer
+                                                                      ) -> None:
+    ready(consumer)
+    consumer.admit("r1", params(1), 0.0)  # lease end 29 (term 30 - max_delay 1)
+    consumer.admit("r2", params(2), 26.0)  # the clock reads 26: 26 + 5 + 0.5 > 29
+    effects = consumer.schedule("r1", 1.0)  # a stale reading of the clock
+    assert consumer.counters["clock_regression"] == 1
+    assert not any(isinstance(e, PostRead) for e in effects)
+    assert finished(effects) == [("r1", "failed", "lease_short")]
+
+
+def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
+    ready(consumer)
+    for h in range(1, 3001):
+        consumer.admit(f"r{h}", params(h), float(h))
+        consumer.abort(f"r{h}", float(h))
+        assert len(consumer._lease_heap) <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
+    assert consumer.reqs == {}

@@ -200,7 +200,7 @@ def test_inserted_double_free_by_tick_is_reported(
 
 
 @pytest.mark.parametrize(("bad", "message"), [
-    ("not json", r"line 5: Expecting value"),
+    ("not json", r"line 5: not JSON: Expecting value"),
     ('{"n": 4}', r"line 5: line must be an object with an 'event'"),
     ('{"event": {"type": "teleport", "now": 1}}', r"line 5: unknown event type 'teleport'"),
     ('{"event": {"type": "tick"}}', r"line 5: event 'tick' lacks field 'now'"),

@@ -800,8 +800,8 @@ def test_default_config_is_valid(cfg: Config) -> None:
     ({"clock_drift": -0.1}, r"clock_drift must be >= 0"),
     ({"heartbeat_interval": 0.0}, r"heartbeat_interval must be > 0"),
     ({"max_read_time": -5.0}, r"max_read_time must be > 0"),
-    ({"max_tombstones": 0}, r"max_tombstones .* must be >= 1"),
-    ({"max_staged": 0}, r"max_staged.* must be >= 1"),
+    ({"max_tombstones": 0}, r"max_tombstones must be within \[1, "),
+    ({"max_staged": 0}, r"max_staged must be within \[1, "),
     ({"max_message_bytes": 63}, r"max_message_bytes must be within \[64, 1048576\], got 63"),
     ({"max_message_bytes": (1 << 20) + 1}, r"max_message_bytes must be within"),
 ])
@@ -860,3 +860,125 @@ def test_transition_table_rows_are_unique_and_use_known_names() -> None:
         if t.effect.startswith("free:"):
             assert t.effect[5:] in lifecycle.FREE_REASONS
             assert t.dst in lifecycle.TERMINAL_STATES
+
+
+# -- hardening (issue 11): bad time, bounded tick, compact heap ------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_time_is_refused_counted_and_changes_nothing(ledger: Ledger,
+                                                                bad: float) -> None:
+    ledger.register(1, "req", (0,), 1.0, expected=1)
+    calls = [lambda: ledger.register(2, "req2", (1,), bad, expected=1),
+             lambda: ledger.done("d0", 1, 1, bad),
+             lambda: ledger.release("d0", (1,), 1, bad),
+             lambda: ledger.heartbeat("d0", 1, (1,), 1, bad),
+             lambda: ledger.abort("req", bad),
+             lambda: ledger.tick(bad)]
+    for call in calls:
+        effects = call()
+        assert [(type(e), e.reason) for e in effects] == [(Rejected, "bad_time")]
+    assert ledger.counters["rejected:bad_time"] == len(calls)
+    assert ledger.now == 1.0
+    assert ledger.state(1) == REGISTERED and ledger.state(2) == UNREGISTERED
+    assert ledger.deadline(1) == 31.0
+    assert ledger.pool.held_count == 1
+    # The lease still runs out: a non-finite time cannot make the deadline unreachable.
+    assert frees(ledger.tick(31.0)) == [(1, "expired")]
+
+
+def test_bad_time_before_any_event_is_journaled_at_a_finite_time(make_ledger: LedgerFactory
+                                                                 ) -> None:
+    seen: list[Any] = []
+    ledger = make_ledger()
+    ledger.sink = lambda ev, effs: seen.append((ev, effs))
+    ledger.tick(float("nan"))
+    (ev, effs), = seen
+    assert ev.reason == "bad_time" and ev.now == 0.0
+    assert effs == [Rejected("bad_time", "", None, "tick at time nan")]
+
+
+def test_tick_budget_carries_expiries_over_never_early(make_ledger: LedgerFactory) -> None:
+    ledger = make_ledger(capacity=64, max_tick_work=3)
+    for h in range(1, 11):
+        ledger.register(h, f"r{h}", (h,), 0.0, expected=1)
+    ledger.register(20, "late", (20,), 5.0, expected=1)  # deadline 35: not due at 30
+    assert ledger.tick(29.999) == []
+    got: list[int] = []
+    for step in range(4):
+        assert ledger.next_deadline() is not None
+        effects = ledger.tick(30.0 + step * 0.001)
+        fr = [e for e in effects if isinstance(e, Free)]
+        assert len(fr) <= 3
+        assert all(f.deadline <= 30.0 + step * 0.001 for f in fr)  # never early
+        got += [f.handle for f in fr]
+        if step < 3:  # work left: the next deadline is already past
+            due = ledger.next_deadline()
+            assert due is not None and due <= 30.0 + step * 0.001
+    assert sorted(got) == list(range(1, 11))
+    assert ledger.counters["tick_budget_exhausted"] == 3
+    assert ledger.state(20) == REGISTERED
+    assert ledger.next_deadline() == 35.0
+    assert ledger.check_invariants() == []
+    assert_conserved(ledger)
+
+
+def test_a_carried_over_expiry_can_still_be_renewed_or_finished(make_ledger: LedgerFactory
+                                                                ) -> None:
+    ledger = make_ledger(max_tick_work=1)
+    for h in (1, 2, 3):
+        ledger.register(h, f"r{h}", (h,), 0.0, expected=1)
+    assert frees(ledger.tick(30.0)) == [(1, "expired")]
+    ledger.heartbeat("d0", 1, (2,), 1, 30.5)  # late, but the lease is still held: renewed
+    assert frees(ledger.done("d0", 3, 1, 30.5)) == [(3, "transferred")]
+    assert frees(ledger.tick(31.0)) == []  # 2's entry re-inserted (budget 1), 3's dropped
+    assert ledger.state(2) == LEASED and ledger.deadline(2) == 50.5
+    assert ledger.check_invariants() == []
+
+
+def test_staging_expiry_is_never_late(make_ledger: LedgerFactory) -> None:
+    """Staged entries are bounded by max_staged: their age limit is not subject to the
+    tick budget (the spec drops them exactly at MaxStagedAge)."""
+    ledger = make_ledger(max_tick_work=1)
+    for h in (1, 2, 3):
+        ledger.register(h, f"r{h}", (h,), 0.0, expected=1)
+    for h in (11, 12, 13):
+        ledger.done("d0", h, 1, 0.0)  # staged
+    ledger.tick(30.0)
+    assert ledger.staged_count == 0
+    assert ledger.counters["staged_expired"] == 3
+    assert ledger.held_requests == 2  # while the expiries are carried over
+
+
+def test_heap_is_rebuilt_when_dead_entries_outnumber_live_ones(make_ledger: LedgerFactory
+                                                               ) -> None:
+    ledger = make_ledger(capacity=8)
+    held = 0
+    for h in range(1, 5001):  # churn: register and transfer at once, never tick
+        ledger.register(h, f"r{h}", (h % 8,), float(h), expected=1)
+        if h % 1000 == 0:
+            held += 1  # keep a few held requests
+            continue
+        ledger.done("d0", h, 1, float(h))
+        assert ledger.heap_entries <= max(2 * ledger.held_requests, lifecycle.HEAP_SLACK)
+    assert ledger.held_requests == held
+    assert ledger.counters["heap_rebuilt"] > 10
+    assert ledger.check_invariants() == []
+    # Aborts push early entries: bounded the same way.
+    for h in range(6000, 6400):
+        ledger.register(h, f"a{h}", (0,), 6000.0, expected=1)
+        ledger.abort(f"a{h}", 6000.0)
+        ledger.release("d0", (h,), 1, 6000.0)
+        assert ledger.heap_entries <= max(2 * ledger.held_requests, lifecycle.HEAP_SLACK)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"lease_extension": 1e7, "initial_lease": 1e7, "abort_grace": 1e7},  # term > u32 ms
+    {"heartbeat_interval": 1e-4},  # finer than the adapters' millisecond clock
+    {"max_tick_work": 0},
+    {"max_staged": 1 << 25},
+])
+def test_validate_refuses_what_the_wire_or_the_caps_cannot_carry(overrides: dict[str, Any]
+                                                                 ) -> None:
+    with pytest.raises(ConfigError):
+        replace(Config(), **overrides).validate()

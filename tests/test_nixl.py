@@ -439,7 +439,15 @@ def _recv_nb(s: socket.socket, buf: bytearray) -> bool:
 
 def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
         pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
-    from kvproto.nixl.channel import FRAME, ST_OK, ST_REFUSED, frame, parse_refusal
+    from kvproto.nixl.channel import (
+        FRAME,
+        NONCE_BYTES,
+        ST_CHALLENGE,
+        ST_OK,
+        ST_REFUSED,
+        frame,
+        parse_refusal,
+    )
     from kvproto.wire import MAX_HANDSHAKE_BYTES
 
     p, d = pair
@@ -449,6 +457,7 @@ def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
         "bad_status": FRAME.pack(3, 9) + b"abc",
         "handler_raises": frame(ST_OK, b"{}"),
     }
+    challenge = FRAME.size + NONCE_BYTES  # P speaks first: a fresh challenge
     handler = p.server.handler
     socks: dict[str, socket.socket] = {}
     bufs: dict[str, bytearray] = {}
@@ -456,7 +465,7 @@ def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
     try:
         for name, data in payloads.items():
             if name == "handler_raises":
-                def boom(conn: int, payload: bytes) -> tuple[bytes, str]:
+                def boom(conn: int, payload: bytes, authed: bool) -> tuple[bytes, str]:
                     raise RuntimeError("bug in the handler")
                 p.server.handler = boom
             s = socket.create_connection((p.host, p.port), timeout=5)
@@ -466,8 +475,12 @@ def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
 
             def settled(name: str = name) -> bool:
                 closed[name] = closed[name] or _recv_nb(socks[name], bufs[name])
-                return closed[name] or len(bufs[name]) >= FRAME.size
+                return closed[name] or len(bufs[name]) >= challenge + FRAME.size
             pump(p, [], settled)
+            if bufs[name]:  # a connection dropped at once may not even get the challenge
+                n, st = FRAME.unpack_from(bufs[name], 0)
+                assert (n, st) == (NONCE_BYTES, ST_CHALLENGE)
+                del bufs[name][:challenge]
         p.server.handler = handler
         n, st = FRAME.unpack_from(bufs["not_json"], 0)
         pump(p, [], lambda: _recv_nb(socks["not_json"], bufs["not_json"]) or
@@ -491,3 +504,31 @@ def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
     comps = pump(p, [d], lambda: bool(comps), sink=comps)
     assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
     assert verified(d, comps[0], "after")
+
+
+def test_restarted_d_with_the_same_name_handshakes_again_once_its_old_channel_closed(
+        pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
+    """A claim on a known name is accepted only when the old peer's connection is gone
+    (issue 11): the restarted D is served; nothing was unloaded while the old one lived."""
+    p, d = pair
+    params = prefill(p, "one", 2)
+    d.admit("one", params)
+    d.schedule("one")
+    comps = pump(p, [d], lambda: d.state("one") == "new")
+    assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
+    name = d.name
+    d.close(timeout=1.0)  # the D process "dies": its agent and handshake channel go
+    pump(p, [], lambda: not any(p.server.is_open(c) for c in p._peer_conn.values()))
+    d2 = ConsumerAdapter(name, CFG, num_blocks=32, block_bytes=BB)
+    try:
+        d2.add_engine(p.name, p.host, p.port)
+        params = prefill(p, "two", 2)
+        d2.admit("two", params)
+        d2.schedule("two")
+        comps = pump(p, [d2], lambda: d2.state("two") == "new")
+        assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
+        assert verified(d2, comps[0], "two")
+        assert p.counters.get("handshakes") == 2
+        assert p.counters.get("handshake_refused", 0) == 0
+    finally:
+        d2.close(timeout=1.0)

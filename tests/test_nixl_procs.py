@@ -389,3 +389,90 @@ def test_restarted_p_handshakes_again(procs: list[Proc]) -> None:
         assert s["frees"]["transferred"] == 1 and s["violations"] == 0
     finally:
         d.close(1.0)
+
+
+# -- forged handshakes (issue 11) -------------------------------------------------------------
+
+
+def _spoof(host: str, port: int, claim: str, metadata: bytes,
+           secret: bytes | None = None) -> tuple[str, str]:
+    """A handshake claiming ``claim`` with ``metadata``; returns (status, refusal reason)."""
+    from kvproto.nixl.channel import Client, parse_refusal
+    from kvproto.wire import Handshake, Layout
+
+    hs = Handshake(engine=claim, epoch=0, layout=Layout(8, BB, "uint8", 0, 1),
+                   agent_metadata=metadata, role="consumer", extra={})
+    c = Client(host, port, hs.encode(), secret=secret)
+    try:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            r = c.poll()
+            if r is not None:
+                status, payload = r
+                reason = parse_refusal(payload)[0] if isinstance(payload, bytes) \
+                    and status == "refused" else str(payload)[:80]
+                return status, reason
+            time.sleep(0.005)
+        raise AssertionError("no answer to the spoofed handshake")
+    finally:
+        c.close()
+
+
+def _pull(d: Proc, p: Proc, rid: str, n: int) -> tuple[Any, ...]:
+    params = register(p, rid, n)
+    d.conn.send(("admit", rid, params.to_dict(), rid, 0.0))
+    return d.recv("completion")
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret-for-the-test"], ids=["no_secret", "secret"])
+def test_spoofed_handshake_neither_disturbs_a_live_d_nor_frees_a_block(
+        procs: list[Proc], secret: bytes | None) -> None:
+    import struct
+
+    from kvproto.nixl.agent import make_agent
+
+    pname, dname = uniq("P"), uniq("D")
+    opts = {"handshake_secret": secret} if secret else {}
+    p, host, port = start_p(procs, pname, **opts)
+    d = Proc(consumer_main, dname, CFG.to_dict(), 8, BB, {pname: (host, port)},
+             {"device": "cpu", **opts})
+    procs.append(d)
+    d.recv("ready")
+    comp = _pull(d, p, "before", 2)
+    assert comp[2:5] == ("before", "done", "pulled") and comp[7] == 0
+    held = register(p, "held", 3)  # held while the spoofer tries: D has not pulled it
+    d.conn.send(("admit", "held", held.to_dict(), "held", None))  # admitted, not scheduled
+    wait_stats(p, lambda s: dname in s["peers"] and s["held"] == 3)
+
+    # The attacker: its own NIXL agent, and metadata edited to carry the victim's name.
+    spy = make_agent(uniq("spy"))
+    own = spy.get_agent_metadata()
+    prefix = b"nixlSerDes|Agent"
+    (n,) = struct.unpack_from("<Q", own, len(prefix))
+    forged = prefix + struct.pack("<Q", len(dname)) + dname.encode() + own[len(prefix) + 8 + n:]
+    attempts = [(own, None), (forged, None), (b"\x00garbage", None)]
+    if secret:
+        attempts.append((forged, b"a-guessed-secret"))
+    got = [_spoof(host, port, dname, md, sec) for md, sec in attempts]
+    if secret:
+        assert got == [("refused", "unauthenticated")] * 4
+    else:
+        assert got == [("refused", "wrong_name"), ("refused", "name_in_use"),
+                       ("refused", "metadata")]
+    s = stats(p)
+    assert s["adapter"].get("handshake_refused") == len(attempts)
+    if secret:
+        assert s["adapter"].get("handshake_unauthenticated") == len(attempts)
+    assert s["peers"] == [dname]
+    assert sum(s["frees"].values()) == 1 and s["held"] == 3  # nothing freed by the spoofs
+
+    # The live D is undisturbed: its next READs and acks still work, over the same peer.
+    comp = _pull(d, p, "after", 2)
+    assert comp[2:5] == ("after", "done", "pulled") and comp[7] == 0
+    d.conn.send(("abort", "held"))
+    s = wait_stats(p, lambda s: s["held"] == 0)
+    assert s["frees"] == {**s["frees"], "transferred": 2, "released": 1, "expired": 0}
+    assert s["violations"] == 0 and s["invariants"] == []
+    dstats = d.call("stats", reply="stats")[1]
+    assert dstats["counters"].get("handshakes") == 1  # never had to handshake again
+    assert not any(k.startswith("handshake_failed") for k in dstats["counters"])

@@ -79,12 +79,18 @@ def test_simulate_without_faults_completes_reads(capsys: pytest.CaptureFixture[s
     assert summary["frees"]["transferred"] > 0
 
 
-@pytest.mark.parametrize("argv", [["--seeds", "0"], ["--duration", "0"], ["--capacity", "8"]])
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seeds", "0"], "argument --seeds: must be an integer >= 1"),
+    (["--duration", "0"], "argument --duration: must be a finite number > 0"),
+    (["--duration", "nan"], "argument --duration: must be a finite number > 0"),
+    (["--capacity", "8"], "argument --capacity: must be an integer >= 16")])
 def test_simulate_refuses_bad_parameters(capsys: pytest.CaptureFixture[str],
-                                         argv: list[str]) -> None:
-    rc, _, err = run_cli(capsys, *argv)
-    assert rc == 2
-    assert "--seeds >= 1" in err
+                                         argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        run_cli(capsys, *argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 # The simulator's checks must be able to fail, or "0 violations" means nothing.

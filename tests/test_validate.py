@@ -68,6 +68,26 @@ def scripted_journal(path: Path) -> Path:
     return path
 
 
+def budget_journal(path: Path) -> Path:
+    """Ticks with a work budget of one heap entry (Config.max_tick_work = 1): expiries
+    carried over to later ticks, and a late request renewed and one finished before
+    their expiry came round (issue 11)."""
+    cfg = Config(initial_lease=10.0, lease_extension=8.0, abort_grace=10.0,
+                 heartbeat_interval=2.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1,
+                 max_tick_work=1)
+    with JournalWriter(path, cfg, 16, {"source": "budget"}) as w:
+        L = Ledger(cfg, BlockPool(16), sink=w.sink)
+        for h in range(1, 6):
+            L.register(h, f"r{h}", (h,), 1.0, expected=1)
+        L.tick(11.0)  # five due, one expires
+        L.heartbeat("dA", 1, (4,), 1, 11.2)  # 4 is past its deadline, still held: renewed
+        L.done("dA", 5, 1, 11.3)  # 5 finishes before its late expiry
+        for t in range(12, 30):
+            L.tick(float(t))
+        assert L.frees["expired"] == 4 and L.frees["transferred"] == 1
+    return path
+
+
 def read_lines(p: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in p.read_text().splitlines()]
 
@@ -142,6 +162,7 @@ def test_accepts_real_journals(tmp_path: Path) -> None:
     paths = [sim_journal(tmp_path / f"sim{s}.jsonl", s, 6.0) for s in (1, 2, 3)]
     paths.append(sim_journal(tmp_path / "clean.jsonl", 4, 6.0, faults=False))
     paths.append(scripted_journal(tmp_path / "scripted.jsonl"))
+    paths.append(budget_journal(tmp_path / "budget.jsonl"))
     n_frees = sum(len(frees_of(r)) for p in paths for r in read_lines(p)[1:])
     assert n_frees > 20  # the journals exercise the lifecycle, not just ticks
     verdicts = run_validate(paths)

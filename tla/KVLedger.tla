@@ -248,14 +248,23 @@ AbortOp(L, r) ==
 (* A staged message one time unit older (only heartbeats keep an age). *)
 AgeMsg(m) == [m EXCEPT !.age = IF m.kind = "heartbeat" THEN @ + 1 ELSE 0]
 
+(* The held requests whose deadline has passed once one more unit passes: the ones a
+   tick may expire. *)
+DueAtTick(L) == {q \in Requests : L.pstate[q] \in Held /\ L.deadline[q] <= 1}
+
 (* mirrors kvproto.lifecycle.Ledger.tick(now + 1): one time unit passes; deadlines
-   <= now expire (TICK/deadline_passed: held live -> expired, aborted -> freed);
-   staged entries reaching MaxStagedAge are dropped. *)
-TickOp(L) ==
+   <= now expire (TICK/deadline_passed: held live -> expired, aborted -> freed), except
+   the requests in Late: a tick that ran out of its work budget (Config.max_tick_work)
+   leaves them for a later tick. A late request stays held with deadline 0 (the Python
+   deadline lies in the past): it can still be renewed, finished or released, and any
+   later tick may expire it. An expiry may be late, never early. Staged entries
+   reaching MaxStagedAge are dropped (never late: bounded by MaxStaged). *)
+TickLagOp(L, Late) ==
     LET L1 == [L EXCEPT !.deadline = [q \in Requests |->
-                                       IF L.pstate[q] \in Held THEN L.deadline[q] - 1 ELSE 0]]
-        Exp == {q \in Requests : L1.pstate[q] \in HeldLive /\ L1.deadline[q] <= 0}
-        Abo == {q \in Requests : L1.pstate[q] = "aborted" /\ L1.deadline[q] <= 0}
+                                       IF L.pstate[q] \in Held
+                                       THEN Max(L.deadline[q] - 1, 0) ELSE 0]]
+        Exp == {q \in Requests : L1.pstate[q] \in HeldLive /\ L1.deadline[q] <= 0} \ Late
+        Abo == {q \in Requests : L1.pstate[q] = "aborted" /\ L1.deadline[q] <= 0} \ Late
         L2 == FreeSet(FreeSet(L1, Exp, "expired"), Abo, "freed")
         Old == {q \in Range(L2.stagedQ) : L2.stagedAge[q] + 1 >= MaxStagedAge}
     IN  [L2 EXCEPT
@@ -265,6 +274,9 @@ TickOp(L) ==
                             IF q \in Range(L2.stagedQ) \ Old
                             THEN [i \in DOMAIN L2.staged[q] |-> AgeMsg(L2.staged[q][i])]
                             ELSE <<>>]]
+
+(* The prompt tick: every due request expires (an unbounded budget). *)
+TickOp(L) == TickLagOp(L, {})
 
 -----------------------------------------------------------------------------
 (* Actions over abstract inputs. Each names the Python method it mirrors. *)
@@ -281,6 +293,8 @@ Release(r, d, e) == Write(ReleaseOp(Cur, r, d, e))
 Abort(r) == Write(AbortOp(Cur, r))
 \* mirrors kvproto.lifecycle.Ledger.tick
 Tick == Write(TickOp(Cur))
+\* mirrors kvproto.lifecycle.Ledger.tick when its work budget runs out: Late is left due
+TickLag(Late) == Write(TickLagOp(Cur, Late))
 
 -----------------------------------------------------------------------------
 LedgerInit ==

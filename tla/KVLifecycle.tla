@@ -48,9 +48,12 @@ CONSTANTS
     EarlyRequests,      \* requests whose Register is a separate step after Prefill (in the
                         \* same time unit), so D's messages can arrive before it (staging);
                         \* the others are registered in the Prefill step itself
-    DisownAfterAbortedRead \* TRUE = kvproto.lifecycle.Consumer today: a READ that completes
+    DisownAfterAbortedRead, \* TRUE = kvproto.lifecycle.Consumer today: a READ that completes
                         \* with an abort pending ends "failed" and gives up the group
                         \* ownership although its done was sent (unsafe, see spec/TLA.md)
+    ExpiryMayLag        \* TRUE: a Tick may leave any due requests for a later Tick (the
+                        \* ledger's bounded tick, Config.max_tick_work); the safety models
+                        \* set it, the liveness models check prompt expiry
 
 VARIABLES
     \* P's ledger (see KVLedger for the mapping to kvproto.lifecycle.Ledger)
@@ -373,7 +376,7 @@ HbDue == {d \in Readers : Alive(d) /\ hbTimer[d] <= 1}
    heartbeats that come due) *)
 Tick ==
     /\ ~TimeBlocked
-    /\ P!Tick
+    /\ \E Late \in (IF ExpiryMayLag THEN SUBSET P!DueAtTick(P!Cur) ELSE {{}}) : P!TickLag(Late)
     /\ msgs' = {Older(m) : m \in msgs} \cup UNION {HbBatches(d) : d \in HbDue}
     /\ dlease' = [p \in Pairs |-> IF dst[p] \in {"waiting", "handshaking"}
                                   THEN Max(dlease[p] - 1, 0) ELSE dlease[p]]

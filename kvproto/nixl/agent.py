@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,29 @@ _ERROR_NAMES = {
     "nixlNotSupportedError": "not_supported",
     "nixlCancelledError": "canceled",
 }
+
+
+# nixl 1.5.1's serialized agent metadata starts with the agent's name:
+# b"nixlSerDes|" b"Agent" <length u64 little endian> <name> b"|" (then "Conns", backends...).
+_MD_PREFIX = b"nixlSerDes|Agent"
+_MD_LEN = struct.Struct("<Q")
+MAX_AGENT_NAME_BYTES = 1024
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name inside NIXL agent metadata, read without loading it; None when the
+    bytes do not have that shape (then they must not be loaded either)."""
+    start = len(_MD_PREFIX) + _MD_LEN.size
+    if not isinstance(metadata, bytes) or not metadata.startswith(_MD_PREFIX) \
+            or len(metadata) < start:
+        return None
+    (n,) = _MD_LEN.unpack_from(metadata, len(_MD_PREFIX))
+    if not 1 <= n <= MAX_AGENT_NAME_BYTES or metadata[start + n:start + n + 1] != b"|":
+        return None
+    try:
+        return metadata[start:start + n].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def error_name(exc: BaseException) -> str:

@@ -38,13 +38,22 @@ BENCH_CONFIG = Config(initial_lease=30.0, lease_extension=20.0, heartbeat_interv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-kib", type=int, default=256, help="large block size, KiB (256)")
-    p.add_argument("--blocks-per-request", type=int, default=64, help="blocks per request (64)")
-    p.add_argument("--requests", type=int, default=12, help="requests per throughput round (12)")
-    p.add_argument("--rounds", type=int, default=9, help="rounds per side; median reported (9)")
-    p.add_argument("--small-requests", type=int, default=400,
+    from kvproto.cli import number
+
+    def count(hi: int) -> Any:
+        return number(1, hi, integer=True)
+
+    p.add_argument("--block-kib", type=count(1 << 20), default=256,
+                   help="large block size, KiB (256)")
+    p.add_argument("--blocks-per-request", type=count(1 << 16), default=64,
+                   help="blocks per request (64)")
+    p.add_argument("--requests", type=count(1 << 20), default=12,
+                   help="requests per throughput round (12)")
+    p.add_argument("--rounds", type=count(1000), default=9,
+                   help="rounds per side; median reported (9)")
+    p.add_argument("--small-requests", type=count(1 << 24), default=400,
                    help="requests per small-block round (400)")
-    p.add_argument("--in-flight", type=int, default=10000,
+    p.add_argument("--in-flight", type=count(1 << 24), default=10000,
                    help="in-flight requests for the heartbeat figure (10000)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -5,13 +5,28 @@ block an engine. A frame is ``length u32 | status u8 | payload``; status 0 carri
 ``wire.Handshake`` JSON payload, status 1 a JSON ``{"reason", "detail"}`` refusal. The
 connection stays open after the exchange: its close is how a crashed peer is noticed
 promptly on the same host (lease expiry and ack silence cover the rest).
+
+Authentication (spec/PROTOCOL.md, "Handshake authentication"). On accept P sends a
+challenge frame (status 2: 16 random bytes). D answers with its handshake, either plain
+(status 0) or, when it has the shared secret, authenticated (status 3:
+``nonce(16) | mac(32) | payload``, mac = HMAC-SHA256(secret, "kvproto-hs1 D>P" |
+challenge | nonce | payload)). P's accepted reply to an authenticated request is
+authenticated the same way (status 3: ``mac(32) | payload``, mac over "kvproto-hs1 P>D" |
+nonce | challenge | payload). The challenge and nonce are fresh per connection, so a
+recorded exchange cannot be replayed. The server only verifies; what to do with an
+unauthenticated request is the handler's decision (P refuses it when it has a secret).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
+import itertools
 import json
 import logging
+import os
+import secrets
 import socket
 import struct
 from collections.abc import Callable
@@ -24,7 +39,30 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct(">IB")
 ST_OK = 0
 ST_REFUSED = 1
+ST_CHALLENGE = 2
+ST_AUTH = 3
+_STATUSES = (ST_OK, ST_REFUSED, ST_CHALLENGE, ST_AUTH)
 MAX_CONNS = 512
+NONCE_BYTES = 16
+MAC_BYTES = 32
+SECRET_ENV = "KVPROTO_HANDSHAKE_SECRET"
+_TAG_REQUEST = b"kvproto-hs1 D>P"
+_TAG_REPLY = b"kvproto-hs1 P>D"
+
+
+def secret_from_env() -> bytes | None:
+    """The shared handshake secret from ``KVPROTO_HANDSHAKE_SECRET`` (None when unset or
+    empty). The adapters use it unless given one explicitly."""
+    v = os.environ.get(SECRET_ENV)
+    return v.encode("utf-8", errors="surrogateescape") if v else None
+
+
+def request_mac(secret: bytes, challenge: bytes, nonce: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, _TAG_REQUEST + challenge + nonce + payload, hashlib.sha256).digest()
+
+
+def reply_mac(secret: bytes, challenge: bytes, nonce: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, _TAG_REPLY + nonce + challenge + payload, hashlib.sha256).digest()
 
 
 def frame(status: int, payload: bytes) -> bytes:
@@ -53,7 +91,7 @@ def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
     n, st = FRAME.unpack_from(buf, 0)
     if n > MAX_HANDSHAKE_BYTES:
         raise FrameError(f"frame of {n} bytes exceeds {MAX_HANDSHAKE_BYTES}")
-    if st not in (ST_OK, ST_REFUSED):
+    if st not in _STATUSES:
         raise FrameError(f"unknown frame status {st}")
     if len(buf) < FRAME.size + n:
         return None
@@ -66,21 +104,33 @@ def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
 class _Conn:
     sock: socket.socket
     since: float
+    cid: int  # connection id, never reused (file descriptors are)
+    challenge: bytes = b""
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     answered: bool = False
     peer: str = ""  # set by the handler once the peer named itself
 
 
-class Server:
-    """P's handshake listener. ``handler(payload, conn_id) -> (reply_frame, peer_name)``."""
+Handler = Callable[[int, bytes, bool], tuple[bytes, str]]
 
-    def __init__(self, handler: Callable[[int, bytes], tuple[bytes, str]], *,
+
+class Server:
+    """P's handshake listener. ``handler(conn_id, payload, authenticated) ->
+    (reply_frame, peer_name)``; ``authenticated`` is True only when the request carried a
+    valid MAC under ``secret``. ``is_open(conn_id)`` says whether that peer's connection
+    is still up."""
+
+    def __init__(self, handler: Handler, *,
                  host: str = "127.0.0.1", port: int = 0, request_timeout: float = 5.0,
-                 on_close: Callable[[str], None] | None = None) -> None:
+                 on_close: Callable[[str], None] | None = None,
+                 secret: bytes | None = None) -> None:
         self.handler = handler
         self.on_close = on_close
         self.request_timeout = request_timeout
+        self.secret = secret
+        self._ids = itertools.count(1)
+        self._open: set[int] = set()
         self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind((host, port))
@@ -102,7 +152,10 @@ class Server:
                 s.close()
                 continue
             s.setblocking(False)
-            self.conns[s.fileno()] = _Conn(s, now)
+            c = _Conn(s, now, next(self._ids), secrets.token_bytes(NONCE_BYTES))
+            c.outbuf += frame(ST_CHALLENGE, c.challenge)
+            self.conns[s.fileno()] = c
+            self._open.add(c.cid)
         for fd, c in list(self.conns.items()):
             if not self._service(fd, c, now):
                 self._drop(fd, c)
@@ -130,13 +183,27 @@ class Server:
                 return False
             if got is not None:
                 st, payload = got
-                if st != ST_OK:
+                nonce = b""
+                authed = False
+                if st == ST_AUTH:
+                    if len(payload) < NONCE_BYTES + MAC_BYTES:
+                        return False
+                    nonce = payload[:NONCE_BYTES]
+                    mac = payload[NONCE_BYTES:NONCE_BYTES + MAC_BYTES]
+                    payload = payload[NONCE_BYTES + MAC_BYTES:]
+                    authed = self.secret is not None and hmac.compare_digest(
+                        mac, request_mac(self.secret, c.challenge, nonce, payload))
+                elif st != ST_OK:
                     return False
                 try:
-                    reply, c.peer = self.handler(fd, payload)
+                    reply, c.peer = self.handler(c.cid, payload, authed)
                 except Exception:  # a bug or unforeseen input must not stop the engine
                     log.exception("handshake handler failed; connection dropped")
                     return False
+                if authed and self.secret is not None and reply[FRAME.size - 1] == ST_OK:
+                    body = reply[FRAME.size:]
+                    reply = frame(ST_AUTH, reply_mac(self.secret, c.challenge, nonce, body)
+                                  + body)
                 c.outbuf += reply
                 c.answered = True
             elif now - c.since > self.request_timeout:
@@ -151,8 +218,12 @@ class Server:
                 return False
         return True
 
+    def is_open(self, cid: int) -> bool:
+        return cid in self._open
+
     def _drop(self, fd: int, c: _Conn) -> None:
         del self.conns[fd]
+        self._open.discard(c.cid)
         try:
             c.sock.close()
         except OSError:  # pragma: no cover
@@ -164,21 +235,29 @@ class Server:
         for fd, c in list(self.conns.items()):
             del self.conns[fd]
             c.sock.close()
+        self._open.clear()
         self.lsock.close()
 
 
 class Client:
-    """D's end of one handshake: connect, send, receive one frame, then stay open.
+    """D's end of one handshake: connect, wait for P's challenge, send, receive one
+    frame, then stay open.
 
     ``poll`` returns ``None`` while in progress, ``("ok", payload)``,
     ``("refused", payload)`` or ``("error", detail)``; after the reply, ``alive``
-    reports whether the peer still holds the connection.
+    reports whether the peer still holds the connection. With ``secret`` the request is
+    authenticated and an "ok" reply must be too (else "error").
     """
 
-    def __init__(self, host: str, port: int, request: bytes) -> None:
+    def __init__(self, host: str, port: int, request: bytes, *,
+                 secret: bytes | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setblocking(False)
-        self.out = bytearray(frame(ST_OK, request))
+        self.request = request
+        self.secret = secret
+        self.challenge: bytes | None = None
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.out = bytearray()
         self.inbuf = bytearray()
         self.connected = False
         self.done = False
@@ -227,6 +306,17 @@ class Client:
             return ("error", self.error)
         try:
             got = _take_frame(self.inbuf)
+            if got is not None and self.challenge is None:
+                st, payload = got
+                if st != ST_CHALLENGE or len(payload) != NONCE_BYTES:
+                    raise FrameError("the peer did not start with a challenge")
+                self.challenge = payload
+                if self.secret is not None:
+                    mac = request_mac(self.secret, payload, self.nonce, self.request)
+                    self.out += frame(ST_AUTH, self.nonce + mac + self.request)
+                else:
+                    self.out += frame(ST_OK, self.request)
+                return self.poll()
         except FrameError as e:
             self.error = str(e)
             return ("error", self.error)
@@ -234,6 +324,20 @@ class Client:
             return None
         self.done = True
         st, payload = got
+        if st == ST_AUTH:
+            body = payload[MAC_BYTES:]
+            if self.secret is None or self.challenge is None or len(payload) < MAC_BYTES \
+                    or not hmac.compare_digest(payload[:MAC_BYTES], reply_mac(
+                        self.secret, self.challenge, self.nonce, body)):
+                self.error = "reply fails authentication"
+                return ("error", self.error)
+            return ("ok", body)
+        if st == ST_OK and self.secret is not None:
+            self.error = "unauthenticated reply (this side has a handshake secret)"
+            return ("error", self.error)
+        if st not in (ST_OK, ST_REFUSED):
+            self.error = f"unexpected frame status {st}"
+            return ("error", self.error)
         return ("ok" if st == ST_OK else "refused", payload)
 
     def alive(self) -> bool:

@@ -54,9 +54,10 @@ from kvproto.nixl.agent import (
     Xfer,
     error_name,
     make_agent,
+    metadata_agent_name,
     prep_blocks,
 )
-from kvproto.nixl.channel import Client, parse_refusal
+from kvproto.nixl.channel import Client, parse_refusal, secret_from_env
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     KIND_ACK,
@@ -90,7 +91,7 @@ _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heart
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
           "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
-          "wrong_name": "handshake_wrong_peer"}
+          "wrong_name": "handshake_wrong_peer", "unauthenticated": "handshake_unauthenticated"}
 
 
 class Completion(NamedTuple):
@@ -186,10 +187,15 @@ class ConsumerAdapter:
                  fault_hook: OutHook | None = None, phase_hook: PhaseHook | None = None,
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
-                 kv_tensors: Sequence[torch.Tensor] | None = None) -> None:
+                 kv_tensors: Sequence[torch.Tensor] | None = None,
+                 handshake_secret: bytes | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
-        are the local blocks: ``schedule`` names the blocks each READ lands in."""
+        are the local blocks: ``schedule`` names the blocks each READ lands in.
+        ``handshake_secret``: authenticate handshakes (and require P's reply to be
+        authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``."""
         self.name = name
+        self.handshake_secret = handshake_secret if handshake_secret is not None \
+            else secret_from_env()
         self.config = config.validate()
         self.clock = clock
         # The machine chunks heartbeats so that each one (one seq) is one wire message.
@@ -440,7 +446,7 @@ class ConsumerAdapter:
         if e.client is None:
             if now < e.next_try:
                 return
-            e.client = Client(e.host, e.port, self._payload())
+            e.client = Client(e.host, e.port, self._payload(), secret=self.handshake_secret)
             e.deadline = now + self.handshake_timeout
         r = e.client.poll()
         if r is None:
@@ -473,10 +479,15 @@ class ConsumerAdapter:
         except ValueError as ex:
             self._fail_handshake(e, now, "handshake_malformed", str(ex))
             return
+        md_name = metadata_agent_name(hs.agent_metadata)
+        if md_name != e.name:  # checked before loading: never replace another agent's
+            self._fail_handshake(e, now, "handshake_wrong_peer",
+                                 f"metadata of {str(md_name)[:64]!r}")
+            return
         try:
             name = self.agent.add_remote_agent(hs.agent_metadata)
             name_s = name.decode() if isinstance(name, bytes) else str(name)
-            if name_s != e.name:
+            if name_s != e.name:  # pragma: no cover - the name was read out above
                 self._fail_handshake(e, now, "handshake_wrong_peer", f"metadata of {name_s!r}")
                 return
             e.remote_kv, e.remote_gen = prep_blocks(self.agent, e.name, region)

@@ -39,17 +39,23 @@ DEMO_CONFIG = Config(initial_lease=4.0, lease_extension=3.0, heartbeat_interval=
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=1, help="workload and fault seed (default 1)")
-    p.add_argument("--duration", type=float, default=15.0,
+    from kvproto.cli import number
+
+    p.add_argument("--seed", type=number(0, 2**63, integer=True), default=1,
+                   help="workload and fault seed (default 1)")
+    p.add_argument("--duration", type=number(0, 86400, lo_open=True), default=15.0,
                    help="seconds of workload before draining (default 15)")
-    p.add_argument("--requests", type=int, default=0,
+    p.add_argument("--requests", type=number(0, 10**9, integer=True), default=0,
                    help="stop after this many requests (default: as many as the duration allows)")
-    p.add_argument("--rate", type=float, default=30.0, help="request arrivals per second (30)")
-    p.add_argument("--block-kib", type=int, default=64, help="KV block size in KiB (64)")
-    p.add_argument("--p-blocks", type=int, default=1024, help="P's KV blocks (1024)")
-    p.add_argument("--drop", type=float, default=0.01,
+    p.add_argument("--rate", type=number(0, 10**6, lo_open=True), default=30.0,
+                   help="request arrivals per second (30)")
+    p.add_argument("--block-kib", type=number(1, 1 << 20, integer=True), default=64,
+                   help="KV block size in KiB (64)")
+    p.add_argument("--p-blocks", type=number(16, 1 << 24, integer=True), default=1024,
+                   help="P's KV blocks (1024)")
+    p.add_argument("--drop", type=number(0, 1), default=0.01,
                    help="probability P drops an incoming notification (0.01)")
-    p.add_argument("--dup", type=float, default=0.02,
+    p.add_argument("--dup", type=number(0, 1), default=0.02,
                    help="probability P duplicates an incoming notification (0.02)")
     p.add_argument("--no-kill", action="store_true", help="do not kill -9 the D engine C")
     p.add_argument("--journal", metavar="PATH", help="P's event journal (default: a temp dir)")

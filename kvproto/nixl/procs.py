@@ -111,7 +111,8 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         strict_pool=False, observer=observe,
                         epoch=opts.get("epoch"),
                         progress_thread=bool(opts.get("progress_thread", False)),
-                        metrics_port=_metrics_port(opts))
+                        metrics_port=_metrics_port(opts),
+                        handshake_secret=opts.get("handshake_secret"))
     idle_sleep = float(opts.get("idle_sleep", 0.0005))
     if opts.get("handshake_version"):
         p.handshake_version = int(opts["handshake_version"])
@@ -211,7 +212,8 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     d = ConsumerAdapter(name, cfg, num_blocks=num_blocks, block_bytes=block_bytes,
                         device=device, phase_hook=phase if stall else None,
                         tp_rank=int(opts.get("tp_rank", 0)), tp_size=int(opts.get("tp_size", 1)),
-                        metrics_port=_metrics_port(opts))
+                        metrics_port=_metrics_port(opts),
+                        handshake_secret=opts.get("handshake_secret"))
     if opts.get("handshake_version"):
         d.handshake_version = int(opts["handshake_version"])
     for eng, (host, port) in engines.items():

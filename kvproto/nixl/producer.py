@@ -11,6 +11,13 @@ free is the ledger's. What it does with effects:
 
 Bad input (unknown peer, malformed bytes, wrong epoch or version, oversized) goes to
 ``Ledger.reject`` and never raises into the engine.
+
+Handshakes change nothing until the claim is checked: the agent name is read out of the
+NIXL metadata and must be the claimed name before anything is loaded; a peer already
+known is replaced only when its old handshake connection has closed (a restarted D) or
+the new claim is authenticated; with a shared secret (``handshake_secret=``, or the
+``KVPROTO_HANDSHAKE_SECRET`` environment variable) every handshake must carry a valid
+HMAC (``kvproto.nixl.channel``), else it is refused, counted and logged.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
-from kvproto.nixl.agent import KVRegion, error_name, make_agent
-from kvproto.nixl.channel import ST_OK, Server, frame, refusal
+from kvproto.nixl.agent import KVRegion, error_name, make_agent, metadata_agent_name
+from kvproto.nixl.channel import ST_OK, Server, frame, refusal, secret_from_env
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     KIND_DONE,
@@ -76,11 +83,14 @@ class ProducerAdapter:
                  observer: EffectObserver | None = None,
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
-                 kv_tensors: Sequence[torch.Tensor] | None = None) -> None:
+                 kv_tensors: Sequence[torch.Tensor] | None = None,
+                 handshake_secret: bytes | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (registered in place, see
         ``KVRegion``) and so is the block allocator: reclaimed blocks get their stamps
         bumped, and the engine learns of each ``Free`` through ``observer`` (called after
-        the bump) instead of this adapter's free list."""
+        the bump) instead of this adapter's free list.
+        ``handshake_secret``: require authenticated handshakes (HMAC-SHA256 under this
+        shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none."""
         self.name = name
         self.config = config.validate()
         self.clock = clock
@@ -100,10 +110,13 @@ class ProducerAdapter:
         self._free_list: deque[int] = deque(range(num_blocks))
         self._is_free = bytearray(b"\x01" * num_blocks)
         self.peers: dict[str, Handshake] = {}
+        self._peer_conn: dict[str, int] = {}  # peer -> the connection of its handshake
         self.counters: dict[str, int] = {}
         self._metadata: bytes = self.agent.get_agent_metadata()
+        self.handshake_secret = handshake_secret if handshake_secret is not None \
+            else secret_from_env()
         self.server = Server(self._on_handshake, host=host, port=port,
-                             on_close=self._on_channel_closed)
+                             on_close=self._on_channel_closed, secret=self.handshake_secret)
         self.host = self.server.host
         self.port = self.server.port
         self._closed = False
@@ -320,7 +333,19 @@ class ProducerAdapter:
                 return
 
     # -- handshakes ----------------------------------------------------------------------
-    def _on_handshake(self, conn: int, payload: bytes) -> tuple[bytes, str]:
+    def _refuse_handshake(self, reason: str, peer: str, detail: str, now: float) -> bytes:
+        """Refuse a handshake: counted, journaled (``handshake_<reason>``), logged."""
+        self._count("handshake_refused")
+        self._apply(self.ledger.reject("handshake_" + reason, peer[:64], detail, now), now)
+        log.warning("handshake refused (%s) from %r: %s", reason, peer[:64], detail)
+        return refusal(reason, detail)
+
+    def _on_handshake(self, conn: int, payload: bytes, authed: bool = False
+                      ) -> tuple[bytes, str]:
+        """Check the claim completely before changing any state (issue 11): nothing is
+        loaded or unloaded for a handshake that is malformed, unauthenticated (when a
+        secret is set), names another agent in its metadata than it claims, or claims
+        the name of a live peer without proof."""
         now = self._now()
         try:
             hs = decode_handshake(payload)
@@ -330,36 +355,59 @@ class ProducerAdapter:
                 raise WireError("version", f"this side speaks {self.handshake_version}")
             check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
         except WireError as e:
-            self._count("handshake_refused")
-            self._apply(self.ledger.reject("handshake_" + e.reason, "", e.detail, now), now)
-            log.warning("handshake refused (%s): %s", e.reason, e.detail)
-            return refusal(e.reason, e.detail), ""
-        try:
-            if hs.engine in self.peers:  # a restarted D, or a retry: reload its metadata
-                try:
-                    self.agent.remove_remote_agent(hs.engine)
-                except Exception as e:
-                    log.debug("remove_remote_agent(%s): %s", hs.engine, error_name(e))
-                del self.peers[hs.engine]
-            name = self.agent.add_remote_agent(hs.agent_metadata)
-            name_s = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception as e:
-            self._count("handshake_metadata_error")
-            log.warning("loading metadata of %s failed: %s", hs.engine, error_name(e))
-            return refusal("metadata", error_name(e)), ""
-        if name_s != hs.engine:
-            if name_s not in self.peers:  # do not keep a stranger's metadata loaded
+            return self._refuse_handshake(e.reason, "", e.detail, now), ""
+        if self.handshake_secret is not None and not authed:
+            self._count("handshake_unauthenticated")
+            return self._refuse_handshake("unauthenticated", hs.engine,
+                                          "no valid HMAC under the shared secret", now), ""
+        md_name = metadata_agent_name(hs.agent_metadata)
+        if md_name is None:
+            return self._refuse_handshake("metadata", hs.engine,
+                                          "agent metadata of an unknown shape", now), ""
+        if md_name != hs.engine:
+            return self._refuse_handshake("wrong_name", hs.engine,
+                                          f"metadata names {md_name[:64]!r}", now), ""
+        old = self.peers.get(hs.engine)
+        if old is not None and old.agent_metadata == hs.agent_metadata:
+            # A retry of the same peer: nothing to reload. The live connection stays the
+            # peer's (a copy of its metadata proves nothing about who sent it).
+            old_conn = self._peer_conn.get(hs.engine)
+            if old_conn is not None and self.server.is_open(old_conn) and not authed:
+                conn = old_conn
+        elif old is not None:
+            old_conn = self._peer_conn.get(hs.engine)
+            if not authed and old_conn is not None and self.server.is_open(old_conn):
+                # Its handshake connection is up: the named peer is alive, so this claim
+                # is someone else's (or a restarted peer whose old process has not been
+                # noticed dead yet: it retries). Never unload a live peer on a claim.
+                return self._refuse_handshake("name_in_use", hs.engine,
+                                              "a live peer has this name", now), ""
+            try:  # a restarted D (its old connection closed), or an authenticated claim
+                self.agent.remove_remote_agent(hs.engine)
+            except Exception as e:
+                log.debug("remove_remote_agent(%s): %s", hs.engine, error_name(e))
+            del self.peers[hs.engine]
+            self._peer_conn.pop(hs.engine, None)
+        if old is None or hs.engine not in self.peers:
+            try:
+                name = self.agent.add_remote_agent(hs.agent_metadata)
+                name_s = name.decode() if isinstance(name, bytes) else str(name)
+            except Exception as e:
+                self._count("handshake_metadata_error")
+                log.warning("loading metadata of %s failed: %s", hs.engine[:64], error_name(e))
+                return refusal("metadata", error_name(e)), ""
+            if name_s != hs.engine:  # pragma: no cover - the name was read out above
                 try:
                     self.agent.remove_remote_agent(name_s)
                 except Exception as e:
                     log.debug("remove_remote_agent(%s): %s", name_s[:64], error_name(e))
-            self._count("handshake_refused")
-            self._apply(self.ledger.reject("handshake_wrong_name", name_s[:64],
-                                           f"claims {hs.engine[:64]}", now), now)
-            return refusal("wrong_name", f"metadata names {name_s[:64]!r}"), ""
+                return self._refuse_handshake("wrong_name", hs.engine,
+                                              f"NIXL loaded {name_s[:64]!r}", now), ""
         self.peers[hs.engine] = hs
+        self._peer_conn[hs.engine] = conn
         self._count("handshakes")
-        log.info("handshake with %s (epoch %d) ok", hs.engine, hs.epoch)
+        log.info("handshake with %s (epoch %d) ok%s", hs.engine, hs.epoch,
+                 " (authenticated)" if authed else "")
         return frame(ST_OK, self.handshake_payload().encode()), hs.engine
 
     def _on_channel_closed(self, peer: str) -> None:

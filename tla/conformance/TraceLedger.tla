@@ -96,7 +96,12 @@ HbFold(L, rs, d, e, ref, pen) ==
                     IF HeartbeatRefused(L, r) THEN ref \cup {r} ELSE ref,
                     IF L.pstate[r] = "unregistered" THEN pen \cup {r} ELSE pen)
 
-(* The spec's successor of the ledger for one step (after the clock moved). *)
+FreeRs(ev) == {ev.frees[j].r : j \in DOMAIN ev.frees}
+
+(* The spec's successor of the ledger for one step (after the clock moved). A tick may
+   leave due requests for later (the ledger's work budget): those the journal does not
+   free at this tick are the late ones (KVLedger's TickLagOp); a free of a request that
+   is not due is still caught by Check. *)
 Successor(S, ev, L0) ==
     CASE ev.type = "register" ->
             IF ~ev.valid \/ KnownRegister(S, ev) THEN L0 ELSE RegisterOp(L0, ev.r)
@@ -105,10 +110,8 @@ Successor(S, ev, L0) ==
       [] ev.type = "heartbeat" -> HbFold(L0, ev.rs, ev.d, ev.e, {}, {}).L
       [] ev.type = "abort" ->
             LET q == LiveByRid(S, ev.rid) IN IF q = "" THEN L0 ELSE AbortOp(L0, q)
-      [] ev.type = "tick" -> TickOp(L0)
+      [] ev.type = "tick" -> TickLagOp(L0, DueAtTick(L0) \ FreeRs(ev))
       [] ev.type = "stutter" -> L0
-
-FreeRs(ev) == {ev.frees[j].r : j \in DOMAIN ev.frees}
 
 (* "" when the recorded effects are the spec's, else why not. *)
 Check(S, ev, L0, L1) ==
