@@ -304,7 +304,12 @@ def batch_module(name: str, traces: Sequence[Trace]) -> tuple[str, str]:
     for k, tr in enumerate(traces, start=1):
         out.append(f"\\* {tr.path}")
         out.append(f"Trace{k} == <<" + ",\n  ".join(tr.steps) + ">>")
-        subs = [f"{c} <- {v}" for c, v in tr.constants.items()]
+        # Each constant is a top-level definition, substituted by name: TLC evaluates a
+        # constant-level definition once, but re-evaluates a substituted expression at
+        # every use (a BlocksOf literal of n requests at every lookup: quadratic or worse).
+        for c, v in tr.constants.items():
+            out.append(f"{c}_{k} == {v}")
+        subs = [f"{c} <- {c}_{k}" for c in tr.constants]
         # KVLedger's variables are not used by the trace operators (they work on records).
         subs += [f"{v} <- st" for v in _KV_VARS]
         subs += [f"Trace <- Trace{k}", f"TraceId <- {k}", "tst <- st"]
