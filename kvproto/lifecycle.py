@@ -616,6 +616,26 @@ class Ledger:
         return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
                 for h, r in self._live.items()}
 
+    # -- read-only views (issue 10, branch plumbing): verification and adapters use these
+    # instead of private fields. O(1) unless stated.
+    def request_id(self, handle: int) -> str | None:
+        """The request id of a live or tombstoned handle; None when unknown."""
+        r = self._live.get(handle)
+        if r is not None:
+            return r.rid
+        t = self._tomb.get(handle)
+        return t[1] if t is not None else None
+
+    def staged_entries(self) -> list[tuple[int, float, tuple[tuple[str, str, int, float], ...]]]:
+        """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
+        message ``(kind, reader, expected, arrival)``. O(staged messages)."""
+        return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
+
+    def groups_done(self) -> tuple[str, ...]:
+        """The remembered transferred sibling groups, oldest first. O(groups)."""
+        return tuple(self._groups_done)
+    # -- end of read-only views (plumbing) -----------------------------------------------
+
     # -- generic entry point -------------------------------------------------------
     def apply(self, ev: Event) -> list[Effect]:
         """Feed one event, return its effects."""

@@ -8,6 +8,12 @@ rejections) are exactly the spec's. The first step the spec does not allow is re
 with its journal line. Several journals are checked in one TLC run (batches of about
 ``--batch-bytes`` of TLA+ text: SANY's parse time dominates).
 
+Long journals are checked in segments (``--segment-steps``): each segment names only the
+requests live or staged at its start and those its events touch, starts from the
+journal's events replayed through the Python ledger, and must end in the replayed state
+(TraceLedger's EndL), so the segments chain into one behaviour and TLC's time grows
+linearly with the journal's length.
+
 Mapping journal -> spec (spec/CONFORMANCE.md): handle h -> request "h<h>"; readers keep
 their names; blocks keep their ids; group None -> NoGroup; request ids are tracked for
 abort (abort names a request id) and for duplicate registers; times -> integer units
@@ -48,12 +54,15 @@ from kvproto.lifecycle import (
     R_EXPIRED,
     Abort,
     Ack,
+    BlockPool,
     Config,
     ConfigError,
     Done,
     Effect,
+    Event,
     Free,
     Heartbeat,
+    Ledger,
     Register,
     Reject,
     Rejected,
@@ -78,7 +87,10 @@ class TraceError(ValueError):
 
 @dataclass
 class Trace:
-    """One journal as TLA+ constants and steps; ``lines[i]`` is step i+1's journal line."""
+    """One segment of a journal as TLA+ constants and steps.
+
+    ``lines[i]`` is step i+1's journal line; ``offset`` is the number of journal steps
+    before this segment (a whole journal is one segment with offset 0)."""
 
     path: str
     scale: int  # time units per second
@@ -86,6 +98,7 @@ class Trace:
     steps: list[str]  # TLA+ record literals
     lines: list[int]
     events: list[dict[str, Any]]  # the journal's event objects (for the report)
+    offset: int = 0
 
     def tla_size(self) -> int:
         return sum(len(s) + 2 for s in self.steps) + sum(len(v) for v in self.constants.values())
@@ -122,6 +135,13 @@ def _s(x: str) -> str:
 
 def _tla_set(xs: Iterable[str]) -> str:
     return "{" + ", ".join(sorted(set(xs))) + "}"
+
+
+def _tla_fn(domain: str, default: str, items: Iterable[tuple[str, str]]) -> str:
+    r"""``[x \in domain |-> default]`` with the exceptions ``items`` (key, value)."""
+    base = f"[x \\in {domain} |-> {default}]"
+    ex = [f"![{k}] = {v}" for k, v in items if v != default]
+    return f"[{base} EXCEPT {', '.join(ex)}]" if ex else base
 
 
 def choose_scale(values: Iterable[float]) -> int:
@@ -172,8 +192,102 @@ def _effects(effects: Sequence[Effect]) -> dict[str, str]:
             "acks": "<<" + ", ".join(acks) + ">>"}
 
 
+def _touched(ev: Event, capacity: int) -> list[int]:
+    """The handles an event names (the requests its step reads or writes)."""
+    if isinstance(ev, Register):
+        return [ev.handle] if _valid_register(ev, capacity) else []
+    if isinstance(ev, Done):
+        return [ev.handle]
+    if isinstance(ev, (Heartbeat, Release)):
+        return list(ev.handles)
+    return []
+
+
+class _Replay:
+    """The implementation's ledger replayed from the journal's events: each segment
+    starts from its state (restricted to the segment's requests), and must end in it."""
+
+    def __init__(self, cfg: Config, capacity: int, scale: int, no_group: str,
+                 first_reg: dict[int, Register]) -> None:
+        self.ledger = Ledger(cfg, BlockPool(capacity, strict=False))
+        self.scale = scale
+        self.no_group = no_group
+        self.first_reg = first_reg
+
+    def units(self, dt: float) -> int:
+        return round(dt * self.scale)
+
+    def ledger_record(self, handles: Sequence[int], blocks: str) -> tuple[str, str]:
+        """The ledger as KVLedger's record over ``handles`` (the abstraction function of
+        KVLedger.tla's header, time relative to the ledger's clock), and the request
+        ids of the live ones (TraceLedger's ridOf)."""
+        L = self.ledger
+        now = L.now
+        snap = L.snapshot()
+        staged = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
+        cols: dict[str, list[tuple[str, str]]] = {k: [] for k in (
+            "pstate", "expected", "finished", "released", "deadline", "reports", "staged",
+            "stagedAge", "nfree")}
+        rid: list[tuple[str, str]] = []
+        held_blocks: dict[int, int] = {}
+        for h in handles:
+            r = _s(_req(h))
+            st = L.state(h)
+            cols["pstate"].append((r, _s(st)))
+            live = snap.get(h)
+            if live is not None:
+                _st, exp, fin, rel, dl = live
+                cols["expected"].append((r, str(exp)))
+                cols["finished"].append((r, _tla_set(_s(d) for d in fin)))
+                cols["released"].append((r, "TRUE" if rel else "FALSE"))
+                cols["deadline"].append((r, str(self.units(dl - now))))
+                cols["reports"].append((r, str(len(fin))))
+                rid.append((r, _s(L.request_id(h) or "")))
+            if st in lifecycle.TERMINAL_STATES:
+                cols["nfree"].append((r, "1"))
+            stg = staged.get(h)
+            if stg is not None:
+                since, msgs = stg
+                cols["stagedAge"].append((r, str(self.units(now - since))))
+                cols["staged"].append((r, "<<" + ", ".join(
+                    f"[kind |-> {_s(k)}, reader |-> {_s(d)}, exp |-> {e}, age |-> "
+                    f"{self.units(now - t) if k == lifecycle.HEARTBEAT else 0}]"
+                    for k, d, e, t in msgs) + ">>"))
+        for h in handles:
+            reg = self.first_reg.get(h)
+            if reg is not None:
+                for b in reg.blocks:
+                    held_blocks[b] = L.pool.refcount(b)
+        defaults = {"pstate": _s(lifecycle.UNREGISTERED), "expected": "0", "finished": "{}",
+                    "released": "FALSE", "deadline": "0", "reports": "0", "staged": "<<>>",
+                    "stagedAge": "0", "nfree": "0"}
+        fields = {k: _tla_fn("Requests", defaults[k], v) for k, v in cols.items()}
+        fields["rc"] = _tla_fn(blocks, "0", ((str(b), str(n)) for b, n in held_blocks.items()))
+        fields["stagedQ"] = "<<" + ", ".join(_s(_req(h)) for h in staged) + ">>"
+        groups = {reg.group for h in handles
+                  if (reg := self.first_reg.get(h)) is not None and reg.group is not None}
+        fields["groupsDone"] = _tla_set(_s(g) for g in L.groups_done() if g in groups)
+        rec = "[" + ", ".join(f"{k} |-> {fields[k]}" for k in _KV_VARS) + "]"
+        return rec, _tla_fn("Requests", '""', rid)
+
+
+DEFAULT_SEGMENT_STEPS: Final = 250
+
+
 def journal_to_trace(path: str | Path) -> Trace:
-    """Read a journal and build its trace (raises JournalError / TraceError)."""
+    """The whole journal as one trace (raises JournalError / TraceError)."""
+    return journal_to_traces(path, 0)[0]
+
+
+def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Trace]:
+    """Read a journal and cut it into traces of ``segment_steps`` steps (0: one trace).
+
+    Each segment's requests are the live and staged ones at its start plus those its
+    events name, so a step costs TLC O(live + segment) instead of O(journal): time grows
+    linearly with the journal. A segment starts from the replayed implementation's state
+    and TraceLedger checks that the spec's state at its end is the replayed state at the
+    next segment's start: the segments chain into one behaviour of the spec.
+    Raises JournalError / TraceError."""
     with open(path, encoding="utf-8") as f:
         header, body = read_journal(f)
         rows = list(body)
@@ -198,7 +312,6 @@ def journal_to_trace(path: str | Path) -> Trace:
     def units(x: float) -> int:
         return round(x * scale)
 
-    requests: set[str] = set()
     readers: set[str] = set()
     first_reg: dict[int, Register] = {}
     groups: set[str] = set()
@@ -206,14 +319,9 @@ def journal_to_trace(path: str | Path) -> Trace:
         if isinstance(ev, Register):
             if _valid_register(ev, capacity) and ev.handle not in first_reg:
                 first_reg[ev.handle] = ev
-                requests.add(_req(ev.handle))
                 if ev.group is not None:
                     groups.add(ev.group)
-        elif isinstance(ev, Done):
-            requests.add(_req(ev.handle))
-            readers.add(ev.reader)
-        elif isinstance(ev, (Heartbeat, Release)):
-            requests.update(_req(h) for h in ev.handles)
+        elif isinstance(ev, (Done, Heartbeat, Release)):
             readers.add(ev.reader)
     if len(first_reg) > cfg.max_tombstones or len(groups) > cfg.max_groups_remembered:
         raise TraceError("more requests (or groups) than the ledger remembers tombstones "
@@ -221,28 +329,10 @@ def journal_to_trace(path: str | Path) -> Trace:
     no_group = "nogroup"
     while no_group in groups:
         no_group += "_"
-    blocks = sorted({b for ev in first_reg.values() for b in ev.blocks})
 
-    def per_request(f: Any, default: str) -> str:
-        if not requests:
-            return "<<>>"
-        parts = []
-        for r in sorted(requests):
-            h = int(r[1:])
-            ev = first_reg.get(h)
-            parts.append(f"{_s(r)} :> {f(ev) if ev is not None else default}")
-        return "(" + " @@ ".join(parts) + ")"
-
-    constants = {
-        "Requests": _tla_set(_s(r) for r in requests),
+    fixed = {
         "Readers": _tla_set(_s(d) for d in readers),
-        "Blocks": "{" + ", ".join(str(b) for b in blocks) + "}",
-        "BlocksOf": per_request(lambda ev: "{" + ", ".join(str(b) for b in sorted(ev.blocks)) + "}",
-                                "{}"),
-        "GroupOf": per_request(lambda ev: _s(ev.group if ev.group is not None else no_group),
-                               _s(no_group)),
         "NoGroup": _s(no_group),
-        "RegExpected": per_request(lambda ev: str(ev.expected), "0"),
         "InitialLease": str(units(cfg.initial_lease)),
         "LeaseExtension": str(units(cfg.lease_extension)),
         "AbortGrace": str(units(cfg.abort_grace)),
@@ -254,6 +344,11 @@ def journal_to_trace(path: str | Path) -> Trace:
         "BugDropEarly": "FALSE",
         "BugAbortFreesNow": "FALSE",
     }
+
+    def per_request(hs: Sequence[int], f: Any, default: str) -> str:
+        return _tla_fn("Requests", default, ((_s(_req(h)), f(first_reg[h]))
+                                             for h in hs if h in first_reg))
+
     steps: list[str] = []
     lines: list[int] = []
     prev: int | None = None
@@ -285,7 +380,38 @@ def journal_to_trace(path: str | Path) -> Trace:
         fld.update(_effects(effs))
         steps.append("[" + ", ".join(f"{k} |-> {v}" for k, v in fld.items()) + "]")
         lines.append(lineno)
-    return Trace(str(path), scale, constants, steps, lines, [raw.get(n, {}) for n in lines])
+
+    n = len(rows)
+    seg = n if segment_steps <= 0 else segment_steps
+    bounds = list(range(0, n, max(seg, 1))) or [0]
+    replay = _Replay(cfg, capacity, scale, no_group, first_reg)
+    traces: list[Trace] = []
+    for lo in bounds:
+        hi = min(n, lo + max(seg, 1)) if n else 0
+        L = replay.ledger
+        hs: set[int] = set(L.live_handles())
+        hs.update(h for h, _, _ in L.staged_entries())
+        for _, ev, _ in rows[lo:hi]:
+            hs.update(_touched(ev, capacity))
+        handles = sorted(hs)
+        blocks = sorted({b for h in handles if h in first_reg for b in first_reg[h].blocks})
+        constants = {
+            **fixed,
+            "Requests": _tla_set(_s(_req(h)) for h in handles),
+            "Blocks": "{" + ", ".join(str(b) for b in blocks) + "}",
+            "BlocksOf": per_request(handles, lambda ev: "{" + ", ".join(
+                str(b) for b in sorted(ev.blocks)) + "}", "{}"),
+            "GroupOf": per_request(handles, lambda ev: _s(
+                ev.group if ev.group is not None else no_group), _s(no_group)),
+            "RegExpected": per_request(handles, lambda ev: str(ev.expected), "0"),
+        }
+        constants["InitL"], constants["InitRid"] = replay.ledger_record(handles, "Blocks")
+        for _, ev, _ in rows[lo:hi]:
+            L.apply(ev)
+        constants["EndL"], _ = replay.ledger_record(handles, "Blocks")
+        traces.append(Trace(str(path), scale, constants, steps[lo:hi], lines[lo:hi],
+                            [raw.get(k, {}) for k in lines[lo:hi]], lo))
+    return traces
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +433,11 @@ def batch_module(name: str, traces: Sequence[Trace]) -> tuple[str, str]:
         # Each constant is a top-level definition, substituted by name: TLC evaluates a
         # constant-level definition once, but re-evaluates a substituted expression at
         # every use (a BlocksOf literal of n requests at every lookup: quadratic or worse).
+        # Functions over the segment's requests or blocks name their domain, which is
+        # this trace's constant here.
         for c, v in tr.constants.items():
+            v = v.replace("[x \\in Requests |->", f"[x \\in Requests_{k} |->")
+            v = v.replace("[x \\in Blocks |->", f"[x \\in Blocks_{k} |->")
             out.append(f"{c}_{k} == {v}")
         subs = [f"{c} <- {c}_{k}" for c in tr.constants]
         # KVLedger's variables are not used by the trace operators (they work on records).
@@ -337,7 +467,9 @@ def batches(traces: Sequence[Trace], max_bytes: int) -> list[list[Trace]]:
     return out
 
 
-_VERDICT_RE: Final = re.compile(r'^<<"(ACCEPT|REJECT)".*>>\s*$')
+# A verdict printed by TraceLedger (PrintT wraps long tuples over several lines; the
+# reasons it prints contain no ">>").
+_VERDICT_RE: Final = re.compile(r'^<<\s*"(?:ACCEPT|REJECT)".*?>>', re.M | re.S)
 
 
 DEFAULT_TIMEOUT: Final = 600.0  # seconds of TLC per batch
@@ -360,11 +492,9 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
         log.info("TLC checked %d journal(s), %d steps, in %.1fs", len(traces),
                  sum(len(t.steps) for t in traces), run.seconds)
         found: dict[int, Verdict] = {}
-        for line in run.output.splitlines():
-            if not _VERDICT_RE.match(line.strip()):
-                continue
+        for m in _VERDICT_RE.finditer(run.output):
             try:
-                v = parse_value(line.strip())
+                v = parse_value(m.group(0))
             except ParseError:
                 continue
             assert isinstance(v, tuple)
@@ -372,11 +502,11 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
             assert isinstance(k, int)
             tr = traces[k - 1]
             if v[0] == "ACCEPT":
-                found[k] = Verdict(tr.path, True, len(tr.steps))
+                found[k] = Verdict(tr.path, True, tr.offset + len(tr.steps))
             else:
                 step, why = v[2], v[3]
                 assert isinstance(step, int) and isinstance(why, str)
-                found[k] = Verdict(tr.path, False, step - 1, tr.lines[step - 1],
+                found[k] = Verdict(tr.path, False, tr.offset + step - 1, tr.lines[step - 1],
                                    tr.events[step - 1], why)
         missing = [traces[k - 1].path for k in range(1, len(traces) + 1) if k not in found]
         if missing:
@@ -388,13 +518,23 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
 
 
 def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BYTES,
-             workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[Verdict]:
-    """Validate journals (raises JournalError/TraceError on bad input, TLCMissing)."""
-    traces = [journal_to_trace(p) for p in paths]
-    verdicts: list[Verdict] = []
+             workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT,
+             segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Verdict]:
+    """Validate journals, one verdict each (raises JournalError/TraceError on bad input,
+    TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
+    is its first segment's rejection."""
+    per_path = [journal_to_traces(p, segment_steps) for p in paths]
+    traces = [t for ts in per_path for t in ts]
+    seg_verdicts: list[Verdict] = []
     for i, b in enumerate(batches(traces, batch_bytes)):
-        verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
-                                timeout=timeout)
+        seg_verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
+                                    timeout=timeout)
+    verdicts: list[Verdict] = []
+    it = iter(seg_verdicts)
+    for ts in per_path:
+        segs = [next(it) for _ in ts]
+        bad = next((v for v in segs if not v.allowed), None)
+        verdicts.append(bad if bad is not None else segs[-1])
     return verdicts
 
 
@@ -411,16 +551,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_BATCH_BYTES})")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help="give up a batch after S seconds of TLC (exit 4; default "
-                        f"{DEFAULT_TIMEOUT:.0f}); TLC time grows faster than a journal's length")
+                        f"{DEFAULT_TIMEOUT:.0f})")
+    p.add_argument("--segment-steps", type=int, default=DEFAULT_SEGMENT_STEPS, metavar="N",
+                   help="validate each journal in segments of N steps, chained through the "
+                        "replayed ledger state (time grows linearly with the journal); 0 = "
+                        f"one piece (default {DEFAULT_SEGMENT_STEPS})")
     p.add_argument("--keep", metavar="DIR",
                    help="write the generated TLA+ modules here and keep them")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "segment_steps", 0) < 0:
+        print("kvproto validate: --segment-steps must be 0 or more", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
                             workdir=Path(args.keep) if args.keep else None,
-                            timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))
+                            timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
+                            segment_steps=getattr(args, "segment_steps", DEFAULT_SEGMENT_STEPS))
     except (JournalError, TraceError, OSError, json.JSONDecodeError) as e:
         print(f"kvproto validate: bad input: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
