@@ -10,7 +10,7 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 * ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine.
 
 No sockets, threads or clocks: time is an argument of every event. The TLA+ spec
-in ``tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
+in ``kvproto/tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
 action names); ``spec/PROTOCOL.md`` is the prose mirror. Each ledger method names
 the TLA+ action it mirrors.
 """
@@ -566,6 +566,9 @@ class Ledger:
         self.now = -math.inf
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
+        # Messages staged per early handle (MAX_STAGED_MSGS_PER_HANDLE; the conformance
+        # models set their MaxStagedMsgs here instead of changing the constant).
+        self.max_staged_msgs = MAX_STAGED_MSGS_PER_HANDLE
 
     # -- queries ---------------------------------------------------------------
     def new_handle(self) -> int:
@@ -711,7 +714,7 @@ class Ledger:
                 self._staged.popitem(last=False)
                 self._count("staged_dropped")
             st = self._staged[handle] = _Staged(now)
-        if len(st.msgs) >= MAX_STAGED_MSGS_PER_HANDLE:
+        if len(st.msgs) >= self.max_staged_msgs:
             self._count("staged_dropped")
             return
         st.msgs.append((kind, reader, expected, now))

@@ -1,8 +1,8 @@
 """``kvproto validate JOURNAL.jsonl...``: is a recorded journal a behaviour of the spec?
 
 Each journal (from the simulator, or later from the NIXL adapters) is turned into a
-TLA+ trace literal and checked by TLC against ``tla/KVLedger.tla`` through
-``tla/conformance/TraceLedger.tla``: every step applies the spec's own transition
+TLA+ trace literal and checked by TLC against ``kvproto/tla/KVLedger.tla`` through
+``kvproto/tla/conformance/TraceLedger.tla``: every step applies the spec's own transition
 operators and checks that the recorded effects (frees, reclaimed blocks, acks,
 rejections) are exactly the spec's. The first step the spec does not allow is reported
 with its journal line. Several journals are checked in one TLC run (batches of about
@@ -39,16 +39,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvproto import lifecycle
-from kvproto.conformance import (
-    CONF_DIR,
-    TLA_DIR,
-    ParseError,
-    TLCError,
-    TLCMissing,
-    parse_value,
-    render,
-    run_tlc,
-)
 from kvproto.journal import JournalError, read_journal
 from kvproto.lifecycle import (
     R_EXPIRED,
@@ -69,8 +59,21 @@ from kvproto.lifecycle import (
     Release,
     Tick,
 )
+from kvproto.verify.tlc import (
+    MissingDependency,
+    ParseError,
+    TLCError,
+    conformance_dir,
+    parse_value,
+    render,
+    require_ok,
+    run_tlc,
+    spec_dir,
+)
 
 log = logging.getLogger(__name__)
+
+TLCMissing = MissingDependency
 
 EXIT_OK: Final = 0
 EXIT_NOT_ALLOWED: Final = 1
@@ -481,14 +484,14 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
     wd = Path(tempfile.mkdtemp(prefix="validate-")) if workdir is None else workdir
     wd.mkdir(parents=True, exist_ok=True)
     try:
-        shutil.copy(TLA_DIR / "KVLedger.tla", wd / "KVLedger.tla")
-        shutil.copy(CONF_DIR / "TraceLedger.tla", wd / "TraceLedger.tla")
+        shutil.copy(spec_dir() / "KVLedger.tla", wd / "KVLedger.tla")
+        shutil.copy(conformance_dir() / "TraceLedger.tla", wd / "TraceLedger.tla")
         name = "TraceBatch"
         mod, cfg = batch_module(name, traces)
         (wd / f"{name}.tla").write_text(mod, encoding="utf-8")
         (wd / f"{name}.cfg").write_text(cfg, encoding="utf-8")
-        run = run_tlc(wd / f"{name}.tla", wd / f"{name}.cfg", workers=workers,
-                      extra=["-deadlock"], timeout=timeout)
+        run = require_ok(run_tlc(f"{name}.cfg", module=name, workdir=wd, workers=workers,
+                                 args=["-nowarning", "-deadlock"], timeout=timeout))
         log.info("TLC checked %d journal(s), %d steps, in %.1fs", len(traces),
                  sum(len(t.steps) for t in traces), run.seconds)
         found: dict[int, Verdict] = {}

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from kvproto import validate as va
-from kvproto.conformance import TLCMissing
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import BlockPool, Config, Ledger
 from kvproto.sim import Faults, Simulator
+from kvproto.verify.tlc import MissingDependency as TLCMissing
 
 log = logging.getLogger(__name__)
 
