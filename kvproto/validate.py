@@ -14,7 +14,7 @@ journal's events replayed through the Python ledger, and must end in the replaye
 (TraceLedger's EndL), so the segments chain into one behaviour and TLC's time grows
 linearly with the journal's length.
 
-Mapping journal -> spec (spec/CONFORMANCE.md): handle h -> request "h<h>"; readers keep
+Mapping journal -> spec (TraceLedger.tla's header): handle h -> request "h<h>"; readers keep
 their names; blocks keep their ids; group None -> NoGroup; request ids are tracked for
 abort (abort names a request id) and for duplicate registers; times -> integer units
 (the coarsest 10^-k s that makes every time and duration integral), clamped to be
