@@ -647,10 +647,9 @@ class FuzzSim(Simulator):
             for rk in ranks:
                 self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
                                                         rk, rid, params))
-            # The engine pins the blocks from hand-out to registration (the simulator's
-            # reservation, a count per block).
-            for b in blocks:
-                self.reserved[b] = self.reserved.get(b, 0) + 1
+            # The engine pins the blocks from hand-out to registration (a pool pin per
+            # sibling).
+            self.pool.pin(blocks)
             if register_now or (on_time_mask >> i) & 1:
                 self._register(pr)
             else:
@@ -662,11 +661,7 @@ class FuzzSim(Simulator):
         return rids
 
     def _register(self, pr: PendingRegister) -> None:
-        for b in pr.blocks:
-            if self.reserved[b] == 1:
-                del self.reserved[b]
-            else:
-                self.reserved[b] -= 1
+        self.pool.unpin(pr.blocks)
         self._p_effects(self.ledger.register(pr.handle, pr.rid, pr.blocks, self.now,
                                              group=pr.group, expected=pr.expected))
 
@@ -674,7 +669,7 @@ class FuzzSim(Simulator):
         self._register(self.pending_regs.pop(i))
 
     def free_for_new(self) -> list[int]:
-        return [b for b in self.pool.free_blocks() if b not in self.reserved]
+        return self.pool.allocatable_blocks()
 
     # -- D side --------------------------------------------------------------------------
     def admit(self, i: int) -> None:
@@ -908,7 +903,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         blocks = tuple((free[k:] + free[:k])[:nblocks])
         live = sim.ledger.live_handles()
         if share and live:  # prefix sharing with a held request
-            other = sim.ledger._live[live[share_idx % len(live)]].blocks
+            other = sim.ledger.blocks_of(live[share_idx % len(live)]) or ()
             extra = other[share_idx % len(other)]
             if extra not in blocks:
                 blocks = (*blocks, extra)

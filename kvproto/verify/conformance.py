@@ -183,7 +183,7 @@ def abstract(model: Model, node: PyNode) -> State:
     set(_groups_done); nfree[r] = the ghost count of Free effects for r."""
     L, now = node.ledger, node.now
     snap = L.snapshot()
-    staged_all = L._staged
+    staged_all = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
     cols: dict[str, list[tuple[Value, Value]]] = {
         v: [] for v in ("pstate", "expected", "finished", "released", "deadline", "reports",
                         "staged", "stagedAge", "nfree")}
@@ -210,14 +210,14 @@ def abstract(model: Model, node: PyNode) -> State:
             cols["staged"].append((r, tuple(
                 Fn((("age", int(now - t) if k == HEARTBEAT else 0), ("exp", e), ("kind", k),
                     ("reader", d_)))
-                for k, d_, e, t in stg.msgs)))
-            cols["stagedAge"].append((r, int(now - stg.since)))
+                for k, d_, e, t in stg[1])))
+            cols["stagedAge"].append((r, int(now - stg[0])))
         cols["nfree"].append((r, node.nfree[r]))
     name_of = {model.handle(r): r for r in model.requests}
     state: dict[str, Value] = {var: Fn(tuple(items)) for var, items in cols.items()}
     state["rc"] = tuple(L.pool.refcount(b) for b in range(model.capacity))
     state["stagedQ"] = tuple(name_of[h] for h in staged_all)
-    state["groupsDone"] = frozenset(L._groups_done)
+    state["groupsDone"] = frozenset(L.groups_done())
     return Fn(tuple(sorted(state.items())))
 
 
