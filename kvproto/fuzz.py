@@ -738,19 +738,6 @@ class FuzzSim(Simulator):
         i -= len(keys)
         self.deliver(self.net.take(i))
 
-    # -- network -------------------------------------------------------------------------
-    def deliver(self, m: Msg) -> None:
-        if m.dst == P_NAME:
-            self.p_receive(m.src, m.data)
-        elif m.dst not in self.crashed and m.dst in self.ranks:
-            try:
-                a = wire.decode(m.data, epoch=self.epoch)
-            except wire.WireError:
-                return
-            if a.kind == wire.KIND_ACK:
-                self._d_effects(m.dst, self.ranks[m.dst].ack(
-                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
-
     # -- time ----------------------------------------------------------------------------
     def _next_forced(self) -> float:
         times = [math.inf]

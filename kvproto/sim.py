@@ -196,6 +196,19 @@ class Simulator:
                                        known=src in self.known_peers, epoch=self.epoch,
                                        max_bytes=self.config.max_message_bytes))
 
+    def deliver(self, m: Msg) -> None:
+        """One message arrives: P's go through the port; an ack reaches a live D rank."""
+        if m.dst == P_NAME:
+            self.p_receive(m.src, m.data)
+        elif m.dst not in self.crashed and m.dst in self.ranks:
+            try:
+                a = wire.decode(m.data, epoch=self.epoch)
+            except wire.WireError:
+                return
+            if a.kind == wire.KIND_ACK:
+                self._d_effects(m.dst, self.ranks[m.dst].ack(
+                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
+
     def _p_effects(self, effects: list[Effect]) -> None:
         for eff in effects:
             if isinstance(eff, Free):
@@ -440,16 +453,7 @@ class Simulator:
                 self._finish_read(key, r)
         # messages
         for m in self.net.due(now):
-            if m.dst == P_NAME:
-                self.p_receive(m.src, m.data)
-            elif m.dst not in self.crashed:
-                try:
-                    a = wire.decode(m.data, epoch=self.epoch)
-                except wire.WireError:
-                    continue
-                if a.kind == wire.KIND_ACK:
-                    self._d_effects(m.dst, self.ranks[m.dst].ack(
-                        P_NAME, a.seq, a.term_ms / 1000, a.handles, now, a.pending))
+            self.deliver(m)
         # ticks
         for rk, c in self.ranks.items():
             if rk not in self.crashed:
