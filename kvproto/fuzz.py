@@ -647,10 +647,9 @@ class FuzzSim(Simulator):
             for rk in ranks:
                 self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
                                                         rk, rid, params))
-            # The engine pins the blocks from hand-out to registration (the simulator's
-            # reservation, a count per block).
-            for b in blocks:
-                self.reserved[b] = self.reserved.get(b, 0) + 1
+            # The engine pins the blocks from hand-out to registration (a pool pin per
+            # sibling).
+            self.pool.pin(blocks)
             if register_now or (on_time_mask >> i) & 1:
                 self._register(pr)
             else:
@@ -662,11 +661,7 @@ class FuzzSim(Simulator):
         return rids
 
     def _register(self, pr: PendingRegister) -> None:
-        for b in pr.blocks:
-            if self.reserved[b] == 1:
-                del self.reserved[b]
-            else:
-                self.reserved[b] -= 1
+        self.pool.unpin(pr.blocks)
         self._p_effects(self.ledger.register(pr.handle, pr.rid, pr.blocks, self.now,
                                              group=pr.group, expected=pr.expected))
 
@@ -674,7 +669,7 @@ class FuzzSim(Simulator):
         self._register(self.pending_regs.pop(i))
 
     def free_for_new(self) -> list[int]:
-        return [b for b in self.pool.free_blocks() if b not in self.reserved]
+        return self.pool.allocatable_blocks()
 
     # -- D side --------------------------------------------------------------------------
     def admit(self, i: int) -> None:
@@ -742,19 +737,6 @@ class FuzzSim(Simulator):
             return
         i -= len(keys)
         self.deliver(self.net.take(i))
-
-    # -- network -------------------------------------------------------------------------
-    def deliver(self, m: Msg) -> None:
-        if m.dst == P_NAME:
-            self.p_receive(m.src, m.data)
-        elif m.dst not in self.crashed and m.dst in self.ranks:
-            try:
-                a = wire.decode(m.data, epoch=self.epoch)
-            except wire.WireError:
-                return
-            if a.kind == wire.KIND_ACK:
-                self._d_effects(m.dst, self.ranks[m.dst].ack(
-                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
 
     # -- time ----------------------------------------------------------------------------
     def _next_forced(self) -> float:
@@ -908,7 +890,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         blocks = tuple((free[k:] + free[:k])[:nblocks])
         live = sim.ledger.live_handles()
         if share and live:  # prefix sharing with a held request
-            other = sim.ledger._live[live[share_idx % len(live)]].blocks
+            other = sim.ledger.blocks_of(live[share_idx % len(live)]) or ()
             extra = other[share_idx % len(other)]
             if extra not in blocks:
                 blocks = (*blocks, extra)

@@ -10,7 +10,7 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 * ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine.
 
 No sockets, threads or clocks: time is an argument of every event. The TLA+ spec
-in ``tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
+in ``kvproto/tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
 action names); ``spec/PROTOCOL.md`` is the prose mirror. Each ledger method names
 the TLA+ action it mirrors.
 """
@@ -364,7 +364,8 @@ class BlockPool:
     Capacity is at most ``MAX_POOL_BLOCKS``.
     """
 
-    __slots__ = ("_rc", "capacity", "free_count", "held_count", "strict", "violations")
+    __slots__ = ("_avail", "_pins", "_rc", "capacity", "free_count", "held_count", "strict",
+                 "violations")
 
     def __init__(self, capacity: int, *, strict: bool = True) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) \
@@ -377,6 +378,10 @@ class BlockPool:
         self.free_count = capacity
         self.strict = strict
         self.violations = 0
+        # The engine's allocator (see "allocation" below): blocks neither held nor pinned,
+        # oldest first; built by the first allocator call, so a ledger alone pays nothing.
+        self._avail: OrderedDict[int, None] | None = None
+        self._pins: dict[int, int] = {}  # block -> engine pins (allocated, not yet held)
 
     def refcount(self, block: int) -> int:
         return self._rc[block]
@@ -396,10 +401,13 @@ class BlockPool:
 
     def _hold(self, blocks: Sequence[int]) -> None:
         rc = self._rc
+        avail = self._avail
         for b in blocks:
             if rc[b] == 0:
                 self.held_count += 1
                 self.free_count -= 1
+                if avail is not None:
+                    avail.pop(b, None)
             rc[b] += 1
 
     def _drop(self, blocks: Sequence[int]) -> list[int]:
@@ -419,6 +427,8 @@ class BlockPool:
                 self.held_count -= 1
                 self.free_count += 1
                 reclaimed.append(b)
+                if self._avail is not None and b not in self._pins:
+                    self._avail[b] = None
         return reclaimed
 
     def recount(self) -> tuple[int, int]:
@@ -427,9 +437,74 @@ class BlockPool:
         return held, self.capacity - held
 
     def free_blocks(self, limit: int | None = None) -> list[int]:
-        """Blocks with count zero (O(capacity); for simulators and tests)."""
+        """Blocks with count zero (O(capacity); for tests and invariant checks)."""
         out = [i for i, c in enumerate(self._rc) if c == 0]
         return out if limit is None else out[:limit]
+
+    # -- allocation: the engine's side (the one allocator; adapters and simulators) -----
+    # A block is *allocatable* when no request holds it and the engine has not pinned
+    # it. ``allocate`` pins blocks for a prefill; ``pin`` adds pins (siblings, prefix
+    # sharing); ``unpin`` drops them at register (the ledger's hold takes over) or when
+    # the engine gives blocks back. A block freed by the ledger while pinned is not
+    # allocatable until unpinned. O(1) per block (the first call builds the free list
+    # in O(capacity)).
+    def _free_list(self) -> OrderedDict[int, None]:
+        avail = self._avail
+        if avail is None:
+            pins = self._pins
+            avail = self._avail = OrderedDict(
+                (b, None) for b, c in enumerate(self._rc) if c == 0 and b not in pins)
+        return avail
+
+    @property
+    def allocatable(self) -> int:
+        """How many blocks ``allocate`` can hand out now."""
+        return len(self._free_list())
+
+    def allocatable_blocks(self) -> list[int]:
+        """The allocatable blocks, oldest first (O(allocatable))."""
+        return list(self._free_list())
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Pin and return ``n`` allocatable blocks (oldest freed first), or None."""
+        avail = self._free_list()
+        if n > len(avail):
+            return None
+        out = [avail.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            self._pins[b] = 1
+        return out
+
+    def pin(self, blocks: Iterable[int]) -> None:
+        """One more engine pin on each block (it stops being allocatable)."""
+        avail = self._free_list()
+        pins = self._pins
+        for b in blocks:
+            pins[b] = pins.get(b, 0) + 1
+            avail.pop(b, None)
+
+    def unpin(self, blocks: Iterable[int]) -> int:
+        """Drop one engine pin per block; a block neither pinned nor held becomes
+        allocatable again. Returns how many blocks were not pinned (an engine returning
+        a block twice: the caller counts it; nothing changes for that block)."""
+        avail = self._free_list()
+        pins = self._pins
+        bad = 0
+        for b in blocks:
+            c = pins.get(b, 0)
+            if c <= 0:
+                bad += 1
+                continue
+            if c == 1:
+                del pins[b]
+                if self._rc[b] == 0:
+                    avail[b] = None
+            else:
+                pins[b] = c - 1
+        return bad
+
+    def pinned(self, block: int) -> bool:
+        return block in self._pins
 
 
 # ---------------------------------------------------------------------------
@@ -616,6 +691,9 @@ class Ledger:
         self.now = CLOCK_START
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
+        # Messages staged per early handle (MAX_STAGED_MSGS_PER_HANDLE; the conformance
+        # models set their MaxStagedMsgs here instead of changing the constant).
+        self.max_staged_msgs = MAX_STAGED_MSGS_PER_HANDLE
 
     # -- queries ---------------------------------------------------------------
     def new_handle(self) -> int:
@@ -671,6 +749,31 @@ class Ledger:
         """Abstract state of live requests (for conformance checks and tests)."""
         return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
                 for h, r in self._live.items()}
+
+    # -- read-only views (issue 10, branch plumbing): verification and adapters use these
+    # instead of private fields. O(1) unless stated.
+    def request_id(self, handle: int) -> str | None:
+        """The request id of a live or tombstoned handle; None when unknown."""
+        r = self._live.get(handle)
+        if r is not None:
+            return r.rid
+        t = self._tomb.get(handle)
+        return t[1] if t is not None else None
+
+    def staged_entries(self) -> list[tuple[int, float, tuple[tuple[str, str, int, float], ...]]]:
+        """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
+        message ``(kind, reader, expected, arrival)``. O(staged messages)."""
+        return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
+
+    def blocks_of(self, handle: int) -> tuple[int, ...] | None:
+        """The blocks a live request holds; None when it is not live."""
+        r = self._live.get(handle)
+        return None if r is None else r.blocks
+
+    def groups_done(self) -> tuple[str, ...]:
+        """The remembered transferred sibling groups, oldest first. O(groups)."""
+        return tuple(self._groups_done)
+    # -- end of read-only views (plumbing) -----------------------------------------------
 
     # -- generic entry point -------------------------------------------------------
     def apply(self, ev: Event) -> list[Effect]:
@@ -767,7 +870,7 @@ class Ledger:
                 self._staged.popitem(last=False)
                 self._count("staged_dropped")
             st = self._staged[handle] = _Staged(now)
-        if len(st.msgs) >= MAX_STAGED_MSGS_PER_HANDLE:
+        if len(st.msgs) >= self.max_staged_msgs:
             self._count("staged_dropped")
             return
         st.msgs.append((kind, reader, expected, now))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from kvproto import wire
+from kvproto import port, wire
 from kvproto.lifecycle import (
     HELD_STATES,
     Ack,
@@ -178,8 +178,6 @@ class Simulator:
         self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
         self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
                                   tuple[str, ...]]] = []
-        # blocks the engine pins for registrations that lag their params (engine refs)
-        self.reserved: dict[int, int] = {}
         self.restarts: list[tuple[float, str]] = []
         self.incarnation: dict[str, int] = {}
 
@@ -194,23 +192,22 @@ class Simulator:
 
     # -- P side (the adapter: decode, feed the ledger, apply effects) ------------------
     def p_receive(self, src: str, data: bytes) -> None:
-        L = self.ledger
-        if src not in self.known_peers:
-            self._p_effects(L.reject("unknown_peer", src, f"{len(data)} bytes", self.now))
-            return
-        try:
-            m = wire.decode(data, max_bytes=self.config.max_message_bytes, epoch=self.epoch)
-        except wire.WireError as e:
-            self._p_effects(L.reject(e.reason, src, e.detail, self.now))
-            return
-        if m.kind == wire.KIND_DONE:
-            self._p_effects(L.done(src, m.handles[0], m.expected, self.now))
-        elif m.kind == wire.KIND_HEARTBEAT:
-            self._p_effects(L.heartbeat(src, m.seq, m.handles, m.expected, self.now))
-        elif m.kind == wire.KIND_RELEASE:
-            self._p_effects(L.release(src, m.handles, m.expected, self.now))
-        else:
-            self._p_effects(L.reject("unexpected_kind", src, m.kind_name, self.now))
+        self._p_effects(port.p_receive(self.ledger, src, data, self.now,
+                                       known=src in self.known_peers, epoch=self.epoch,
+                                       max_bytes=self.config.max_message_bytes))
+
+    def deliver(self, m: Msg) -> None:
+        """One message arrives: P's go through the port; an ack reaches a live D rank."""
+        if m.dst == P_NAME:
+            self.p_receive(m.src, m.data)
+        elif m.dst not in self.crashed and m.dst in self.ranks:
+            try:
+                a = wire.decode(m.data, epoch=self.epoch)
+            except wire.WireError:
+                return
+            if a.kind == wire.KIND_ACK:
+                self._d_effects(m.dst, self.ranks[m.dst].ack(
+                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
 
     def _p_effects(self, effects: list[Effect]) -> None:
         for eff in effects:
@@ -226,7 +223,7 @@ class Simulator:
     def _on_free(self, eff: Free) -> None:
         # The engine still pins blocks it handed out for a registration that lags: the
         # lifecycle dropped its hold, but those blocks are not reused (nor re-stamped).
-        reclaimed = {b for b in eff.reclaimed if b not in self.reserved}
+        reclaimed = {b for b in eff.reclaimed if not self.pool.pinned(b)}
         for b in reclaimed:
             self.gens[b] += 1  # bump before the block can be reused
         for r in self.reads.values():
@@ -238,15 +235,15 @@ class Simulator:
     def new_request(self, n: int = 1, engine: str | None = None) -> list[str]:
         """Prefill finished on P: register (n siblings sharing blocks), hand params to D."""
         nblocks = self.rng.randint(1, 8)
-        free = [b for b in self.pool.free_blocks() if b not in self.reserved]
-        if len(free) < nblocks:
+        alloc = self.pool.allocate(nblocks)
+        if alloc is None:
             self.stats.admission_blocked += 1
             return []
-        blocks = tuple(self.rng.sample(free, nblocks))
+        blocks = tuple(alloc)
         # prefix sharing: sometimes reuse a held block from another request
         live = self.ledger.live_handles()
         if live and self.rng.random() < 0.3:
-            other = self.ledger._live[self.rng.choice(live)].blocks
+            other = self.ledger.blocks_of(self.rng.choice(live)) or ()
             extra = self.rng.choice(other)
             if extra not in blocks:
                 blocks = (*blocks, extra)
@@ -265,10 +262,9 @@ class Simulator:
             # handed out (scheduler vs worker), so D's messages can arrive first.
             lag = self.rng.uniform(0, 1.0) if self.rng.random() < self.faults.register_lag else 0
             self.p_agenda.append((self.now + lag, h, rid, blocks, group, expected, tuple(ranks)))
-            # P holds the blocks from the moment it hands out params; reserve them in the
-            # simulator so they are not handed to another request meanwhile.
-            for b in blocks:
-                self.reserved[b] = self.reserved.get(b, 0) + 1
+            # P holds the blocks from the moment it hands out params: one engine pin per
+            # sibling until its registration, so they are not handed out meanwhile.
+            self.pool.pin(blocks)
             params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
                                     expected=len(ranks), group=group,
                                     generations=tuple(self.gens[b] for b in blocks))
@@ -278,6 +274,7 @@ class Simulator:
                 heapq.heappush(self.agenda, (self.now + delay, self._aseq, rk,
                                              "admit\0" + rid + "\0" + json.dumps(params.to_dict())))
             rids.append(rid)
+        self.pool.unpin(alloc)  # the allocation's own pin: the siblings' pins hold them
         self.stats.requests += n
         if n > 1:
             self.stats.siblings += n
@@ -393,7 +390,7 @@ class Simulator:
             if rng.random() < f.abort_p_rate:
                 live = self.ledger.live_handles()
                 if live:
-                    self.abort_p(self.ledger._live[rng.choice(live)].rid)
+                    self.abort_p(self.ledger.request_id(rng.choice(live)) or "")
             if rng.random() < f.abort_d_rate:
                 e = rng.choice(list(self.engine_ranks))
                 rk = self.engine_ranks[e][0]
@@ -410,11 +407,7 @@ class Simulator:
             if due:
                 self.p_agenda = [a for a in self.p_agenda if a[0] > now]
                 for _, h, rid, blocks, group, expected, ranks in due:
-                    for b in blocks:
-                        if self.reserved[b] == 1:
-                            del self.reserved[b]
-                        else:
-                            self.reserved[b] -= 1
+                    self.pool.unpin(blocks)
                     self._p_effects(self.ledger.register(h, rid, blocks, now, group=group,
                                                          expected=expected))
                     if self.ledger.state(h) in HELD_STATES:
@@ -461,16 +454,7 @@ class Simulator:
                 self._finish_read(key, r)
         # messages
         for m in self.net.due(now):
-            if m.dst == P_NAME:
-                self.p_receive(m.src, m.data)
-            elif m.dst not in self.crashed:
-                try:
-                    a = wire.decode(m.data, epoch=self.epoch)
-                except wire.WireError:
-                    continue
-                if a.kind == wire.KIND_ACK:
-                    self._d_effects(m.dst, self.ranks[m.dst].ack(
-                        P_NAME, a.seq, a.term_ms / 1000, a.handles, now, a.pending))
+            self.deliver(m)
         # ticks
         for rk, c in self.ranks.items():
             if rk not in self.crashed:
@@ -480,9 +464,9 @@ class Simulator:
         stranded = 0
         for h, rs in self.holders.items():
             if not rs:
-                req = self.ledger._live.get(h)
-                if req is not None:
-                    stranded += len(req.blocks)
+                held = self.ledger.blocks_of(h)
+                if held is not None:
+                    stranded += len(held)
         self.stats.stranded_block_seconds += stranded * self.dt
         self.check_step()
 

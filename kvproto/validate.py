@@ -1,14 +1,20 @@
 """``kvproto validate JOURNAL.jsonl...``: is a recorded journal a behaviour of the spec?
 
 Each journal (from the simulator, or later from the NIXL adapters) is turned into a
-TLA+ trace literal and checked by TLC against ``tla/KVLedger.tla`` through
-``tla/conformance/TraceLedger.tla``: every step applies the spec's own transition
+TLA+ trace literal and checked by TLC against ``kvproto/tla/KVLedger.tla`` through
+``kvproto/tla/conformance/TraceLedger.tla``: every step applies the spec's own transition
 operators and checks that the recorded effects (frees, reclaimed blocks, acks,
 rejections) are exactly the spec's. The first step the spec does not allow is reported
 with its journal line. Several journals are checked in one TLC run (batches of about
 ``--batch-bytes`` of TLA+ text: SANY's parse time dominates).
 
-Mapping journal -> spec (spec/CONFORMANCE.md): handle h -> request "h<h>"; readers keep
+Long journals are checked in segments (``--segment-steps``): each segment names only the
+requests live or staged at its start and those its events touch, starts from the
+journal's events replayed through the Python ledger, and must end in the replayed state
+(TraceLedger's EndL), so the segments chain into one behaviour and TLC's time grows
+linearly with the journal's length.
+
+Mapping journal -> spec (TraceLedger.tla's header): handle h -> request "h<h>"; readers keep
 their names; blocks keep their ids; group None -> NoGroup; request ids are tracked for
 abort (abort names a request id) and for duplicate registers; times -> integer units
 (the coarsest 10^-k s that makes every time and duration integral), clamped to be
@@ -33,16 +39,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvproto import lifecycle
-from kvproto.conformance import (
-    CONF_DIR,
-    TLA_DIR,
-    ParseError,
-    TLCError,
-    TLCMissing,
-    parse_value,
-    render,
-    run_tlc,
-)
 from kvproto.journal import (
     JournalError,
     decode_row,
@@ -54,6 +50,7 @@ from kvproto.lifecycle import (
     R_EXPIRED,
     Abort,
     Ack,
+    BlockPool,
     Config,
     ConfigError,
     Done,
@@ -61,14 +58,27 @@ from kvproto.lifecycle import (
     Event,
     Free,
     Heartbeat,
+    Ledger,
     Register,
     Reject,
     Rejected,
     Release,
     Tick,
 )
+from kvproto.verify.tlc import (
+    MissingDependency,
+    ParseError,
+    TLCError,
+    parse_value,
+    render,
+    require_ok,
+    run_tlc,
+    spec_dir,
+)
 
 log = logging.getLogger(__name__)
+
+TLCMissing = MissingDependency
 
 EXIT_OK: Final = 0
 EXIT_NOT_ALLOWED: Final = 1
@@ -83,9 +93,22 @@ class TraceError(ValueError):
     """The journal cannot be expressed as a trace of the spec (bad input)."""
 
 
+# KVLedger's variables (the trace module works on a record of them).
+_KV_VARS: Final = ("pstate", "expected", "finished", "released", "deadline", "reports", "rc",
+                   "stagedQ", "staged", "stagedAge", "groupsDone", "nfree")
+
+
 @dataclass
 class Trace:
-    """One journal as TLA+ constants and steps; ``lines[i]`` is step i+1's journal line."""
+    """One segment of a journal as TLA+ constants and steps.
+
+    ``lines[i]`` is step i+1's journal line; ``offset`` is the number of journal steps
+    before this segment (a whole journal is one segment with offset 0). ``module`` is the
+    trace module instantiated for it (its state variable is ``tst``; it prints ACCEPT or
+    REJECT verdicts), ``spec_vars`` the variables of the spec it extends (unused by the
+    trace operators, substituted by the batch's variable), and ``files`` the modules it
+    needs, relative to the shipped spec. P journals use TraceLedger over KVLedger; another
+    machine's journals name their own."""
 
     path: str
     scale: int  # time units per second
@@ -93,6 +116,10 @@ class Trace:
     steps: list[str]  # TLA+ record literals
     lines: list[int]
     events: list[dict[str, Any]]  # the journal's event objects (for the report)
+    offset: int = 0
+    module: str = "TraceLedger"
+    spec_vars: tuple[str, ...] = _KV_VARS
+    files: tuple[str, ...] = ("KVLedger.tla", "conformance/TraceLedger.tla")
 
     def tla_size(self) -> int:
         return sum(len(s) + 2 for s in self.steps) + sum(len(v) for v in self.constants.values())
@@ -129,6 +156,13 @@ def _s(x: str) -> str:
 
 def _tla_set(xs: Iterable[str]) -> str:
     return "{" + ", ".join(sorted(set(xs))) + "}"
+
+
+def _tla_fn(domain: str, default: str, items: Iterable[tuple[str, str]]) -> str:
+    r"""``[x \in domain |-> default]`` with the exceptions ``items`` (key, value)."""
+    base = f"[x \\in {domain} |-> {default}]"
+    ex = [f"![{k}] = {v}" for k, v in items if v != default]
+    return f"[{base} EXCEPT {', '.join(ex)}]" if ex else base
 
 
 def choose_scale(values: Iterable[float]) -> int:
@@ -179,8 +213,102 @@ def _effects(effects: Sequence[Effect]) -> dict[str, str]:
             "acks": "<<" + ", ".join(acks) + ">>"}
 
 
+def _touched(ev: Event, capacity: int) -> list[int]:
+    """The handles an event names (the requests its step reads or writes)."""
+    if isinstance(ev, Register):
+        return [ev.handle] if _valid_register(ev, capacity) else []
+    if isinstance(ev, Done):
+        return [ev.handle]
+    if isinstance(ev, (Heartbeat, Release)):
+        return list(ev.handles)
+    return []
+
+
+class _Replay:
+    """The implementation's ledger replayed from the journal's events: each segment
+    starts from its state (restricted to the segment's requests), and must end in it."""
+
+    def __init__(self, cfg: Config, capacity: int, scale: int, no_group: str,
+                 first_reg: dict[int, Register]) -> None:
+        self.ledger = Ledger(cfg, BlockPool(capacity, strict=False))
+        self.scale = scale
+        self.no_group = no_group
+        self.first_reg = first_reg
+
+    def units(self, dt: float) -> int:
+        return round(dt * self.scale)
+
+    def ledger_record(self, handles: Sequence[int], blocks: str) -> tuple[str, str]:
+        """The ledger as KVLedger's record over ``handles`` (the abstraction function of
+        KVLedger.tla's header, time relative to the ledger's clock), and the request
+        ids of the live ones (TraceLedger's ridOf)."""
+        L = self.ledger
+        now = L.now
+        snap = L.snapshot()
+        staged = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
+        cols: dict[str, list[tuple[str, str]]] = {k: [] for k in (
+            "pstate", "expected", "finished", "released", "deadline", "reports", "staged",
+            "stagedAge", "nfree")}
+        rid: list[tuple[str, str]] = []
+        held_blocks: dict[int, int] = {}
+        for h in handles:
+            r = _s(_req(h))
+            st = L.state(h)
+            cols["pstate"].append((r, _s(st)))
+            live = snap.get(h)
+            if live is not None:
+                _st, exp, fin, rel, dl = live
+                cols["expected"].append((r, str(exp)))
+                cols["finished"].append((r, _tla_set(_s(d) for d in fin)))
+                cols["released"].append((r, "TRUE" if rel else "FALSE"))
+                cols["deadline"].append((r, str(self.units(dl - now))))
+                cols["reports"].append((r, str(len(fin))))
+                rid.append((r, _s(L.request_id(h) or "")))
+            if st in lifecycle.TERMINAL_STATES:
+                cols["nfree"].append((r, "1"))
+            stg = staged.get(h)
+            if stg is not None:
+                since, msgs = stg
+                cols["stagedAge"].append((r, str(self.units(now - since))))
+                cols["staged"].append((r, "<<" + ", ".join(
+                    f"[kind |-> {_s(k)}, reader |-> {_s(d)}, exp |-> {e}, age |-> "
+                    f"{self.units(now - t) if k == lifecycle.HEARTBEAT else 0}]"
+                    for k, d, e, t in msgs) + ">>"))
+        for h in handles:
+            reg = self.first_reg.get(h)
+            if reg is not None:
+                for b in reg.blocks:
+                    held_blocks[b] = L.pool.refcount(b)
+        defaults = {"pstate": _s(lifecycle.UNREGISTERED), "expected": "0", "finished": "{}",
+                    "released": "FALSE", "deadline": "0", "reports": "0", "staged": "<<>>",
+                    "stagedAge": "0", "nfree": "0"}
+        fields = {k: _tla_fn("Requests", defaults[k], v) for k, v in cols.items()}
+        fields["rc"] = _tla_fn(blocks, "0", ((str(b), str(n)) for b, n in held_blocks.items()))
+        fields["stagedQ"] = "<<" + ", ".join(_s(_req(h)) for h in staged) + ">>"
+        groups = {reg.group for h in handles
+                  if (reg := self.first_reg.get(h)) is not None and reg.group is not None}
+        fields["groupsDone"] = _tla_set(_s(g) for g in L.groups_done() if g in groups)
+        rec = "[" + ", ".join(f"{k} |-> {fields[k]}" for k in _KV_VARS) + "]"
+        return rec, _tla_fn("Requests", '""', rid)
+
+
+DEFAULT_SEGMENT_STEPS: Final = 250
+
+
 def journal_to_trace(path: str | Path) -> Trace:
-    """Read a journal and build its trace (raises JournalError / TraceError)."""
+    """The whole journal as one trace (raises JournalError / TraceError)."""
+    return journal_to_traces(path, 0)[0]
+
+
+def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Trace]:
+    """Read a journal and cut it into traces of ``segment_steps`` steps (0: one trace).
+
+    Each segment's requests are the live and staged ones at its start plus those its
+    events name, so a step costs TLC O(live + segment) instead of O(journal): time grows
+    linearly with the journal. A segment starts from the replayed implementation's state
+    and TraceLedger checks that the spec's state at its end is the replayed state at the
+    next segment's start: the segments chain into one behaviour of the spec.
+    Raises JournalError / TraceError."""
     # Read as bytes, within journal.py's limits (line length, nesting, capacity).
     with open(path, "rb") as f:
         header, objs = read_journal_objects(journal_lines(f))
@@ -202,7 +330,6 @@ def journal_to_trace(path: str | Path) -> Trace:
     def units(x: float) -> int:
         return round(x * scale)
 
-    requests: set[str] = set()
     readers: set[str] = set()
     first_reg: dict[int, Register] = {}
     groups: set[str] = set()
@@ -210,14 +337,9 @@ def journal_to_trace(path: str | Path) -> Trace:
         if isinstance(ev, Register):
             if _valid_register(ev, capacity) and ev.handle not in first_reg:
                 first_reg[ev.handle] = ev
-                requests.add(_req(ev.handle))
                 if ev.group is not None:
                     groups.add(ev.group)
-        elif isinstance(ev, Done):
-            requests.add(_req(ev.handle))
-            readers.add(ev.reader)
-        elif isinstance(ev, (Heartbeat, Release)):
-            requests.update(_req(h) for h in ev.handles)
+        elif isinstance(ev, (Done, Heartbeat, Release)):
             readers.add(ev.reader)
     if len(first_reg) > cfg.max_tombstones or len(groups) > cfg.max_groups_remembered:
         raise TraceError("more requests (or groups) than the ledger remembers tombstones "
@@ -225,28 +347,10 @@ def journal_to_trace(path: str | Path) -> Trace:
     no_group = "nogroup"
     while no_group in groups:
         no_group += "_"
-    blocks = sorted({b for ev in first_reg.values() for b in ev.blocks})
 
-    def per_request(f: Any, default: str) -> str:
-        if not requests:
-            return "<<>>"
-        parts = []
-        for r in sorted(requests):
-            h = int(r[1:])
-            ev = first_reg.get(h)
-            parts.append(f"{_s(r)} :> {f(ev) if ev is not None else default}")
-        return "(" + " @@ ".join(parts) + ")"
-
-    constants = {
-        "Requests": _tla_set(_s(r) for r in requests),
+    fixed = {
         "Readers": _tla_set(_s(d) for d in readers),
-        "Blocks": "{" + ", ".join(str(b) for b in blocks) + "}",
-        "BlocksOf": per_request(lambda ev: "{" + ", ".join(str(b) for b in sorted(ev.blocks)) + "}",
-                                "{}"),
-        "GroupOf": per_request(lambda ev: _s(ev.group if ev.group is not None else no_group),
-                               _s(no_group)),
         "NoGroup": _s(no_group),
-        "RegExpected": per_request(lambda ev: str(ev.expected), "0"),
         "InitialLease": str(units(cfg.initial_lease)),
         "LeaseExtension": str(units(cfg.lease_extension)),
         "AbortGrace": str(units(cfg.abort_grace)),
@@ -258,6 +362,11 @@ def journal_to_trace(path: str | Path) -> Trace:
         "BugDropEarly": "FALSE",
         "BugAbortFreesNow": "FALSE",
     }
+
+    def per_request(hs: Sequence[int], f: Any, default: str) -> str:
+        return _tla_fn("Requests", default, ((_s(_req(h)), f(first_reg[h]))
+                                             for h in hs if h in first_reg))
+
     steps: list[str] = []
     lines: list[int] = []
     prev: int | None = None
@@ -289,30 +398,68 @@ def journal_to_trace(path: str | Path) -> Trace:
         fld.update(_effects(effs))
         steps.append("[" + ", ".join(f"{k} |-> {v}" for k, v in fld.items()) + "]")
         lines.append(lineno)
-    return Trace(str(path), scale, constants, steps, lines, [raw.get(n, {}) for n in lines])
+
+    n = len(rows)
+    seg = n if segment_steps <= 0 else segment_steps
+    bounds = list(range(0, n, max(seg, 1))) or [0]
+    replay = _Replay(cfg, capacity, scale, no_group, first_reg)
+    traces: list[Trace] = []
+    for lo in bounds:
+        hi = min(n, lo + max(seg, 1)) if n else 0
+        L = replay.ledger
+        hs: set[int] = set(L.live_handles())
+        hs.update(h for h, _, _ in L.staged_entries())
+        for _, ev, _ in rows[lo:hi]:
+            hs.update(_touched(ev, capacity))
+        handles = sorted(hs)
+        blocks = sorted({b for h in handles if h in first_reg for b in first_reg[h].blocks})
+        constants = {
+            **fixed,
+            "Requests": _tla_set(_s(_req(h)) for h in handles),
+            "Blocks": "{" + ", ".join(str(b) for b in blocks) + "}",
+            "BlocksOf": per_request(handles, lambda ev: "{" + ", ".join(
+                str(b) for b in sorted(ev.blocks)) + "}", "{}"),
+            "GroupOf": per_request(handles, lambda ev: _s(
+                ev.group if ev.group is not None else no_group), _s(no_group)),
+            "RegExpected": per_request(handles, lambda ev: str(ev.expected), "0"),
+        }
+        constants["InitL"], constants["InitRid"] = replay.ledger_record(handles, "Blocks")
+        for _, ev, _ in rows[lo:hi]:
+            L.apply(ev)
+        constants["EndL"], _ = replay.ledger_record(handles, "Blocks")
+        traces.append(Trace(str(path), scale, constants, steps[lo:hi], lines[lo:hi],
+                            [raw.get(k, {}) for k in lines[lo:hi]], lo))
+    return traces
 
 
 # ---------------------------------------------------------------------------
 # Batches and TLC.
 # ---------------------------------------------------------------------------
 
-_KV_VARS: Final = ("pstate", "expected", "finished", "released", "deadline", "reports", "rc",
-                   "stagedQ", "staged", "stagedAge", "groupsDone", "nfree")
 
 
 def batch_module(name: str, traces: Sequence[Trace]) -> tuple[str, str]:
     """The TLA+ module and config checking ``traces`` (one INSTANCE each)."""
     out = [f"---- MODULE {name} ----",
-           "(* GENERATED by kvproto validate: one INSTANCE of TraceLedger per journal. *)",
+           "(* GENERATED by kvproto validate: one INSTANCE of a trace module per segment. *)",
            "EXTENDS Naturals, Sequences, TLC", "VARIABLE st"]
     for k, tr in enumerate(traces, start=1):
         out.append(f"\\* {tr.path}")
         out.append(f"Trace{k} == <<" + ",\n  ".join(tr.steps) + ">>")
-        subs = [f"{c} <- {v}" for c, v in tr.constants.items()]
-        # KVLedger's variables are not used by the trace operators (they work on records).
-        subs += [f"{v} <- st" for v in _KV_VARS]
+        # Each constant is a top-level definition, substituted by name: TLC evaluates a
+        # constant-level definition once, but re-evaluates a substituted expression at
+        # every use (a BlocksOf literal of n requests at every lookup: quadratic or worse).
+        # Functions over the segment's requests or blocks name their domain, which is
+        # this trace's constant here.
+        for c, v in tr.constants.items():
+            v = v.replace("[x \\in Requests |->", f"[x \\in Requests_{k} |->")
+            v = v.replace("[x \\in Blocks |->", f"[x \\in Blocks_{k} |->")
+            out.append(f"{c}_{k} == {v}")
+        subs = [f"{c} <- {c}_{k}" for c in tr.constants]
+        # The spec's variables are not used by the trace operators (they work on records).
+        subs += [f"{v} <- st" for v in tr.spec_vars]
         subs += [f"Trace <- Trace{k}", f"TraceId <- {k}", "tst <- st"]
-        out.append(f"T{k} == INSTANCE TraceLedger WITH " + ",\n    ".join(subs))
+        out.append(f"T{k} == INSTANCE {tr.module} WITH " + ",\n    ".join(subs))
     out.append("Init == " + " \\/ ".join(f"T{k}!TInit" for k in range(1, len(traces) + 1)))
     out.append("Next == " + " \\/ ".join(f"(st.tid = {k} /\\ T{k}!TNext)"
                                           for k in range(1, len(traces) + 1)))
@@ -336,7 +483,9 @@ def batches(traces: Sequence[Trace], max_bytes: int) -> list[list[Trace]]:
     return out
 
 
-_VERDICT_RE: Final = re.compile(r'^<<"(ACCEPT|REJECT)".*>>\s*$')
+# A verdict printed by TraceLedger (PrintT wraps long tuples over several lines; the
+# reasons it prints contain no ">>").
+_VERDICT_RE: Final = re.compile(r'^<<\s*"(?:ACCEPT|REJECT)".*?>>', re.M | re.S)
 
 
 DEFAULT_TIMEOUT: Final = 600.0  # seconds of TLC per batch
@@ -348,22 +497,20 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
     wd = Path(tempfile.mkdtemp(prefix="validate-")) if workdir is None else workdir
     wd.mkdir(parents=True, exist_ok=True)
     try:
-        shutil.copy(TLA_DIR / "KVLedger.tla", wd / "KVLedger.tla")
-        shutil.copy(CONF_DIR / "TraceLedger.tla", wd / "TraceLedger.tla")
+        for rel in sorted({f for tr in traces for f in tr.files}):
+            shutil.copy(spec_dir() / rel, wd / Path(rel).name)
         name = "TraceBatch"
         mod, cfg = batch_module(name, traces)
         (wd / f"{name}.tla").write_text(mod, encoding="utf-8")
         (wd / f"{name}.cfg").write_text(cfg, encoding="utf-8")
-        run = run_tlc(wd / f"{name}.tla", wd / f"{name}.cfg", workers=workers,
-                      extra=["-deadlock"], timeout=timeout)
+        run = require_ok(run_tlc(f"{name}.cfg", module=name, workdir=wd, workers=workers,
+                                 args=["-nowarning", "-deadlock"], timeout=timeout))
         log.info("TLC checked %d journal(s), %d steps, in %.1fs", len(traces),
                  sum(len(t.steps) for t in traces), run.seconds)
         found: dict[int, Verdict] = {}
-        for line in run.output.splitlines():
-            if not _VERDICT_RE.match(line.strip()):
-                continue
+        for m in _VERDICT_RE.finditer(run.output):
             try:
-                v = parse_value(line.strip())
+                v = parse_value(m.group(0))
             except ParseError:
                 continue
             assert isinstance(v, tuple)
@@ -371,11 +518,11 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
             assert isinstance(k, int)
             tr = traces[k - 1]
             if v[0] == "ACCEPT":
-                found[k] = Verdict(tr.path, True, len(tr.steps))
+                found[k] = Verdict(tr.path, True, tr.offset + len(tr.steps))
             else:
                 step, why = v[2], v[3]
                 assert isinstance(step, int) and isinstance(why, str)
-                found[k] = Verdict(tr.path, False, step - 1, tr.lines[step - 1],
+                found[k] = Verdict(tr.path, False, tr.offset + step - 1, tr.lines[step - 1],
                                    tr.events[step - 1], why)
         missing = [traces[k - 1].path for k in range(1, len(traces) + 1) if k not in found]
         if missing:
@@ -387,18 +534,28 @@ def check_batch(traces: Sequence[Trace], *, workdir: Path | None = None,
 
 
 def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BYTES,
-             workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> list[Verdict]:
-    """Validate journals (raises JournalError/TraceError on bad input, TLCMissing)."""
-    traces: list[Trace] = []
+             workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT,
+             segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Verdict]:
+    """Validate journals, one verdict each (raises JournalError/TraceError on bad input,
+    TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
+    is its first segment's rejection."""
+    per_path: list[list[Trace]] = []
     for p in paths:
         try:
-            traces.append(journal_to_trace(p))
+            per_path.append(journal_to_traces(p, segment_steps))
         except (JournalError, TraceError) as e:  # name the file: several may be given
             raise TraceError(f"{p}: {e}") from None
-    verdicts: list[Verdict] = []
+    traces = [t for ts in per_path for t in ts]
+    seg_verdicts: list[Verdict] = []
     for i, b in enumerate(batches(traces, batch_bytes)):
-        verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
-                                timeout=timeout)
+        seg_verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
+                                    timeout=timeout)
+    verdicts: list[Verdict] = []
+    it = iter(seg_verdicts)
+    for ts in per_path:
+        segs = [next(it) for _ in ts]
+        bad = next((v for v in segs if not v.allowed), None)
+        verdicts.append(bad if bad is not None else segs[-1])
     return verdicts
 
 
@@ -419,16 +576,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=number(0, 7 * 86400, lo_open=True),
                    default=DEFAULT_TIMEOUT, metavar="S",
                    help="give up a batch after S seconds of TLC (exit 4; default "
-                        f"{DEFAULT_TIMEOUT:.0f}); TLC time grows faster than a journal's length")
+                        f"{DEFAULT_TIMEOUT:.0f})")
+    p.add_argument("--segment-steps", type=number(0, 1 << 30, integer=True), default=DEFAULT_SEGMENT_STEPS, metavar="N",
+                   help="validate each journal in segments of N steps, chained through the "
+                        "replayed ledger state (time grows linearly with the journal); 0 = "
+                        f"one piece (default {DEFAULT_SEGMENT_STEPS})")
     p.add_argument("--keep", metavar="DIR",
                    help="write the generated TLA+ modules here and keep them")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "segment_steps", 0) < 0:
+        print("kvproto validate: --segment-steps must be 0 or more", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
                             workdir=Path(args.keep) if args.keep else None,
-                            timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))
+                            timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
+                            segment_steps=getattr(args, "segment_steps", DEFAULT_SEGMENT_STEPS))
     except (JournalError, TraceError, OSError, json.JSONDecodeError) as e:
         print(f"kvproto validate: bad input: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

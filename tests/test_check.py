@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import check, tlc
+from kvproto import check
 from kvproto.cli import main
 from kvproto.lifecycle import Config
+from kvproto.verify import tlc
 
 # ---------------------------------------------------------------------------
 # Lease numbers -> model time units.
@@ -162,9 +163,9 @@ State 2: <Receive line 3, col 1 to line 4, col 2 of module KVLifecycle>
 def test_trace_reader_and_renderer() -> None:
     states = tlc.parse_trace(TRACE)
     assert [s.action for s in states] == ["Initial predicate", "Receive"]
-    assert states[1].values["pstate"] == {"r1": "freed"}
-    (m,) = states[1].values["msgs"]
-    assert m["k"] == "done" and m["rs"] == frozenset({"r1"})
+    assert states[1].values["pstate"] == tlc.mk_fn({"r1": "freed"})
+    (m,) = states[1].values["msgs"]  # type: ignore[misc]
+    assert isinstance(m, tlc.Fn) and m["k"] == "done" and m["rs"] == frozenset({"r1"})
     text = tlc.render_trace(states)
     assert "pstate[r1]: registered -> freed" in text
 

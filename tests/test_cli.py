@@ -140,9 +140,9 @@ def test_protocol_spec_table_matches_the_transition_table(name: str, side: str) 
 
 
 def test_tla_spec_names_every_p_state_and_event() -> None:
-    tla = ROOT / "tla" / "KVLedger.tla"
+    tla = ROOT / "kvproto" / "tla" / "KVLedger.tla"
     if not tla.exists():
-        pytest.skip("tla/KVLedger.tla does not exist yet")
+        pytest.skip("kvproto/tla/KVLedger.tla does not exist yet")
     text = tla.read_text(encoding="utf-8")
     missing_states = [s for s in P_STATES if f'"{s}"' not in text]
     assert missing_states == [], f"P states missing from {tla.name} (as strings)"
@@ -154,7 +154,7 @@ def test_tla_spec_names_every_p_state_and_event() -> None:
 def _tla_invariants() -> set[str]:
     """Invariant and property names defined in the spec (``Name ==`` of the sections that
     PROTOCOL.md §9 and spec/TLA.md §3 list)."""
-    text = (ROOT / "tla" / "KVLifecycle.tla").read_text(encoding="utf-8")
+    text = (ROOT / "kvproto" / "tla" / "KVLifecycle.tla").read_text(encoding="utf-8")
     names = {"TypeOK", "NoDoubleFree", "Conservation", "NoFreeUnderRead", "StagingBounded",
              "StaleIsHarmless", "RenewalKeepsLease", "NoLeak", "ReportedIsFreed"}
     defined = {n for n in names if re.search(rf"^{n} ==", text, re.M)}
@@ -174,10 +174,10 @@ def test_invariants_are_named_alike_in_the_three_mirrors() -> None:
 
 
 def test_every_check_model_is_documented_and_every_cfg_is_a_model() -> None:
-    from kvproto.check import MODELS
+    from kvproto.verify.models import TLC_MODELS as MODELS
 
     tla_md = (ROOT / "spec" / "TLA.md").read_text(encoding="utf-8")
-    cfgs = {p.name for p in (ROOT / "tla").glob("MC_*.cfg")} - {"MC_ledger.cfg"}
+    cfgs = {p.name for p in (ROOT / "kvproto" / "tla").glob("MC_*.cfg")} - {"MC_ledger.cfg"}
     assert cfgs == {m.cfg for m in MODELS.values()}
     for m in MODELS.values():
         row = re.search(rf"^\| `{m.name}` \| `{re.escape(m.cfg)}` \| (.*?) \|", tla_md, re.M)

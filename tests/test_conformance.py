@@ -1,4 +1,4 @@
-"""Conformance of the Python P machine with tla/KVLedger.tla (issue 4, section 2).
+"""Conformance of the Python P machine with kvproto/tla/KVLedger.tla (issue 4, section 2).
 
 * unit tests of the TLC value parser, the DOT reader and the comparison (no Java);
 * state-graph equality per model (TLC dumps its graph, Python BFS explores its own);
@@ -18,9 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproto import conformance as cf
 from kvproto import lifecycle
 from kvproto.lifecycle import ABORTED, HEARTBEAT, NOTIFIED, BlockPool, Config, Ledger
+from kvproto.verify import conformance as cf
+from kvproto.verify import oracle as orc
+from kvproto.verify import tlc
 
 log = logging.getLogger(__name__)
 
@@ -31,28 +33,28 @@ log = logging.getLogger(__name__)
 
 
 def test_parse_values() -> None:
-    v = cf.parse_value('[b |-> <<1, -2>>, a |-> {"x", "y"}, c |-> ("k" :> TRUE @@ "j" :> m1)]')
-    assert isinstance(v, cf.Fn)
+    v = tlc.parse_value('[b |-> <<1, -2>>, a |-> {"x", "y"}, c |-> ("k" :> TRUE @@ "j" :> m1)]')
+    assert isinstance(v, tlc.Fn)
     assert v["a"] == frozenset({"x", "y"})
     assert v["b"] == (1, -2)
-    assert v["c"] == cf.mk_fn({"j": cf.ModelValue("m1"), "k": True})
+    assert v["c"] == tlc.mk_fn({"j": tlc.ModelValue("m1"), "k": True})
     # A function with domain 1..n is a sequence; records equal functions with the same graph.
-    assert cf.parse_value("(1 :> 5 @@ 2 :> 6)") == (5, 6)
-    assert cf.parse_value('[r1 |-> 0]') == cf.parse_value('("r1" :> 0)')
-    assert cf.parse_value('"a \\"q\\""') == 'a "q"'
-    assert cf.parse_value("<<>>") == () and cf.parse_value("{}") == frozenset()
-    with pytest.raises(cf.ParseError):
-        cf.parse_value("[a |-> 1")
-    with pytest.raises(cf.ParseError):
-        cf.parse_value("1 2")
+    assert tlc.parse_value("(1 :> 5 @@ 2 :> 6)") == (5, 6)
+    assert tlc.parse_value('[r1 |-> 0]') == tlc.parse_value('("r1" :> 0)')
+    assert tlc.parse_value('"a \\"q\\""') == 'a "q"'
+    assert tlc.parse_value("<<>>") == () and tlc.parse_value("{}") == frozenset()
+    with pytest.raises(tlc.ParseError):
+        tlc.parse_value("[a |-> 1")
+    with pytest.raises(tlc.ParseError):
+        tlc.parse_value("1 2")
 
 
 def test_parse_state_roundtrip() -> None:
     text = '/\\ x = [r1 |-> "a"]\n/\\ y = <<[age |-> 0, kind |-> "done"]>>\n/\\ z = {}'
-    s = cf.parse_state(text)
-    assert s["x"] == cf.mk_fn({"r1": "a"})
-    assert s["y"] == (cf.mk_fn({"age": 0, "kind": "done"}),)
-    assert cf.parse_state(cf.describe(s)) == s
+    s = tlc.parse_state(text)
+    assert s["x"] == tlc.mk_fn({"r1": "a"})
+    assert s["y"] == (tlc.mk_fn({"age": 0, "kind": "done"}),)
+    assert tlc.parse_state(cf.describe(s)) == s
 
 
 DOT = r'''strict digraph DiskGraph {
@@ -74,17 +76,17 @@ def test_read_dot(tmp_path: Path) -> None:
     p = tmp_path / "g.dot"
     p.write_text(DOT)
     g = cf.read_dot(p)
-    s0 = cf.mk_fn({"x": 0, "s": frozenset({"a"})})
-    s1 = cf.mk_fn({"x": 1, "s": frozenset({"a"})})
+    s0 = tlc.mk_fn({"x": 0, "s": frozenset({"a"})})
+    s1 = tlc.mk_fn({"x": 1, "s": frozenset({"a"})})
     assert set(g.nodes) == {s0, s1}
     assert g.nodes[s0]["init"] and not g.nodes[s1]["init"]
     assert cf.edge_set(g) == {(s0, "Inc", s1), (s1, "Inc", s1), (s1, "Reset", s0),
                               (s0, "Reset", s0)}
 
 
-def S(x: int) -> cf.Fn:
-    v = cf.mk_fn({"x": x})
-    assert isinstance(v, cf.Fn)
+def S(x: int) -> tlc.Fn:
+    v = tlc.mk_fn({"x": x})
+    assert isinstance(v, tlc.Fn)
     return v
 
 
@@ -222,31 +224,10 @@ def test_mutant_fails_graph_equality(name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def run_oracle(model: cf.Model, oracle: cf.Oracle, labels: list[str],
+def run_oracle(model: cf.Model, oracle: orc.Oracle, labels: list[str],
                factory: cf.LedgerFactory = Ledger,
                stats: dict[str, int] | None = None) -> str | None:
-    """Drive one concrete ledger (no snapshots, no de-duplication) through ``labels``;
-    return the first disagreement with the spec, or None. ``stats`` counts steps that
-    changed the abstract state, left it unchanged, or were refused (Rejected)."""
-    acts = {a.label: a for a in model.actions()}
-    with cf.staged_msgs_cap(model.max_staged_msgs):
-        node = cf.initial_node(model, factory)
-        before = cf.abstract(model, node)
-        for i, label in enumerate(labels):
-            effects = cf.apply_action(model, node, acts[label])
-            after = cf.abstract(model, node)
-            why = oracle.check_step(before, label, after, effects)
-            if why is not None:
-                return f"step {i + 1} of {labels[:i + 1]}: {why}"
-            errs = node.ledger.check_invariants()
-            if errs:
-                return f"step {i + 1}: python invariants broken: {errs}"
-            if stats is not None:
-                kind = "rejected" if cf.refused(effects) else \
-                    "changed" if after != before else "unchanged"
-                stats[kind] = stats.get(kind, 0) + 1
-            before = after
-    return None
+    return orc.run(model, oracle, labels, factory, stats)
 
 
 ORACLE_MODELS = [n for n in ("group2x2", "solo2x2") if n not in KNOWN_DIVERGENCES]
@@ -256,7 +237,7 @@ ORACLE_MODELS = [n for n in ("group2x2", "solo2x2") if n not in KNOWN_DIVERGENCE
 @pytest.mark.parametrize("name", ORACLE_MODELS)
 def test_oracle_any_input(name: str) -> None:
     model = cf.MODELS[name]
-    oracle = cf.Oracle(model, _tlc_graph(name).graph)
+    oracle = orc.Oracle(model, _tlc_graph(name).graph)
     labels = [a.label for a in model.actions()]
     stats: dict[str, int] = {}
 
@@ -277,7 +258,7 @@ def test_oracle_any_input(name: str) -> None:
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_oracle_catches_mutant(name: str) -> None:
     with mutant(name) as (model, factory):
-        oracle = cf.Oracle(model, _tlc_graph(model.name).graph)
+        oracle = orc.Oracle(model, _tlc_graph(model.name).graph)
         labels = [a.label for a in model.actions()]
         failures: list[str] = []
 

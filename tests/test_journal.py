@@ -130,9 +130,11 @@ def test_read_journal_yields_line_numbers_events_and_effects() -> None:
 def test_changed_effect_is_reported_with_its_line(sim_journal: list[str], tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     lines = list(sim_journal)
-    i = line_of(lines, lambda d: has_free(d, "done"))
+    i = line_of(lines, lambda d: has_free(d, "done") and any(
+        e["type"] == "free" and e["reclaimed"] for e in d["effects"]))
     d = json.loads(lines[i])
-    d["effects"][0]["reclaimed"] = []  # claim the blocks were not reclaimed
+    free = next(e for e in d["effects"] if e["type"] == "free" and e["reclaimed"])
+    free["reclaimed"] = []  # claim the blocks were not reclaimed
     lines[i] = json.dumps(d)
     rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
     assert rc == 1

@@ -19,10 +19,10 @@ from kvproto.lifecycle import Config, TransferParams
 
 pytest.importorskip("nixl._api")
 
-from kvproto.conformance import TLCMissing
 from kvproto.nixl.consumer import Completion, ConsumerAdapter
 from kvproto.nixl.procs import consumer_main, mp_context, producer_main
 from kvproto.validate import validate
+from kvproto.verify.tlc import MissingDependency as TLCMissing
 
 pytestmark = pytest.mark.nixl
 

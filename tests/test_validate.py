@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from kvproto import validate as va
-from kvproto.conformance import TLCMissing
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import BlockPool, Config, Ledger
 from kvproto.sim import Faults, Simulator
+from kvproto.verify.tlc import MissingDependency as TLCMissing
 
 log = logging.getLogger(__name__)
 
@@ -150,22 +150,40 @@ def test_bad_input_exit_codes(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def run_validate(paths: list[Path]) -> list[va.Verdict]:
+def run_validate(paths: list[Path], segment_steps: int = va.DEFAULT_SEGMENT_STEPS
+                 ) -> list[va.Verdict]:
     try:
-        return va.validate(paths)
+        return va.validate(paths, segment_steps=segment_steps)
     except TLCMissing as e:  # pragma: no cover - depends on the machine
         pytest.skip(str(e))
 
 
+def test_segments_cover_the_journal_and_restrict_requests(tmp_path: Path) -> None:
+    p = sim_journal(tmp_path / "sim.jsonl", 1, 6.0)
+    whole = va.journal_to_trace(p)
+    segs = va.journal_to_traces(p, 40)
+    assert len(segs) == -(-len(whole.steps) // 40) > 2
+    assert [s for t in segs for s in t.steps] == whole.steps
+    assert [t.offset for t in segs] == list(range(0, len(whole.steps), 40))
+    # a segment names fewer requests than the whole journal, and chains: its start
+    # state is the previous segment's end state wherever their requests are the same
+    def count(t: va.Trace) -> int:
+        return t.constants["Requests"].count('"h')
+    counts = [count(t) for t in segs]
+    assert max(counts) <= count(whole) and sum(c < count(whole) for c in counts) >= 2, counts
+    assert segs[0].constants["InitL"].count("EXCEPT") == 0  # the empty ledger
+
+
 @pytest.mark.tlc
-def test_accepts_real_journals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("segment_steps", [va.DEFAULT_SEGMENT_STEPS, 7])
+def test_accepts_real_journals(tmp_path: Path, segment_steps: int) -> None:
     paths = [sim_journal(tmp_path / f"sim{s}.jsonl", s, 6.0) for s in (1, 2, 3)]
     paths.append(sim_journal(tmp_path / "clean.jsonl", 4, 6.0, faults=False))
     paths.append(scripted_journal(tmp_path / "scripted.jsonl"))
     paths.append(budget_journal(tmp_path / "budget.jsonl"))
     n_frees = sum(len(frees_of(r)) for p in paths for r in read_lines(p)[1:])
     assert n_frees > 20  # the journals exercise the lifecycle, not just ticks
-    verdicts = run_validate(paths)
+    verdicts = run_validate(paths, segment_steps)
     for v in verdicts:
         log.info("%s", v.describe())
     assert [v.allowed for v in verdicts] == [True] * len(paths), \
@@ -221,7 +239,8 @@ TAMPERS: dict[str, Callable[[list[dict[str, Any]]], tuple[int, str]]] = {
 
 
 @pytest.mark.tlc
-def test_rejects_tampered_journals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("segment_steps", [va.DEFAULT_SEGMENT_STEPS, 5])
+def test_rejects_tampered_journals(tmp_path: Path, segment_steps: int) -> None:
     base = read_lines(scripted_journal(tmp_path / "scripted.jsonl"))
     sim = read_lines(sim_journal(tmp_path / "sim.jsonl", 1, 6.0))
     paths: list[Path] = []
@@ -237,7 +256,7 @@ def test_rejects_tampered_journals(tmp_path: Path) -> None:
             paths.append(write_lines(tmp_path / f"{name}-{src}.jsonl", rows))
             expect.append((idx + 1, why))
     assert len(paths) >= len(TAMPERS) + 2
-    verdicts = run_validate(paths)
+    verdicts = run_validate(paths, segment_steps)
     for v, (line, why), p in zip(verdicts, expect, paths, strict=True):
         log.info("%s", v.describe())
         assert not v.allowed, f"{p.name} was accepted"
@@ -245,6 +264,24 @@ def test_rejects_tampered_journals(tmp_path: Path) -> None:
             + v.describe()
         assert why in v.why, v.describe()
         assert v.event == json.loads(p.read_text().splitlines()[line - 1])["event"]
+
+
+@pytest.mark.tlc
+def test_segment_must_end_in_the_replayed_state(tmp_path: Path) -> None:
+    """The chaining check: a segment whose spec state at its end is not the replayed
+    ledger's (here: the end state of another segment) is rejected at its last line."""
+    segs = va.journal_to_traces(scripted_journal(tmp_path / "s.jsonl"), 6)
+    assert len(segs) >= 3
+    good, bad = segs[1], va.Trace(**{**segs[1].__dict__})
+    bad.constants = {**good.constants, "EndL": good.constants["InitL"]}
+    assert bad.constants["EndL"] != good.constants["EndL"]
+    try:
+        v_good, v_bad = va.check_batch([good, bad])
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    assert v_good.allowed, v_good.describe()
+    assert not v_bad.allowed and v_bad.line == good.lines[-1], v_bad.describe()
+    assert "differs from the implementation's" in v_bad.why
 
 
 @pytest.mark.tlc

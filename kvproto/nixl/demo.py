@@ -529,7 +529,8 @@ def run(args: argparse.Namespace) -> int:
     from kvproto.nixl.agent import nixl_available, quiet_nixl_logging
 
     if not nixl_available():
-        print("kvproto demo: the nixl package is not importable", file=sys.stderr)
+        print("kvproto demo: needs the [nixl] extra (the nixl package is not importable): "
+              "pip install 'kvproto[nixl]'", file=sys.stderr)
         return 3
     quiet_nixl_logging()
     port = getattr(args, "metrics_port", None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,15 +43,12 @@ from kvproto.lifecycle import (
 )
 from kvproto.nixl.agent import KVRegion, error_name, make_agent, metadata_agent_name
 from kvproto.nixl.channel import ST_OK, Server, frame, refusal, secret_from_env
+from kvproto.port import p_receive
 from kvproto.wire import (
     HANDSHAKE_VERSION,
-    KIND_DONE,
-    KIND_HEARTBEAT,
-    KIND_RELEASE,
     Handshake,
     WireError,
     check_layouts,
-    decode,
     decode_handshake,
     encode_ack,
 )
@@ -107,8 +103,6 @@ class ProducerAdapter:
         self.fault_hook = fault_hook
         self.observer = observer
         self.handshake_version = HANDSHAKE_VERSION  # test hook: speak another version
-        self._free_list: deque[int] = deque(range(num_blocks))
-        self._is_free = bytearray(b"\x01" * num_blocks)
         self.peers: dict[str, Handshake] = {}
         self._peer_conn: dict[str, int] = {}  # peer -> the connection of its handshake
         self.counters: dict[str, int] = {}
@@ -154,7 +148,8 @@ class ProducerAdapter:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_list)
+        """Blocks the engine can allocate now (the pool's allocator)."""
+        return self.pool.allocatable
 
     def handshake_payload(self) -> Handshake:
         return Handshake(engine=self.name, epoch=self.epoch,
@@ -164,30 +159,21 @@ class ProducerAdapter:
 
     # -- the engine's side: allocate, fill, register, abort -----------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks for a prefill, or None when not enough are free."""
-        if n > len(self._free_list):
-            return None
-        out = [self._free_list.popleft() for _ in range(n)]
-        for b in out:
-            self._is_free[b] = 0
-        return out
+        """Take ``n`` free blocks for a prefill, or None when not enough are free. The
+        blocks stay pinned to the engine until ``register`` hands them to the ledger (or
+        ``give_back`` returns them)."""
+        return self.pool.allocate(n)
 
     def give_back(self, blocks: Iterable[int]) -> None:
         """Return blocks the engine allocated but never registered (or that a rejected
         register did not hold)."""
+        pool = self.pool
         for b in blocks:
-            if self.pool.refcount(b) == 0:
-                self._return_block(b)
-
-    def _return_block(self, b: int) -> None:
-        if self.external_allocator:
-            return  # the engine's allocator; it hears of the Free through the observer
-        if self._is_free[b]:
-            self._count("double_free")
-            log.error("block %d returned to the allocator twice", b)
-            return
-        self._is_free[b] = 1
-        self._free_list.append(b)
+            if pool.pinned(b):
+                pool.unpin((b,))
+            elif pool.refcount(b) == 0:
+                self._count("double_free")
+                log.error("block %d returned to the allocator twice", b)
 
     def register(self, request_id: str, blocks: Sequence[int], *, group: str | None = None,
                  expected: int = 0, handle: int | None = None) -> TransferParams | None:
@@ -210,7 +196,10 @@ class ProducerAdapter:
         effects = self.ledger.register(handle, request_id, blocks, now, group=group,
                                        expected=expected)
         self._apply(effects, now)
-        if any(isinstance(e, (Rejected, Free)) for e in effects):
+        rejected = any(isinstance(e, Rejected) for e in effects)
+        if not rejected:  # the ledger's hold replaces the engine's pins
+            self.pool.unpin([b for b in blocks if self.pool.pinned(b)])
+        if rejected or any(isinstance(e, Free) for e in effects):
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
@@ -263,26 +252,8 @@ class ProducerAdapter:
         self._apply(effects, now)
 
     def _on_message(self, peer: str, buf: bytes, now: float) -> None:
-        if peer not in self.peers:
-            self._apply(self.ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now), now)
-            return
-        try:
-            msg = decode(buf, max_bytes=self.config.max_message_bytes, epoch=self.epoch)
-        except WireError as e:
-            self._apply(self.ledger.reject(e.reason, peer, e.detail, now), now)
-            return
-        except Exception as e:  # the decoder should only raise WireError; never crash on input
-            log.exception("decoding %d bytes from %s failed", len(buf), peer)
-            self._apply(self.ledger.reject("malformed", peer, type(e).__name__, now), now)
-            return
-        if msg.kind == KIND_DONE:
-            self._apply(self.ledger.done(peer, msg.handles[0], msg.expected, now), now)
-        elif msg.kind == KIND_HEARTBEAT:
-            self._apply(self.ledger.heartbeat(peer, msg.seq, msg.handles, msg.expected, now), now)
-        elif msg.kind == KIND_RELEASE:
-            self._apply(self.ledger.release(peer, msg.handles, msg.expected, now), now)
-        else:
-            self._apply(self.ledger.reject("unexpected_kind", peer, msg.kind_name, now), now)
+        self._apply(p_receive(self.ledger, peer, buf, now, known=peer in self.peers,
+                              epoch=self.epoch, max_bytes=self.config.max_message_bytes), now)
 
     def _apply(self, effects: list[Effect], now: float) -> None:
         m = self.metrics
@@ -303,8 +274,8 @@ class ProducerAdapter:
                                            device=self.region.gen.device)
                         self.region.gen[idx] += 1
                         torch.cuda.synchronize(self.region.gen.device)
-                    for b in e.reclaimed:
-                        self._return_block(b)
+                    # (The pool's allocator already lists them; nothing allocates
+                    # between the ledger's step and this loop: one thread.)
                 log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
                           len(e.reclaimed))
                 if m is not None:
@@ -418,8 +389,7 @@ class ProducerAdapter:
     def check_invariants(self) -> list[str]:
         errs = self.ledger.check_invariants()
         held = self.pool.held_count
-        # With the engine's allocator (kv_tensors) this adapter's free list is unused.
-        if not self.external_allocator and held + len(self._free_list) > self.pool.capacity:
+        if held + self.pool.allocatable > self.pool.capacity:
             errs.append("Allocator: free list and held blocks overlap")
         return errs
 

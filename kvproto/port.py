@@ -1,0 +1,43 @@
+"""The one port between P's wire messages and its ledger events.
+
+:func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
+from) into the ledger event it stands for, feeds the ledger, and returns the effects for
+the caller to carry out. The NIXL producer, the simulator and the fuzzer all receive
+through it, so they decode, reject and dispatch alike: an unknown peer, bytes that do
+not decode, or a message kind P does not take are recorded rejections
+(``Ledger.reject``), never a crash. Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvproto.lifecycle import Effect, Ledger
+from kvproto.wire import KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
+
+log = logging.getLogger(__name__)
+
+
+def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool, epoch: int,
+              max_bytes: int) -> list[Effect]:
+    """Feed P's ledger the event one incoming message stands for; return its effects.
+
+    ``known``: whether ``peer`` completed a handshake with this P; ``epoch``: this P's
+    epoch (messages for another incarnation are rejected by the decoder); ``max_bytes``:
+    ``Config.max_message_bytes``."""
+    if not known:
+        return ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
+    try:
+        msg = decode(buf, max_bytes=max_bytes, epoch=epoch)
+    except WireError as e:
+        return ledger.reject(e.reason, peer, e.detail, now)
+    except Exception as e:  # the decoder should only raise WireError; never crash on input
+        log.exception("decoding %d bytes from %s failed", len(buf), peer)
+        return ledger.reject("malformed", peer, type(e).__name__, now)
+    if msg.kind == KIND_DONE:
+        return ledger.done(peer, msg.handles[0], msg.expected, now)
+    if msg.kind == KIND_HEARTBEAT:
+        return ledger.heartbeat(peer, msg.seq, msg.handles, msg.expected, now)
+    if msg.kind == KIND_RELEASE:
+        return ledger.release(peer, msg.handles, msg.expected, now)
+    return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
