@@ -242,15 +242,52 @@ TableKey = tuple[str, str, str]
 Table = Mapping[TableKey, Transition]
 
 
-def make_table(rows: Iterable[Transition], *, kinds: frozenset[str] = P_FX_KINDS) -> Table:
-    """A read-only table keyed by (src, event, guard); rows must be unique."""
+class TableError(ValueError):
+    """A transition table that no machine can run (a bad row)."""
+
+
+def _check_p_row(row: Transition) -> str | None:
+    absent = (row.src in (UNREGISTERED, EXPIRED, FREED) and row.event != REGISTER) \
+        or row.guard == "duplicate"
+    if absent and row.dst != row.src:
+        return "a message about a request that is not held cannot move it"
+    if absent and (row.free is not None or row.hold or row.renew or row.grace or row.cascade):
+        return "a request that is not held has nothing to hold, free or renew"
+    if (row.free is not None) != (row.dst in TERMINAL_STATES and row.src != row.dst):
+        return "exactly the rows that enter a terminal state free (free:<reason>)"
+    if row.cascade and row.free is None:
+        return "cascade follows a free"
+    if not absent and row.dst not in HELD_STATES | TERMINAL_STATES:
+        return f"{row.dst!r} is not a state a held request can enter"
+    if row.stage and not absent:
+        return "only messages about unregistered requests are staged"
+    return None
+
+
+def _check_d_row(row: Transition) -> str | None:
+    if row.src in (D_DONE, D_FAILED) or row.dst == D_NEW:
+        return "done and failed are final; nothing returns to new"
+    if (row.finish is not None) != (row.dst in (D_DONE, D_FAILED)):
+        return "exactly the rows that enter done or failed finish the request"
+    if row.dst not in (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED):
+        return f"{row.dst!r} is not a D state"
+    return None
+
+
+def make_table(rows: Iterable[Transition], *, machine: str = "P") -> Table:
+    """A read-only table keyed by (src, event, guard) for machine "P" or "D". Rows must
+    be unique and runnable (``TableError`` says which rule a row breaks)."""
+    kinds, check = (P_FX_KINDS, _check_p_row) if machine == "P" else (D_FX_KINDS, _check_d_row)
     table: dict[TableKey, Transition] = {}
     for row in rows:
         if row.key in table:
-            raise ValueError(f"duplicate row in transition table: {row.key}")
+            raise TableError(f"duplicate row in transition table: {row.key}")
         bad = [str(fx) for fx in row.effects if fx.kind not in kinds]
         if bad:
-            raise ValueError(f"row {row.key}: effects {bad} do not belong to this machine")
+            raise TableError(f"row {row.key}: effects {bad} do not belong to machine {machine}")
+        why = check(row)
+        if why is not None:
+            raise TableError(f"row {row.key} -> {row.dst} / {row.effect or '-'}: {why}")
         table[row.key] = row
     return MappingProxyType(table)
 
@@ -263,7 +300,8 @@ def with_rows(table: Table, *rows: Transition) -> Table:
         if row.key not in new:
             raise KeyError(f"no row {row.key} to replace")
         new[row.key] = row
-    return make_table(new.values(), kinds=P_FX_KINDS | D_FX_KINDS)
+    machine = "D" if any(k[0] == D_NEW for k in new) else "P"
+    return make_table(new.values(), machine=machine)
 
 
 P_TABLE: Final[Table] = make_table(P_TRANSITIONS)
@@ -334,7 +372,7 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
 )
 
-D_TABLE: Final[Table] = make_table(D_TRANSITIONS, kinds=D_FX_KINDS)
+D_TABLE: Final[Table] = make_table(D_TRANSITIONS, machine="D")
 
 
 # ---------------------------------------------------------------------------
