@@ -1,0 +1,1 @@
+"""Verification: TLC runner, model registry, oracle, conformance and trace validation."""
