@@ -1,15 +1,35 @@
-"""D-side conformance (issue 10, part 2): the journals of the simulator's D ranks follow
-D's transition table (``kvproto.verify.dconformance``, what ``kvproto validate`` does
-with a D journal). The real NIXL run's D journal is checked in
-``tests/test_nixl_procs.py`` (a silent P lost after ``peer_timeout``)."""
+"""D-side conformance (issue 10, part 2).
+
+* The Python ``Consumer`` and the TLA+ D machine (``tla/KVConsumer.tla``) have the same
+  state graph on a small model (TLC), and a changed row of ``D_TRANSITIONS`` breaks it.
+* The journals of the simulator's D ranks follow D's transition table
+  (``kvproto.verify.dconformance``, what ``kvproto validate`` does with a D journal). The
+  real NIXL run's D journal is checked in ``tests/test_nixl_procs.py`` (a silent P lost
+  after ``peer_timeout``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import networkx as nx
+import pytest
+
+from kvproto.conformance import TLCMissing
 from kvproto.journal import JournalWriter
+from kvproto.lifecycle import (
+    D_ABORT,
+    D_TABLE,
+    PEER_LOST,
+    READ_FAILED,
+    READING,
+    WAITING,
+    Consumer,
+    Fx,
+)
 from kvproto.sim import Faults, Simulator
+from kvproto.verify import dconformance as dc
 from kvproto.verify.dconformance import check_d_journal, is_d_journal
 
 
@@ -57,3 +77,41 @@ def test_a_d_journal_whose_effects_were_changed_is_rejected(tmp_path: Path) -> N
     v = check_d_journal(path)
     assert not v.allowed
     assert any(f"line {i + 1}:" in p for p in v.problems), v.describe()
+
+
+# ---------------------------------------------------------------------------
+# State-graph equality: Consumer vs tla/KVConsumer.tla (TLC)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tlc_group2() -> nx.MultiDiGraph:
+    try:
+        return dc.explore_tlc_d(dc.D_MODELS["group2"])
+    except TLCMissing as e:  # pragma: no cover - CI has Java
+        pytest.skip(str(e))
+
+
+@pytest.mark.tlc
+def test_consumer_and_the_tla_d_machine_have_the_same_graph(tlc_group2: nx.MultiDiGraph) -> None:
+    m = dc.D_MODELS["group2"]
+    c = dc.compare_d(dc.explore_python_d(m), tlc_group2)
+    assert c.tlc_states > 300 and tlc_group2.number_of_edges() > 2 * c.tlc_states
+    assert c.equal, c.report()
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize(("key", "change"), [
+    ((READING, READ_FAILED, "error"), {"effects": (Fx("send_release"),
+                                                   Fx("finish", "transfer_error"))}),
+    ((WAITING, PEER_LOST, "lost"), {"effects": (Fx("send_release"), Fx("finish", "peer_lost"))}),
+    ((READING, D_ABORT, "in_flight"), {"effects": ()}),
+], ids=["read_failed_keeps_group", "peer_lost_releases", "abort_in_flight_forgotten"])
+def test_a_changed_d_row_breaks_graph_equality(tlc_group2: nx.MultiDiGraph,
+                                               key: tuple[str, str, str],
+                                               change: dict[str, Any]) -> None:
+    mutant = Consumer.with_rows(D_TABLE[key]._replace(**change))
+    c = dc.compare_d(dc.explore_python_d(dc.D_MODELS["group2"], mutant), tlc_group2)
+    assert not c.equal
+    assert c.only_py, "the changed row must show as a Python-only edge"
+    assert "GRAPHS DIFFER" in c.report()
