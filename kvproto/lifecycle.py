@@ -4,15 +4,22 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 
 * ``Config``       -- timing assumptions and caps, validated;
 * ``BlockPool``    -- reference-counted KV blocks (held + free = capacity);
-* ``P_TRANSITIONS``-- the producer (P) transition table; the code looks up every
-  destination state in it, so code and table cannot diverge;
-* ``Ledger``       -- P's sans-I/O machine: events in, effects out;
-* ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine.
+* ``P_TRANSITIONS``-- the producer (P) transition table. Each row is (state, event,
+  guard) -> destination and effects (``Fx`` values: ``free:<reason>``, ``renew``...);
+* ``Ledger``       -- P's sans-I/O machine: events in, effects out. Every event computes a
+  named guard and runs its row in ``_step``: the table *is* the code, so a changed row
+  changes behaviour (``Ledger.with_rows`` builds such a variant; ``kvproto.mutants``);
+* ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine, run the same way, with
+  its own event classes (``Admit`` ... ``DTick``), ``apply`` and journal sink;
+  ``PEER_STATES`` is the one vocabulary for D's view of a P engine.
 
 No sockets, threads or clocks: time is an argument of every event. The TLA+ spec
-in ``tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
-action names); ``spec/PROTOCOL.md`` is the prose mirror. Each ledger method names
-the TLA+ action it mirrors.
+in ``tla/KVLifecycle.tla`` mirrors this module one to one (same state names; actions
+named after the events, see its header), with ``tla/KVLedger.tla`` and
+``tla/KVConsumer.tla`` for each machine alone; ``spec/PROTOCOL.md`` is the prose mirror.
+Each ledger method names the TLA+ action it mirrors. Code outside this module reads the
+machines through their public views (``state``, ``held``, ``staged``,
+``groups_transferred``, ``peer_state``, ``group_owner``...), never their private fields.
 """
 
 from __future__ import annotations
