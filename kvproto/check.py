@@ -191,6 +191,7 @@ def _rules(config: Config, q: Quantized | None = None) -> tuple[bool, ...]:
     if q is not None:
         consts = {**_TERMS, **_DELAYS}
         units: dict[str, Any] = {k: float(q.units[c]) for k, c in consts.items()}
+        units["peer_timeout"] = config.peer_timeout / q.unit  # D only: not a model constant
         config = replace(config, **units)
     return tuple(ok for ok, _ in config.timing_rules())
 

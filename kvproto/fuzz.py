@@ -143,7 +143,7 @@ def _row_steps(src: str, event: str) -> set[Step]:
     out: set[Step] = set()
     for t in P_TRANSITIONS:
         if t.src == src and t.event == event:
-            out.add((t.dst, t.effect[5:] if t.effect.startswith("free:") else None))
+            out.add((t.dst, t.free))
     return out
 
 

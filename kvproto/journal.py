@@ -1,13 +1,16 @@
-"""Event journal (flight recorder) and ``kvproto replay``.
+"""Event journal (flight recorder) and ``kvproto replay``, for both machines.
 
 Format (spec/PROTOCOL.md, "Journal"): JSON Lines. Line 1 is a header
-``{"kvproto_journal": 1, "config": {...}, "capacity": N, "meta": {...}}``; every further
-line is one input event of P's ledger and the effects it produced::
+``{"kvproto_journal": 1, "config": {...}, "capacity": N, "meta": {...}}`` for P's ledger,
+or ``{"kvproto_journal": 1, "side": "D", "reader": "d0", "config": {...}, "meta": {...}}``
+for one D rank's ``Consumer``; every further line is one input event of that machine and
+the effects it produced::
 
     {"n": 7, "event": {"type": "done", "reader": "d0", "handle": 3, "expected": 2,
      "now": 12.5}, "effects": [{"type": "free", "handle": 3, ...}]}
 
-Replay feeds the events to a fresh ``Ledger`` and compares effects line by line.
+Replay feeds the events to a fresh machine of the journal's side and compares effects
+line by line.
 
 Reading is defensive (the file may come from anywhere): lines are read as bytes, at most
 ``MAX_LINE_BYTES`` each, must be UTF-8 JSON nested at most ``MAX_JSON_DEPTH`` deep with
@@ -34,20 +37,41 @@ from kvproto.lifecycle import (
     R_EXPIRED,
     Abort,
     Ack,
+    Admit,
     BlockPool,
     Config,
     ConfigError,
+    Consumer,
+    DAbort,
+    DAck,
+    DEffect,
+    DEvent,
     Done,
+    DropPeer,
+    DTick,
     Effect,
     Event,
+    Finished,
     Free,
+    HandshakeFailed,
+    HandshakeOk,
     Heartbeat,
     Ledger,
+    PeerLost,
+    PostRead,
+    ReadFailed,
+    ReadOk,
     Register,
     Reject,
     Rejected,
     Release,
+    Schedule,
+    SendDone,
+    SendHeartbeat,
+    SendRelease,
+    StartHandshake,
     Tick,
+    TransferParams,
 )
 
 log = logging.getLogger(__name__)
@@ -62,7 +86,20 @@ _EVENT_TYPES: Final[dict[str, type]] = {
     "abort": Abort, "tick": Tick, "reject": Reject,
 }
 _EFFECT_TYPES: Final[dict[str, type]] = {"free": Free, "ack": Ack, "rejected": Rejected}
-_TYPE_OF: Final = {v: k for k, v in {**_EVENT_TYPES, **_EFFECT_TYPES}.items()}
+# D (one decode rank): the event names of D_TRANSITIONS; effects in snake case.
+_D_EVENT_TYPES: Final[dict[str, type]] = {
+    "admit": Admit, "handshake_ok": HandshakeOk, "handshake_failed": HandshakeFailed,
+    "schedule": Schedule, "read_ok": ReadOk, "read_failed": ReadFailed, "abort": DAbort,
+    "ack": DAck, "peer_lost": PeerLost, "tick": DTick,
+}
+_D_EFFECT_TYPES: Final[dict[str, type]] = {
+    "start_handshake": StartHandshake, "post_read": PostRead, "send_done": SendDone,
+    "send_release": SendRelease, "send_heartbeat": SendHeartbeat, "finished": Finished,
+    "drop_peer": DropPeer,
+}
+_TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPES,
+                                      _D_EFFECT_TYPES) for k, v in table.items()}
+SIDES: Final = ("P", "D")
 
 
 class JournalError(ValueError):
@@ -73,10 +110,12 @@ class JournalError(ValueError):
         self.line = line
 
 
-def to_json(obj: Event | Effect) -> dict[str, Any]:
+def to_json(obj: Event | Effect | DEvent | DEffect) -> dict[str, Any]:
     d: dict[str, Any] = {"type": _TYPE_OF[type(obj)]}
     for f in fields(obj):
         v = getattr(obj, f.name)
+        if isinstance(v, TransferParams):
+            v = v.to_dict()
         d[f.name] = list(v) if isinstance(v, tuple) else v
     return d
 
@@ -100,6 +139,14 @@ def _check_type(name: str, v: Any, annotation: str) -> Any:
         ok = v is None or isinstance(v, str)
     elif annotation == "int | None":
         ok = v is None or is_int(v)
+    elif annotation == "bool":
+        ok = isinstance(v, bool)
+    elif annotation == "TransferParams":
+        try:
+            v = TransferParams.from_dict(v) if isinstance(v, dict) else None
+        except (KeyError, TypeError, ValueError):
+            v = None
+        ok = v is not None and all(math.isfinite(x) for x in (v.initial_term,))
     elif annotation == "tuple[int, ...]":
         ok = isinstance(v, list) and all(is_int(x) for x in v)
         v = tuple(v) if ok else v
@@ -143,15 +190,44 @@ def effect_from_json(d: Any) -> Effect:
     return eff
 
 
-class JournalWriter:
-    """Records every ledger event and its effects. Pass ``writer.sink`` to ``Ledger``.
+def d_event_from_json(d: Any) -> DEvent:
+    if isinstance(d, dict) and "now" in d:
+        now = d["now"]
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ValueError(f"event time must be a finite number, got {now!r}")
+    ev: DEvent = _from_json(d, _D_EVENT_TYPES, "event")
+    return ev
 
-    The core stays sans-I/O: the ledger only calls the sink; this class does the writing.
+
+def d_effect_from_json(d: Any) -> DEffect:
+    eff: DEffect = _from_json(d, _D_EFFECT_TYPES, "effect")
+    return eff
+
+
+def journal_side(header: dict[str, Any]) -> str:
+    """"P" (a ledger's journal) or "D" (one decode rank's)."""
+    side = header.get("side", "P")
+    if side not in SIDES:
+        raise JournalError(1, f"header side must be one of {', '.join(SIDES)}, got {side!r}")
+    if side == "D" and not isinstance(header.get("reader"), str):
+        raise JournalError(1, "a D journal's header names its reader (a string)")
+    return str(side)
+
+
+class JournalWriter:
+    """Records every event of one machine and its effects. Pass ``writer.sink`` to
+    ``Ledger`` (P: give the pool's ``capacity``) or to ``Consumer`` (D: give ``reader``
+    and no capacity).
+
+    The core stays sans-I/O: the machine only calls the sink; this class does the writing.
     ``flush_every`` bounds what a crash can lose (lines are flushed in batches).
     """
 
-    def __init__(self, path: str | Path | IO[str], config: Config, capacity: int,
-                 meta: dict[str, Any] | None = None, *, flush_every: int = 256) -> None:
+    def __init__(self, path: str | Path | IO[str], config: Config, capacity: int | None = None,
+                 meta: dict[str, Any] | None = None, *, flush_every: int = 256,
+                 reader: str | None = None) -> None:
+        if (capacity is None) == (reader is None):
+            raise ValueError("a journal is P's (capacity) or one D rank's (reader), not both")
         if isinstance(path, (str, Path)):
             self._f: IO[str] = open(path, "w", encoding="utf-8")
             self._own = True
@@ -160,11 +236,15 @@ class JournalWriter:
             self._own = False
         self._n = 0
         self._flush_every = max(1, flush_every)
-        header = {"kvproto_journal": JOURNAL_VERSION, "config": config.to_dict(),
-                  "capacity": capacity, "meta": meta or {}}
+        header: dict[str, Any] = {"kvproto_journal": JOURNAL_VERSION,
+                                  "config": config.to_dict(), "meta": meta or {}}
+        if reader is not None:
+            header.update(side="D", reader=reader)
+        else:
+            header["capacity"] = capacity
         self._f.write(json.dumps(header, sort_keys=True) + "\n")
 
-    def sink(self, event: Event, effects: list[Effect]) -> None:
+    def sink(self, event: Event | DEvent, effects: list[Effect] | list[DEffect]) -> None:
         self._n += 1
         line = {"n": self._n, "event": to_json(event), "effects": [to_json(e) for e in effects]}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
@@ -287,26 +367,31 @@ def read_journal_objects(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[b
 
 
 def read_journal(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes]
-                 ) -> tuple[dict[str, Any], Iterator[tuple[int, Event, list[Effect]]]]:
+                 ) -> tuple[dict[str, Any], Iterator[tuple[int, Any, list[Any]]]]:
     """Parse the header eagerly and return it with a lazy iterator of (line, event,
-    effects). Lines may be str or bytes (bytes are checked to be UTF-8)."""
+    effects): ledger events and effects for a P journal, Consumer ones for a D journal.
+    Lines may be str or bytes (bytes are checked to be UTF-8)."""
     header, objs = read_journal_objects(lines)
+    side = journal_side(header)
 
-    def body() -> Iterator[tuple[int, Event, list[Effect]]]:
+    def body() -> Iterator[tuple[int, Any, list[Any]]]:
         for lineno, d in objs:
-            yield lineno, *decode_row(lineno, d)
+            yield lineno, *decode_row(lineno, d, side)
 
     return header, body()
 
 
-def decode_row(lineno: int, d: dict[str, Any]) -> tuple[Event, list[Effect]]:
-    """The event and effects of one parsed journal line (JournalError if malformed)."""
+def decode_row(lineno: int, d: dict[str, Any], side: str = "P") -> tuple[Any, list[Any]]:
+    """The event and effects of one parsed journal line of a P (ledger) or D (Consumer)
+    journal (JournalError if malformed)."""
+    parse_ev: Any = event_from_json if side == "P" else d_event_from_json
+    parse_eff: Any = effect_from_json if side == "P" else d_effect_from_json
     try:
-        ev = event_from_json(d["event"])
+        ev = parse_ev(d["event"])
         effects = d.get("effects", [])
         if not isinstance(effects, list):
             raise ValueError("'effects' must be a list")
-        effs = [effect_from_json(e) for e in effects]
+        effs = [parse_eff(e) for e in effects]
     except (ValueError, TypeError, OverflowError) as e:
         raise JournalError(lineno, str(e)[:500]) from None
     return ev, effs
@@ -317,7 +402,8 @@ class ReplayResult:
         self.events = 0
         self.divergences: list[str] = []
         self.violations: list[str] = []
-        self.frees: dict[str, int] = {}
+        self.frees: dict[str, int] = {}  # P: frees per reason; D: finishes per state:reason
+        self.side = "P"
 
     @property
     def ok(self) -> bool:
@@ -327,9 +413,12 @@ class ReplayResult:
 def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
            out: IO[str] | None = None, *,
            full_check_every: int = 1000, max_reports: int = 10) -> ReplayResult:
-    """Replay a journal through a fresh ledger. Raises JournalError on unreadable input."""
+    """Replay a journal through a fresh machine of its side (a ledger, or a Consumer).
+    Raises JournalError on unreadable input."""
     header, body = read_journal(source)
     config = header_config(header)
+    if journal_side(header) == "D":
+        return _replay_d(header, config, body, out, max_reports)
     capacity = header_capacity(header)
     pool = BlockPool(capacity, strict=False)
     ledger = Ledger(config, pool)
@@ -375,6 +464,41 @@ def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
     return res
 
 
+def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, Any, list[Any]]],
+              out: IO[str] | None, max_reports: int) -> ReplayResult:
+    """Replay one D rank's journal. Besides the effects, checks what D promises P: no
+    release for a request whose READ is in flight, and at most one READ posted per
+    sibling group (per P engine) unless the previous one failed."""
+    machine = Consumer(str(header["reader"]), config)
+    res = ReplayResult()
+    res.side = "D"
+    for lineno, ev, recorded in body:
+        before = {rid: machine.state(rid) for rid in machine.reqs}
+        try:
+            got = machine.apply(ev)
+        except Exception as e:
+            res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+            break
+        res.events += 1
+        if out is not None:
+            for eff in got:
+                out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
+        if got != recorded and len(res.divergences) < max_reports:
+            res.divergences.append(
+                f"line {lineno}: {to_json(ev)['type']} effects differ\n"
+                f"    recorded: {[to_json(e) for e in recorded]}\n"
+                f"    replayed: {[to_json(e) for e in got]}")
+        for eff in got:
+            if isinstance(eff, Finished):
+                key = f"{eff.state}:{eff.reason}"
+                res.frees[key] = res.frees.get(key, 0) + 1
+            if isinstance(eff, SendRelease) and before.get(eff.request_id) == "reading" \
+                    and not isinstance(ev, (ReadFailed, ReadOk)):
+                res.violations.append(f"line {lineno}: NoReleaseUnderRead: release of "
+                                      f"{eff.request_id} while its READ was in flight")
+    return res
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("journal", help="journal file (JSON Lines), or - for stdin")
     p.add_argument("--no-effects", action="store_true",
@@ -404,6 +528,7 @@ def run(args: argparse.Namespace) -> int:
     for v in res.violations:
         print(f"kvproto replay: VIOLATION {v}", file=sys.stderr)
     verdict = "ok" if res.ok else "FAILED"
-    print(f"kvproto replay: {res.events} events replayed, frees {res.frees}, {verdict}",
+    what = "finished" if res.side == "D" else "frees"
+    print(f"kvproto replay: {res.events} events replayed, {what} {res.frees}, {verdict}",
           file=sys.stderr)
     return 0 if res.ok else 1

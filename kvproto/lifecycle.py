@@ -4,15 +4,22 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 
 * ``Config``       -- timing assumptions and caps, validated;
 * ``BlockPool``    -- reference-counted KV blocks (held + free = capacity);
-* ``P_TRANSITIONS``-- the producer (P) transition table; the code looks up every
-  destination state in it, so code and table cannot diverge;
-* ``Ledger``       -- P's sans-I/O machine: events in, effects out;
-* ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine.
+* ``P_TRANSITIONS``-- the producer (P) transition table. Each row is (state, event,
+  guard) -> destination and effects (``Fx`` values: ``free:<reason>``, ``renew``...);
+* ``Ledger``       -- P's sans-I/O machine: events in, effects out. Every event computes a
+  named guard and runs its row in ``_step``: the table *is* the code, so a changed row
+  changes behaviour (``Ledger.with_rows`` builds such a variant; ``kvproto.mutants``);
+* ``D_TRANSITIONS``/``Consumer`` -- one decode rank's (D) machine, run the same way, with
+  its own event classes (``Admit`` ... ``DTick``), ``apply`` and journal sink;
+  ``PEER_STATES`` is the one vocabulary for D's view of a P engine.
 
 No sockets, threads or clocks: time is an argument of every event. The TLA+ spec
-in ``kvproto/tla/KVLifecycle.tla`` mirrors this module one to one (same state names, same
-action names); ``spec/PROTOCOL.md`` is the prose mirror. Each ledger method names
-the TLA+ action it mirrors.
+in ``kvproto/tla/KVLifecycle.tla`` mirrors this module one to one (same state names; actions
+named after the events, see its header), with ``kvproto/tla/KVLedger.tla`` and
+``kvproto/tla/KVConsumer.tla`` for each machine alone; ``spec/PROTOCOL.md`` is the prose mirror.
+Each ledger method names the TLA+ action it mirrors. Code outside this module reads the
+machines through their public views (``state``, ``held``, ``staged``,
+``groups_transferred``, ``peer_state``, ``group_owner``...), never their private fields.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import heapq
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Final, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, NamedTuple
 
 from kvproto.wire import chunk_handles
 
@@ -64,38 +72,139 @@ R_SIBLING: Final = "sibling"
 FREE_REASONS: Final = (R_TRANSFERRED, R_EXPIRED, R_ABORTED, R_RELEASED, R_SIBLING)
 
 
-class Transition(NamedTuple):
-    """One row of a transition table."""
+class Fx(NamedTuple):
+    """One effect of a table row: a kind and, for some kinds, an argument.
+
+    P kinds: ``hold`` (hold the blocks, start the initial lease, apply staged messages),
+    ``free`` (arg: the free reason; the only way blocks are freed), ``cascade`` (after a
+    transfer: free the group's other members), ``stage`` (keep an early message until
+    register), ``renew`` (deadline := max(deadline, now + lease_extension); the ack grants
+    it), ``refuse`` (the ack refuses it), ``grace`` (deadline := min(deadline, now +
+    abort_grace)), ``count`` (arg: a counter), ``reject`` (arg: the rejection reason).
+
+    D kinds: ``track`` (watch the lease end), ``handshake`` (start or join the handshake
+    with P), ``read`` (own the sibling group, post the READ), ``renew`` (lease end :=
+    max(lease end, heartbeat send time + term - drift)), ``abort_pending`` (remember a
+    client abort until the READ ends), ``send_done`` (tell P done, unless the notification
+    rode on the READ), ``send_release``, ``disown`` (give up the group's ownership),
+    ``finish`` (arg: the reason, empty = the event's own reason; the request leaves D).
+    """
+
+    kind: str
+    arg: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+P_FX_KINDS: Final = frozenset({"hold", "free", "cascade", "stage", "renew", "refuse", "grace",
+                               "count", "reject"})
+D_FX_KINDS: Final = frozenset({"track", "handshake", "read", "renew", "abort_pending",
+                               "send_done", "send_release", "disown", "finish"})
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One row of a transition table: in ``src``, on ``event`` with guard outcome
+    ``guard`` (computed by the machine), go to ``dst`` and run ``effects`` in order.
+
+    The fields after ``doc`` are derived from ``effects`` when the row is built (at
+    import), so that the machines run the table without parsing anything on the hot path.
+    """
 
     src: str
     event: str
     guard: str  # named guard outcome, computed by the machine
     dst: str
-    effect: str  # "" (none), "free:<reason>", "stage", "ack", "count:<counter>", "reject:<reason>"
+    effects: tuple[Fx, ...]
     doc: str
+    free: str | None = field(init=False, default=None)  # free reason
+    counter: str | None = field(init=False, default=None)
+    reject: str | None = field(init=False, default=None)
+    finish: str | None = field(init=False, default=None)  # "" = the event's reason
+    hold: bool = field(init=False, default=False)
+    cascade: bool = field(init=False, default=False)
+    stage: bool = field(init=False, default=False)
+    renew: bool = field(init=False, default=False)
+    refuse: bool = field(init=False, default=False)
+    grace: bool = field(init=False, default=False)
+    track: bool = field(init=False, default=False)
+    handshake: bool = field(init=False, default=False)
+    read: bool = field(init=False, default=False)
+    abort_pending: bool = field(init=False, default=False)
+    send_done: bool = field(init=False, default=False)
+    send_release: bool = field(init=False, default=False)
+    disown: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for fx in self.effects:
+            if fx.kind in seen or fx.kind not in _FX_FIELD:
+                raise ValueError(f"row {self.key}: bad or repeated effect {fx}")
+            seen.add(fx.kind)
+            name = _FX_FIELD[fx.kind]
+            object.__setattr__(self, name, fx.arg if name in _FX_WITH_ARG else True)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.src, self.event, self.guard)
+
+    @property
+    def effect(self) -> str:
+        """The effects as one label (diagrams and tables): ``free:sibling, cascade``."""
+        return ", ".join(str(fx) for fx in self.effects)
+
+    def _replace(self, **changes: Any) -> Transition:
+        """A copy with some fields changed (derived fields are recomputed)."""
+        return replace(self, **changes)
 
 
-_T = Transition
+_FX_FIELD: Final[dict[str, str]] = {
+    **{k: k for k in ("hold", "free", "cascade", "stage", "renew", "refuse", "grace", "reject",
+                      "finish", "track", "handshake", "read", "abort_pending", "send_done",
+                      "send_release", "disown")},
+    "count": "counter",
+}
+_FX_WITH_ARG: Final = frozenset({"free", "counter", "reject", "finish"})
+
+
+def _fx(*specs: str) -> tuple[Fx, ...]:
+    """Effects from their labels, e.g. ``_fx("free:sibling", "cascade")``."""
+    out = []
+    for s in specs:
+        kind, _, arg = s.partition(":")
+        out.append(Fx(kind, arg))
+    return tuple(out)
+
+
+def _T(src: str, event: str, guard: str, dst: str, effects: tuple[Fx, ...] | str,
+       doc: str) -> Transition:
+    return Transition(src, event, guard, dst,
+                      _fx(effects) if isinstance(effects, str) and effects else
+                      effects if isinstance(effects, tuple) else (), doc)
+
+
 _HELD_LIVE = (REGISTERED, LEASED, NOTIFIED)  # held and not aborted
 
 P_TRANSITIONS: Final[tuple[Transition, ...]] = (
     # register -------------------------------------------------------------
-    _T(UNREGISTERED, REGISTER, "fresh", REGISTERED, "", "hold blocks, start the initial lease, apply staged messages"),
-    _T(UNREGISTERED, REGISTER, "group_transferred", FREED, "free:sibling", "a sibling was already transferred"),
-    *(_T(s, REGISTER, "duplicate", s, "reject:duplicate_register", "handle or request id already known")
+    _T(UNREGISTERED, REGISTER, "fresh", REGISTERED, "hold", "hold blocks, start the initial lease, apply staged messages"),
+    _T(UNREGISTERED, REGISTER, "group_transferred", FREED, _fx("hold", "free:sibling"), "a sibling was already transferred"),
+    *(_T(s, REGISTER, "duplicate", s, _fx("count:duplicate_register", "reject:duplicate_register"),
+         "handle or request id already known")
       for s in (REGISTERED, LEASED, NOTIFIED, ABORTED, EXPIRED, FREED)),
     # done (one reader's READ completed) -------------------------------------
     _T(UNREGISTERED, DONE, "early", UNREGISTERED, "stage", "staged until register"),
     *(_T(s, DONE, "more_readers", NOTIFIED, "", "a new reader finished; others still expected")
       for s in _HELD_LIVE),
-    *(_T(s, DONE, "all_done", FREED, "free:transferred", "every expected reader reported done")
+    *(_T(s, DONE, "all_done", FREED, _fx("free:transferred", "cascade"), "every expected reader reported done")
       for s in _HELD_LIVE),
     *(_T(s, DONE, "all_finished", FREED, "free:released", "every expected reader finished, some released")
       for s in _HELD_LIVE),
     *(_T(s, DONE, "duplicate_reader", s, "count:duplicate", "the same reader twice never counts twice")
       for s in (REGISTERED, LEASED, NOTIFIED, ABORTED)),
     _T(ABORTED, DONE, "more_readers", ABORTED, "", "a new reader finished; others still expected"),
-    _T(ABORTED, DONE, "all_done", FREED, "free:transferred", "every expected reader reported done"),
+    _T(ABORTED, DONE, "all_done", FREED, _fx("free:transferred", "cascade"), "every expected reader reported done"),
     _T(ABORTED, DONE, "all_finished", FREED, "free:released", "every expected reader finished, some released"),
     _T(EXPIRED, DONE, "late", EXPIRED, "count:late", "arrived after expiry: a timing assumption was violated"),
     _T(FREED, DONE, "stale", FREED, "count:stale", "arrived after free"),
@@ -112,16 +221,16 @@ P_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(EXPIRED, RELEASE, "late", EXPIRED, "count:late", "arrived after expiry"),
     _T(FREED, RELEASE, "stale", FREED, "count:stale", "arrived after free"),
     # heartbeat (lease renewal, per request in the batch) ---------------------
-    _T(UNREGISTERED, HEARTBEAT, "early", UNREGISTERED, "stage", "staged until register"),
-    _T(REGISTERED, HEARTBEAT, "renew", LEASED, "ack", "deadline := max(deadline, now + extension)"),
-    _T(LEASED, HEARTBEAT, "renew", LEASED, "ack", "deadline := max(deadline, now + extension)"),
-    _T(NOTIFIED, HEARTBEAT, "renew", NOTIFIED, "ack", "deadline := max(deadline, now + extension)"),
-    _T(ABORTED, HEARTBEAT, "refuse", ABORTED, "count:refused", "aborted requests are not renewed; the ack refuses it"),
-    _T(EXPIRED, HEARTBEAT, "late", EXPIRED, "count:late", "arrived after expiry; the ack refuses it"),
-    _T(FREED, HEARTBEAT, "stale", FREED, "count:stale", "arrived after free; the ack refuses it"),
+    _T(UNREGISTERED, HEARTBEAT, "early", UNREGISTERED, "stage", "staged until register; the ack lists it as pending"),
+    _T(REGISTERED, HEARTBEAT, "renew", LEASED, "renew", "deadline := max(deadline, now + extension)"),
+    _T(LEASED, HEARTBEAT, "renew", LEASED, "renew", "deadline := max(deadline, now + extension)"),
+    _T(NOTIFIED, HEARTBEAT, "renew", NOTIFIED, "renew", "deadline := max(deadline, now + extension)"),
+    _T(ABORTED, HEARTBEAT, "refuse", ABORTED, _fx("count:refused", "refuse"), "aborted requests are not renewed; the ack refuses it"),
+    _T(EXPIRED, HEARTBEAT, "late", EXPIRED, _fx("count:late", "refuse"), "arrived after expiry; the ack refuses it"),
+    _T(FREED, HEARTBEAT, "stale", FREED, _fx("count:stale", "refuse"), "arrived after free; the ack refuses it"),
     # abort (client or router abort on P) ----------------------------------------
     _T(UNREGISTERED, ABORT, "unknown", UNREGISTERED, "count:unknown_request", "not held by the lifecycle: nothing to do"),
-    *(_T(s, ABORT, "hold", ABORTED, "", "a READ may be in flight: stop renewals, free on done/release or deadline")
+    *(_T(s, ABORT, "hold", ABORTED, "grace", "a READ may be in flight: stop renewals, free on done/release or deadline")
       for s in _HELD_LIVE),
     _T(ABORTED, ABORT, "again", ABORTED, "count:duplicate_abort", "a second abort is a no-op"),
     _T(EXPIRED, ABORT, "stale", EXPIRED, "count:stale", "already freed"),
@@ -137,18 +246,73 @@ P_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(NOTIFIED, SIBLING, "reader_active", NOTIFIED, "", "a reader reported on this member: it finishes on its own"),
 )
 
-P_TABLE: Final[dict[tuple[str, str, str], Transition]] = {}
-for _row in P_TRANSITIONS:
-    _key = (_row.src, _row.event, _row.guard)
-    if _key in P_TABLE:  # pragma: no cover - table construction error
-        raise AssertionError(f"duplicate row in P_TRANSITIONS: {_key}")
-    P_TABLE[_key] = _row
+TableKey = tuple[str, str, str]
+Table = Mapping[TableKey, Transition]
 
-# Derived views of the table, precomputed for the hot path.
-P_FREE_REASON: Final[dict[tuple[str, str, str], str]] = {
-    k: r.effect[5:] for k, r in P_TABLE.items() if r.effect.startswith("free:")}
-P_COUNTER: Final[dict[tuple[str, str, str], str]] = {
-    k: r.effect[6:] for k, r in P_TABLE.items() if r.effect.startswith("count:")}
+
+class TableError(ValueError):
+    """A transition table that no machine can run (a bad row)."""
+
+
+def _check_p_row(row: Transition) -> str | None:
+    absent = (row.src in (UNREGISTERED, EXPIRED, FREED) and row.event != REGISTER) \
+        or row.guard == "duplicate"
+    if absent and row.dst != row.src:
+        return "a message about a request that is not held cannot move it"
+    if absent and (row.free is not None or row.hold or row.renew or row.grace or row.cascade):
+        return "a request that is not held has nothing to hold, free or renew"
+    if (row.free is not None) != (row.dst in TERMINAL_STATES and row.src != row.dst):
+        return "exactly the rows that enter a terminal state free (free:<reason>)"
+    if row.cascade and row.free is None:
+        return "cascade follows a free"
+    if not absent and row.dst not in HELD_STATES | TERMINAL_STATES:
+        return f"{row.dst!r} is not a state a held request can enter"
+    if row.stage and not absent:
+        return "only messages about unregistered requests are staged"
+    return None
+
+
+def _check_d_row(row: Transition) -> str | None:
+    if row.src in (D_DONE, D_FAILED) or row.dst == D_NEW:
+        return "done and failed are final; nothing returns to new"
+    if (row.finish is not None) != (row.dst in (D_DONE, D_FAILED)):
+        return "exactly the rows that enter done or failed finish the request"
+    if row.dst not in (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED):
+        return f"{row.dst!r} is not a D state"
+    return None
+
+
+def make_table(rows: Iterable[Transition], *, machine: str = "P") -> Table:
+    """A read-only table keyed by (src, event, guard) for machine "P" or "D". Rows must
+    be unique and runnable (``TableError`` says which rule a row breaks)."""
+    kinds, check = (P_FX_KINDS, _check_p_row) if machine == "P" else (D_FX_KINDS, _check_d_row)
+    table: dict[TableKey, Transition] = {}
+    for row in rows:
+        if row.key in table:
+            raise TableError(f"duplicate row in transition table: {row.key}")
+        bad = [str(fx) for fx in row.effects if fx.kind not in kinds]
+        if bad:
+            raise TableError(f"row {row.key}: effects {bad} do not belong to machine {machine}")
+        why = check(row)
+        if why is not None:
+            raise TableError(f"row {row.key} -> {row.dst} / {row.effect or '-'}: {why}")
+        table[row.key] = row
+    return MappingProxyType(table)
+
+
+def with_rows(table: Table, *rows: Transition) -> Table:
+    """A copy of ``table`` in which ``rows`` replace the rows with the same key (a
+    mutant's table: see ``Ledger.with_rows`` and ``kvproto.mutants``)."""
+    new = dict(table)
+    for row in rows:
+        if row.key not in new:
+            raise KeyError(f"no row {row.key} to replace")
+        new[row.key] = row
+    machine = "D" if any(k[0] == D_NEW for k in new) else "P"
+    return make_table(new.values(), machine=machine)
+
+
+P_TABLE: Final[Table] = make_table(P_TRANSITIONS)
 
 # ---------------------------------------------------------------------------
 # The decode (D) side: one machine per (request, reader rank).
@@ -161,6 +325,9 @@ D_DONE: Final = "done"  # KV is local (pulled, or served from a sibling's prefix
 D_FAILED: Final = "failed"  # gave up: recompute locally; P was told (release) where possible
 D_STATES: Final = (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED)
 
+# D events. TLA+ action names (tla/KVLifecycle.tla) are these names in CamelCase, with a
+# "D" prefix where P already uses the bare name (DAbort, DAck, DTick); the Python event
+# classes below carry the same names.
 ADMIT: Final = "admit"
 HANDSHAKE_OK: Final = "handshake_ok"
 HANDSHAKE_FAILED: Final = "handshake_failed"
@@ -176,37 +343,44 @@ D_EVENTS: Final = (ADMIT, HANDSHAKE_OK, HANDSHAKE_FAILED, SCHEDULE, READ_OK, REA
 
 D_NEW: Final = "new"  # pseudo-state before admit
 
+# Peer (P engine) states as D sees them: one vocabulary for the machine, the adapter and
+# the TLA+ spec (variable ``peer``).
+PEER_UNKNOWN: Final = "unknown"  # no handshake yet, or it failed, or the peer was lost
+PEER_HANDSHAKING: Final = "handshaking"
+PEER_READY: Final = "ready"
+PEER_STATES: Final = (PEER_UNKNOWN, PEER_HANDSHAKING, PEER_READY)
+
+_RELEASE_FAIL = ("send_release", "disown")  # give up: tell P, give up the group
+
 D_TRANSITIONS: Final[tuple[Transition, ...]] = (
-    _T(D_NEW, ADMIT, "peer_ready", WAITING, "", "transfer params received; P engine handshaken"),
-    _T(D_NEW, ADMIT, "peer_unknown", HANDSHAKING, "handshake", "start (or join) the handshake with P"),
-    _T(D_NEW, ADMIT, "lease_short", D_FAILED, "release", "params arrived with too little lease left"),
+    _T(D_NEW, ADMIT, "peer_ready", WAITING, "track", "transfer params received; P engine handshaken"),
+    _T(D_NEW, ADMIT, "peer_unknown", HANDSHAKING, _fx("track", "handshake"), "start (or join) the handshake with P"),
+    _T(D_NEW, ADMIT, "lease_short", D_FAILED, _fx("send_release", "finish:lease_short"), "params arrived with too little lease left"),
     _T(HANDSHAKING, HANDSHAKE_OK, "ok", WAITING, "", "P known; heartbeats start"),
-    _T(HANDSHAKING, HANDSHAKE_FAILED, "failed", D_FAILED, "", "handshake, version or layout mismatch: recompute"),
-    _T(WAITING, SCHEDULE, "lease_covers_read", READING, "read", "post the READ with the done notification attached"),
-    _T(WAITING, SCHEDULE, "lease_short", D_FAILED, "release", "lease less max READ time and drift does not cover a READ"),
-    _T(WAITING, SCHEDULE, "sibling_local", D_DONE, "release", "a sibling's KV landed: served from prefix, never pulled"),
+    _T(HANDSHAKING, HANDSHAKE_FAILED, "failed", D_FAILED, "finish", "handshake, version or layout mismatch: recompute"),
+    _T(WAITING, SCHEDULE, "lease_covers_read", READING, "read", "own the group, post the READ with the done notification attached"),
+    _T(WAITING, SCHEDULE, "lease_short", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_short"), "lease less max READ time and drift does not cover a READ"),
+    _T(WAITING, SCHEDULE, "sibling_local", D_DONE, _fx("send_release", "finish:sibling_local"), "a sibling's KV landed: served from prefix, never pulled"),
     _T(WAITING, SCHEDULE, "sibling_in_flight", WAITING, "", "the group's READ is in flight: schedule again later"),
-    _T(READING, READ_OK, "ok", D_DONE, "done", "data landed (and generations matched)"),
-    _T(READING, READ_OK, "abort_pending", D_FAILED, "done", "aborted during the READ: P may free now"),
-    _T(READING, READ_FAILED, "fenced", D_FAILED, "release", "generation stamps changed: never served"),
-    _T(READING, READ_FAILED, "error", D_FAILED, "release", "transfer error; handle no longer in flight"),
-    _T(WAITING, D_ABORT, "idle", D_FAILED, "release", "client abort on D before the READ"),
-    _T(HANDSHAKING, D_ABORT, "idle", D_FAILED, "release", "client abort on D during the handshake"),
-    _T(READING, D_ABORT, "in_flight", READING, "", "never release under an in-flight READ: wait for it"),
-    _T(WAITING, ACK, "granted", WAITING, "", "lease end := heartbeat send time + granted term"),
-    _T(READING, ACK, "granted", READING, "", "lease end := heartbeat send time + granted term"),
-    _T(WAITING, ACK, "refused", D_FAILED, "release", "P refused the renewal (aborted, expired or freed): release so an aborted request frees now"),
+    _T(READING, READ_OK, "ok", D_DONE, _fx("send_done", "finish:pulled"), "data landed (and generations matched)"),
+    _T(READING, READ_OK, "abort_pending", D_FAILED, _fx("send_done", "finish:aborted"), "aborted during the READ: P may free now; keeps the group (P heard done)"),
+    _T(READING, READ_FAILED, "fenced", D_FAILED, _fx(*_RELEASE_FAIL, "finish:fenced"), "generation stamps changed: never served"),
+    _T(READING, READ_FAILED, "error", D_FAILED, _fx(*_RELEASE_FAIL, "finish:transfer_error"), "transfer error; handle no longer in flight"),
+    _T(WAITING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D before the READ"),
+    _T(HANDSHAKING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D during the handshake"),
+    _T(READING, D_ABORT, "in_flight", READING, "abort_pending", "never release under an in-flight READ: wait for it"),
+    _T(WAITING, ACK, "granted", WAITING, "renew", "lease end := heartbeat send time + granted term"),
+    _T(READING, ACK, "granted", READING, "renew", "lease end := heartbeat send time + granted term"),
+    _T(WAITING, ACK, "refused", D_FAILED, _fx(*_RELEASE_FAIL, "finish:revoked"), "P refused the renewal (aborted, expired or freed): release so an aborted request frees now"),
     _T(READING, ACK, "refused", READING, "", "the READ started under a valid lease; let it finish"),
-    _T(WAITING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
-    _T(HANDSHAKING, PEER_LOST, "lost", D_FAILED, "", "P disconnected"),
+    _T(WAITING, PEER_LOST, "lost", D_FAILED, "finish:peer_lost", "P disconnected or fell silent (peer_timeout)"),
+    _T(HANDSHAKING, PEER_LOST, "lost", D_FAILED, "finish:peer_lost", "P disconnected or fell silent (peer_timeout)"),
     _T(READING, PEER_LOST, "in_flight", READING, "", "the READ will report its own failure"),
-    _T(WAITING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
-    _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, "release", "lease can no longer cover a READ and no renewal came"),
+    _T(WAITING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
+    _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
 )
 
-D_TABLE: Final[dict[tuple[str, str, str], Transition]] = {
-    (r.src, r.event, r.guard): r for r in D_TRANSITIONS
-}
+D_TABLE: Final[Table] = make_table(D_TRANSITIONS, machine="D")
 
 
 # ---------------------------------------------------------------------------
@@ -252,6 +426,7 @@ class Config:
     max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
     max_groups_remembered: int = 65536  # transferred sibling groups remembered for late members
     max_tick_work: int = 512  # deadline-heap entries one tick may process; the rest carry over
+    peer_timeout: float = 20.0  # D: a P engine that leaves heartbeats unanswered this long is lost
 
     @property
     def lease_horizon(self) -> float:
@@ -266,6 +441,7 @@ class Config:
         read_need = self.max_read_time + 2 * self.max_delay + self.clock_drift
         init_need = self.max_read_time + self.max_delay + self.clock_drift
         first_hb = self.heartbeat_interval + 2 * self.max_delay + self.clock_drift
+        peer_need = self.heartbeat_interval + 2 * self.max_delay
         return [
             (self.lease_extension > renew_need,
              f"lease_extension ({self.lease_extension}) must exceed heartbeat_interval + "
@@ -281,6 +457,10 @@ class Config:
              f"initial_lease ({self.initial_lease}) must exceed heartbeat_interval + "
              f"2*max_delay + clock_drift ({first_hb}): otherwise a request D admitted just "
              "after a heartbeat expires on P before its first renewal arrives"),
+            (self.peer_timeout > peer_need,
+             f"peer_timeout ({self.peer_timeout}) must exceed heartbeat_interval + "
+             f"2*max_delay ({peer_need}): otherwise D declares a P engine that answers every "
+             "heartbeat on time lost (and fails its requests)"),
             (self.abort_grace >= self.lease_horizon,
              f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "
              f"({self.lease_horizon}): a shorter grace can free blocks under a READ that D "
@@ -298,7 +478,7 @@ class Config:
             if f.type in ("int",) and int(v) != v:
                 raise ConfigError(f"{f.name} must be an integer, got {v!r}")
         for name in ("initial_lease", "lease_extension", "heartbeat_interval", "max_read_time",
-                     "max_staged_age"):
+                     "max_staged_age", "peer_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_delay", "clock_drift", "abort_grace"):
@@ -625,7 +805,7 @@ class _Req:
         self.deadline = deadline
         self.group = group
         self.expected = expected
-        self.state: str = REGISTERED
+        self.state: str = UNREGISTERED  # the register step moves it
         self.finished: set[str] | None = None  # distinct readers that reported done/release
         self.released = False  # some reader released (never pulled)
 
@@ -656,8 +836,60 @@ CLOCK_START: Final = -sys.float_info.max
 # ---------------------------------------------------------------------------
 
 
+class HeldView(NamedTuple):
+    """A read-only view of one held request (``Ledger.held``)."""
+
+    handle: int
+    request_id: str
+    state: str
+    blocks: tuple[int, ...]
+    deadline: float
+    group: str | None
+    expected: int
+    finished: frozenset[str]
+    released: bool
+
+
+class StagedView(NamedTuple):
+    """A read-only view of one staged handle (``Ledger.staged``): messages that arrived
+    before register, as (kind, reader, expected, arrival time), oldest first."""
+
+    handle: int
+    since: float
+    msgs: tuple[tuple[str, str, int, float], ...]
+
+
+# Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
+# (unpickling finds it again). Mutants and tests only; cleared beyond the cap.
+_LEDGER_CLASSES: dict[tuple[type, tuple[Transition, ...], str], type] = {}
+MAX_LEDGER_CLASSES: Final = 256
+
+
+def _ledger_class(base: type[Ledger], rows: tuple[Transition, ...], name: str) -> type[Ledger]:
+    key = (base, rows, name)
+    cls = _LEDGER_CLASSES.get(key)
+    if cls is None:
+        if len(_LEDGER_CLASSES) >= MAX_LEDGER_CLASSES:
+            _LEDGER_CLASSES.clear()
+        cls = _LEDGER_CLASSES[key] = type(name, (base,), {
+            "TABLE": with_rows(base.TABLE, *rows), "_ROWS": rows, "__module__": base.__module__})
+    assert issubclass(cls, Ledger)
+    return cls
+
+
+def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) -> Ledger:
+    cls = _ledger_class(base, rows, name)
+    obj: Ledger = cls.__new__(cls)
+    return obj
+
+
 class Ledger:
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
+
+    The machine runs ``TABLE`` (``P_TRANSITIONS`` by default): every event computes a
+    named guard, looks up (state, event, guard) and runs the row (``_step``): its
+    effects, then its destination. A subclass may replace rows (``with_rows``); the
+    derived per-state views the hot paths use are rebuilt for each subclass.
 
     Costs (n = held requests): done/heartbeat/release/abort O(1) per request; register
     O(blocks); tick O(1) when nothing is due, O(k log n) for k due entries, and at most
@@ -671,7 +903,42 @@ class Ledger:
     nothing changes); a ``now`` before the ledger's clock is clamped to it (counted
     ``clock_regression``): the event is real, and applying it later than it happened is
     the same as a slower delivery, which never frees anything early.
+
+    Documented hooks (overridden by ``kvproto.mutants`` to re-introduce known bugs):
+    ``_tally`` (how a reader's report counts) and ``_sweep`` (which requests a tick
+    finds due).
     """
+
+    TABLE: ClassVar[Table] = P_TABLE
+    _ROWS: ClassVar[tuple[Transition, ...]] = ()  # rows replaced by with_rows (pickling)
+    # state -> destination, for heartbeat rows that only renew (the hot path), and
+    # state -> row for the others; derived from TABLE per class.
+    _HB_FAST: ClassVar[dict[str, str]]
+    _HB_ROW: ClassVar[dict[str, Transition]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._derive()
+
+    @classmethod
+    def _derive(cls) -> None:
+        t = cls.TABLE
+        rows = {s: t[(s, HEARTBEAT, "refuse" if s == ABORTED else "renew")] for s in HELD_STATES}
+        cls._HB_ROW = rows
+        cls._HB_FAST = {s: r.dst for s, r in rows.items() if r.effects == (Fx("renew"),)}
+
+    @classmethod
+    def with_rows(cls, *rows: Transition, name: str | None = None) -> type[Ledger]:
+        """A subclass whose table has ``rows`` in place of the rows with the same key
+        (mutants and mutation tests). Instances pickle like any ledger."""
+        return _ledger_class(cls, tuple(rows), name or f"{cls.__name__}WithRows")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        cls = type(self)
+        if "_ROWS" in cls.__dict__ and cls._ROWS:
+            return (_remake_ledger, (cls.__bases__[0], cls._ROWS, cls.__name__),
+                    self.__dict__)
+        return super().__reduce_ex__(protocol)
 
     def __init__(self, config: Config, pool: BlockPool, *,
                  sink: Callable[[Event, list[Effect]], None] | None = None) -> None:
@@ -695,7 +962,7 @@ class Ledger:
         # models set their MaxStagedMsgs here instead of changing the constant).
         self.max_staged_msgs = MAX_STAGED_MSGS_PER_HANDLE
 
-    # -- queries ---------------------------------------------------------------
+    # -- queries (read-only views) -------------------------------------------------------
     def new_handle(self) -> int:
         """Mint a fresh handle (monotone, never reused within this ledger)."""
         h = self._next_handle
@@ -715,6 +982,22 @@ class Ledger:
 
     def handle_of(self, request_id: str) -> int | None:
         return self._by_rid.get(request_id)
+
+    def held(self, handle: int) -> HeldView | None:
+        """The held request ``handle`` (None when not held)."""
+        r = self._live.get(handle)
+        if r is None:
+            return None
+        return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
+                        frozenset(r.finished or ()), r.released)
+
+    def staged(self) -> list[StagedView]:
+        """Staged handles, oldest first (O(staged))."""
+        return [StagedView(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
+
+    def groups_transferred(self) -> tuple[str, ...]:
+        """Sibling groups remembered as transferred, oldest first (O(groups))."""
+        return tuple(self._groups_done)
 
     @property
     def held_requests(self) -> int:
@@ -795,7 +1078,7 @@ class Ledger:
             return self.reject(ev.reason, ev.peer, ev.detail, ev.now)
         raise TypeError(f"not a ledger event: {ev!r}")
 
-    # -- internals -------------------------------------------------------------------
+    # -- the step: one table row --------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
@@ -832,15 +1115,58 @@ class Ledger:
             self.sink(ev, out)
         return out
 
-    def _apply_effect_counter(self, row: Transition) -> None:
-        name = P_COUNTER.get((row.src, row.event, row.guard))
-        if name is not None:
+    def _step(self, r: _Req, event: str, guard: str, now: float,
+              out: list[Effect]) -> Transition:
+        """Run the row (r.state, event, guard) on held (or registering) request ``r``:
+        its effects in order, then its destination. Effects that only shape the reply
+        (``refuse``, ``stage``, ``reject``) are read from the returned row by the caller."""
+        row = self.TABLE[(r.state, event, guard)]
+        if row.counter is not None:
             c = self.counters
-            c[name] = c.get(name, 0) + 1
+            c[row.counter] = c.get(row.counter, 0) + 1
+        if row.hold:
+            self._hold(r)
+        if row.grace:
+            dl = now + self.config.abort_grace
+            if dl < r.deadline:  # only when abort_grace is below the lease horizon
+                r.deadline = dl
+                heapq.heappush(self._heap, (dl, r.handle))
+        if row.renew:
+            dl = now + self.config.lease_extension
+            if dl > r.deadline:
+                r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
+        if row.free is not None:
+            group = r.group
+            self._free(r, row, out)
+            if row.cascade and group is not None:
+                self._group_transferred(group, out)
+        else:
+            r.state = row.dst
+        return row
+
+    def _step_absent(self, state: str, event: str, guard: str, reader: str, handle: int,
+                     expected: int, now: float) -> Transition:
+        """Run the row for a message about a request that is not held (unregistered,
+        expired or freed): count it, or stage it."""
+        row = self.TABLE[(state, event, guard)]
+        if row.counter is not None:
+            self._count(row.counter)
+        if row.stage:
+            self._stage(event, reader, handle, expected, now)
+        return row
+
+    def _hold(self, r: _Req) -> None:
+        self.pool._hold(r.blocks)
+        self._live[r.handle] = r
+        self._by_rid[r.rid] = r.handle
+        if r.group is not None:
+            self._groups.setdefault(r.group, set()).add(r.handle)
+        heapq.heappush(self._heap, (r.deadline, r.handle))
 
     def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
         """The only place blocks are freed. Moves ``r`` to its terminal state."""
-        reason = P_FREE_REASON[(row.src, row.event, row.guard)]
+        reason = row.free
+        assert reason is not None
         r.state = row.dst
         del self._live[r.handle]
         if self._by_rid.get(r.rid) == r.handle:
@@ -860,7 +1186,7 @@ class Ledger:
             if self._tomb_rid.get(old_rid) == old:
                 del self._tomb_rid[old_rid]
         reclaimed = self.pool._drop(r.blocks)
-        self.frees[reason] += 1
+        self.frees[reason] = self.frees.get(reason, 0) + 1
         out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
@@ -884,35 +1210,60 @@ class Ledger:
         elif expected and expected < r.expected:
             self._count("expected_conflict")
 
+    # -- hooks -----------------------------------------------------------------------------
+    def _tally(self, r: _Req, event: str, reader: str) -> int:
+        """Hook: ``reader`` finished ``r`` (done or release). Return how many readers
+        count as finished now, or -1 when this reader had already finished."""
+        fin = r.finished
+        if fin is None:
+            fin = r.finished = set()
+        if reader in fin:
+            return -1
+        fin.add(reader)
+        if event == RELEASE:
+            r.released = True
+        return len(fin)
+
+    def _sweep(self, now: float, out: list[Effect]) -> None:
+        """Hook: run TICK/deadline_passed for every held request whose deadline is <=
+        ``now``. Called by ``tick`` only when the earliest heap entry is due."""
+        heap = self._heap
+        live = self._live
+        budget = self.config.max_tick_work
+        while heap and heap[0][0] <= now:
+            if budget <= 0:
+                # The rest carries over: next_deadline() reports a time already past.
+                self._count("tick_budget_exhausted")
+                break
+            budget -= 1
+            _, h = heapq.heappop(heap)
+            r = live.get(h)
+            if r is None:
+                continue  # freed already: drop the stale entry
+            if r.deadline > now:
+                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                continue
+            self._step(r, TICK, "deadline_passed", now, out)
+
+    def _expire(self, handle: int, now: float, out: list[Effect]) -> None:
+        """Run TICK/deadline_passed for the held request ``handle`` (for ``_sweep``
+        overrides)."""
+        self._step(self._live[handle], TICK, "deadline_passed", now, out)
+
+    # -- the machine's internal events ----------------------------------------------------
     def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
                 out: list[Effect]) -> None:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        fin = r.finished
-        if fin is None:
-            fin = r.finished = set()
-        if reader in fin:
+        n = self._tally(r, event, reader)
+        if n < 0:
             guard = "duplicate_reader"
+        elif r.expected and n >= r.expected:
+            guard = "all_finished" if r.released else "all_done"
         else:
-            fin.add(reader)
-            if event == RELEASE:
-                r.released = True
-            if r.expected and len(fin) >= r.expected:
-                guard = "all_finished" if r.released else "all_done"
-            else:
-                guard = "more_readers"
-        key = (r.state, event, guard)
-        row = P_TABLE[key]
-        if key in P_FREE_REASON:
-            group = r.group
-            self._free(r, row, out)
-            if group is not None and guard == "all_done":
-                self._group_transferred(group, out)
-        else:
-            r.state = row.dst
-            if guard == "duplicate_reader":
-                self._apply_effect_counter(row)
+            guard = "more_readers"
+        self._step(r, event, guard, now, out)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -925,11 +1276,20 @@ class Ledger:
         if not members:
             return
         for h in sorted(members):
-            r = self._live[h]
+            r = self._live.get(h)
+            if r is None:
+                continue  # freed by an earlier member's cascade
             guard = "reader_active" if r.state == NOTIFIED else "group_transferred"
-            row = P_TABLE[(r.state, SIBLING, guard)]
-            if (r.state, SIBLING, guard) in P_FREE_REASON:
-                self._free(r, row, out)
+            self._step(r, SIBLING, guard, self.now, out)
+
+    def _not_live(self, event: str, reader: str, handle: int, expected: int,
+                  now: float) -> Transition:
+        t = self._tomb.get(handle)
+        if t is None:
+            return self._step_absent(UNREGISTERED, event, "early", reader, handle, expected, now)
+        st = t[0]
+        return self._step_absent(st, event, "late" if st == EXPIRED else "stale", reader,
+                                 handle, expected, now)
 
     # -- events ------------------------------------------------------------------------
     def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
@@ -957,32 +1317,21 @@ class Ledger:
             st = self.state(handle)
             if st == UNREGISTERED:  # request id reused while its first holder is live
                 st = self._live[self._by_rid[request_id]].state
-            row = P_TABLE[(st, REGISTER, "duplicate")]
-            self._count("duplicate_register")
-            out.append(Rejected(row.effect[7:], "", handle,
-                                f"handle {handle} / request id {request_id!r} already known ({st})"))
+            row = self._step_absent(st, REGISTER, "duplicate", "", handle, expected, now)
+            if row.reject is not None:
+                out.append(Rejected(row.reject, "", handle,
+                                    f"handle {handle} / request id {request_id!r} already known ({st})"))
             return self._emit(ev, out)
         if handle >= self._next_handle:
             self._next_handle = handle + 1
         r = _Req(handle, request_id, blocks, now + self.config.initial_lease, group, expected)
-        if group is not None and group in self._groups_done:
-            row = P_TABLE[(UNREGISTERED, REGISTER, "group_transferred")]
-            self._staged.pop(handle, None)
-            # Hold then free in one step, so the pool accounting is uniform.
-            self._live[handle] = r
-            self._by_rid[request_id] = handle
-            self.pool._hold(blocks)
-            self._free(r, row, out)
-            self._maybe_compact()
-            return self._emit(ev, out)
-        self.pool._hold(blocks)
-        self._live[handle] = r
-        self._by_rid[request_id] = handle
-        if group is not None:
-            self._groups.setdefault(group, set()).add(handle)
-        heapq.heappush(self._heap, (r.deadline, handle))
+        guard = "group_transferred" if group is not None and group in self._groups_done \
+            else "fresh"
+        self._step(r, REGISTER, guard, now, out)
         staged = self._staged.pop(handle, None)
         if staged is not None:
+            if r.state not in HELD_STATES:
+                return self._emit(ev, out)  # freed at once (group transferred): dropped
             self._count("staged_applied", len(staged.msgs))
             for kind, reader, exp, t in staged.msgs:
                 if r.state not in HELD_STATES:
@@ -991,22 +1340,12 @@ class Ledger:
                 if kind == HEARTBEAT:
                     if exp > r.expected:
                         self._announce(r, exp)
-                    self._renew(r, t)
+                    self._step(r, HEARTBEAT, "refuse" if r.state == ABORTED else "renew", t, out)
                 else:
                     self._finish(r, kind, reader, exp, now, out)
             if out:
                 self._maybe_compact()
         return self._emit(ev, out)
-
-    def _renew(self, r: _Req, arrival: float) -> bool:
-        row = P_TABLE.get((r.state, HEARTBEAT, "renew"))
-        if row is None:
-            return False
-        dl = arrival + self.config.lease_extension
-        if dl > r.deadline:
-            r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
-        r.state = row.dst
-        return True
 
     def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
         """One reader's READ completed. Mirrors TLA+ ``Done``."""
@@ -1024,7 +1363,7 @@ class Ledger:
             if out and len(self._heap) > 2 * len(self._live):
                 self._maybe_compact()
         else:
-            self._not_live(DONE, reader, handle, expected, now, out)
+            self._not_live(DONE, reader, handle, expected, now)
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
     def release(self, reader: str, handles: Sequence[int], expected: int,
@@ -1040,61 +1379,53 @@ class Ledger:
             if r is not None:
                 self._finish(r, RELEASE, reader, expected, now, out)
             else:
-                self._not_live(RELEASE, reader, h, expected, now, out)
+                self._not_live(RELEASE, reader, h, expected, now)
         if out:
             self._maybe_compact()
         return self._emit(Release(reader, tuple(handles), expected, now), out) if self.sink else out
 
-    def _not_live(self, event: str, reader: str, handle: int, expected: int, now: float,
-                  out: list[Effect]) -> str:
-        t = self._tomb.get(handle)
-        if t is None:
-            self._stage(event, reader, handle, expected, now)
-            return "early"
-        st = t[0]
-        row = P_TABLE[(st, event, "late" if st == EXPIRED else "stale")]
-        self._apply_effect_counter(row)
-        return row.guard
-
     def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
                   now: float) -> list[Effect]:
-        """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle."""
+        """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle.
+
+        Per handle, the row's effects decide the ack: ``refuse`` refuses it, else
+        ``renew`` grants it, else (staged: not registered yet) it is listed as pending."""
         clk = self._clock(now)
         if clk is None:
             return self._bad_time(HEARTBEAT, now)
         now = clk
         ext_dl = now + self.config.lease_extension
         live = self._live
+        fast = self._HB_FAST.get
         refused: list[int] | None = None
         pending: list[int] | None = None
         for h in handles:
             r = live.get(h)
             if r is not None:
-                st = r.state
-                if st is REGISTERED or st is LEASED:
+                dst = fast(r.state)
+                if dst is not None:  # a row whose only effect is renew: inlined
                     if expected > r.expected:
                         self._announce(r, expected)
                     if ext_dl > r.deadline:
                         r.deadline = ext_dl
-                    r.state = LEASED
+                    r.state = dst
                     continue
-                if st is NOTIFIED:
-                    if expected > r.expected:
-                        self._announce(r, expected)
-                    if ext_dl > r.deadline:
-                        r.deadline = ext_dl
-                    continue
-                self._count("refused")  # aborted: not renewed
-            elif self._not_live(HEARTBEAT, reader, h, expected, now, []) == "early":
+                row = self._HB_ROW[r.state]
+                if row.renew and expected > r.expected:
+                    self._announce(r, expected)
+                self._step(r, HEARTBEAT, row.guard, now, [])
+            else:
+                row = self._not_live(HEARTBEAT, reader, h, expected, now)
+            if row.refuse:
+                if refused is None:
+                    refused = []
+                refused.append(h)
+            elif not row.renew:
                 # Staged: not renewed yet. It may also be a long-freed handle whose
                 # tombstone was evicted, so it must not count as granted.
                 if pending is None:
                     pending = []
                 pending.append(h)
-                continue
-            if refused is None:
-                refused = []
-            refused.append(h)
         out: list[Effect] = [Ack(reader, seq, self.config.lease_extension,
                                  tuple(refused) if refused else (),
                                  tuple(pending) if pending else ())]
@@ -1113,19 +1444,13 @@ class Ledger:
         if r is None:
             th = self._tomb_rid.get(request_id)
             t = self._tomb.get(th) if th is not None else None
-            key = (t[0], ABORT, "stale") if t is not None else (UNREGISTERED, ABORT, "unknown")
-            self._apply_effect_counter(P_TABLE[key])
+            if t is not None:
+                self._step_absent(t[0], ABORT, "stale", "", -1, 0, now)
+            else:
+                self._step_absent(UNREGISTERED, ABORT, "unknown", "", -1, 0, now)
             return self._emit(Abort(request_id, now), out)
-        guard = "again" if r.state == ABORTED else "hold"
-        row = P_TABLE[(r.state, ABORT, guard)]
-        if guard == "hold":
-            dl = now + self.config.abort_grace
-            if dl < r.deadline:  # only when abort_grace is below the lease horizon
-                r.deadline = dl
-                heapq.heappush(self._heap, (dl, r.handle))
-                self._maybe_compact()
-        r.state = row.dst
-        self._apply_effect_counter(row)
+        self._step(r, ABORT, "again" if r.state == ABORTED else "hold", now, out)
+        self._maybe_compact()
         return self._emit(Abort(request_id, now), out)
 
     def tick(self, now: float) -> list[Effect]:
@@ -1147,21 +1472,7 @@ class Ledger:
         out: list[Effect] = []
         heap = self._heap
         if heap and heap[0][0] <= now:
-            live = self._live
-            budget = self.config.max_tick_work
-            while heap and heap[0][0] <= now:
-                if budget <= 0:
-                    self._count("tick_budget_exhausted")
-                    break
-                budget -= 1
-                _, h = heapq.heappop(heap)
-                r = live.get(h)
-                if r is None:
-                    continue  # freed already: drop the stale entry
-                if r.deadline > now:
-                    heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
-                    continue
-                self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
+            self._sweep(now, out)
         staged = self._staged
         if staged:
             limit = now - self.config.max_staged_age
@@ -1216,6 +1527,9 @@ class Ledger:
             if h in self._tomb:
                 errs.append(f"TypeOK: handle {h} both live and tombstoned")
         return errs
+
+
+Ledger._derive()
 
 
 # ---------------------------------------------------------------------------
@@ -1298,7 +1612,94 @@ class Finished:
     reason: str
 
 
-DEffect = StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
+@dataclass(frozen=True, slots=True)
+class DropPeer:
+    """Effect: the machine declared ``engine`` lost (no ack for ``peer_timeout`` while
+    heartbeats were outstanding): close its connection; its requests were failed."""
+
+    engine: str
+    reason: str
+
+
+DEffect = StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished | DropPeer
+
+
+# D events (inputs of ``Consumer.apply``; the journal of a D rank records them).
+@dataclass(frozen=True, slots=True)
+class Admit:
+    request_id: str
+    params: TransferParams
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeOk:
+    engine: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeFailed:
+    engine: str
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOk:
+    request_id: str
+    now: float
+    notif_attached: bool = True  # the done notification travelled with the READ
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed:
+    request_id: str
+    now: float
+    fenced: bool = False  # the data landed but its generation stamps changed
+
+
+@dataclass(frozen=True, slots=True)
+class DAbort:
+    """Client abort on D."""
+
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class DAck:
+    """P's ack of heartbeat ``seq`` arrived (see the P effect ``Ack``)."""
+
+    engine: str
+    seq: int
+    term: float
+    refused: tuple[int, ...]
+    now: float
+    pending: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    """The adapter lost P engine ``engine`` (disconnect, channel closed)."""
+
+    engine: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class DTick:
+    now: float
+
+
+DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed | DAbort
+          | DAck | PeerLost | DTick)
 
 
 class _DReq:
@@ -1320,9 +1721,9 @@ class _HbSent:
 
 @dataclass
 class _Peer:
-    ready: bool = False
-    handshaking: bool = False
+    state: str = PEER_UNKNOWN  # one of PEER_STATES
     seq: int = 0
+    last_heard: float = -math.inf  # handshake or last ack from this peer
     outstanding: OrderedDict[int, _HbSent] = field(default_factory=OrderedDict)
     reqs: dict[int, _DReq] = field(default_factory=dict)  # handle -> request
 
@@ -1343,14 +1744,19 @@ def _prune_outstanding(peer: _Peer, older_than: float) -> None:
 
 
 class Consumer:
-    """One decode rank's machine over its requests. Sans-I/O: effects out.
+    """One decode rank's machine over its requests. Sans-I/O: events in, effects out.
 
     The rank is one *reader*: P counts it once per request however often it reports.
+    Every event computes a named guard per request and runs the row (state, event,
+    guard) of ``TABLE`` (``D_TRANSITIONS``) in ``_step``: destination and effects.
     Invariants it maintains: a READ starts only when the lease, less ``max_read_time``
     and ``clock_drift``, covers it; ``release`` is never sent while a READ is in flight;
-    at most one member of a sibling group is ever read. Costs: every event O(1) except
-    the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every request)
-    and peer-level events (O(requests of that peer)); tick is O(1) when nothing is due.
+    at most one member of a sibling group is ever read. A peer that leaves heartbeats
+    unanswered for ``peer_timeout`` is lost (``DropPeer``). Costs: every event O(1)
+    except the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every
+    request) and peer-level events (O(requests of that peer)); tick is O(peers) when
+    nothing is due.
+
     The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
 
     Time: a non-finite ``now`` is refused (counted ``bad_time``, no effect, nothing
@@ -1359,13 +1765,18 @@ class Consumer:
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
     """
 
+    TABLE: ClassVar[Table] = D_TABLE
+
     def __init__(self, reader: str, config: Config, *,
-                 heartbeat_chunk: int | None = None) -> None:
+                 heartbeat_chunk: int | None = None,
+                 sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """``heartbeat_chunk`` optionally caps the handles per heartbeat further; every
         SendHeartbeat always fits one wire message of ``config.max_message_bytes``, so
-        that one ack answers exactly the handles of one message."""
+        that one ack answers exactly the handles of one message. ``sink`` (the journal)
+        is called with every event and its effects."""
         self.reader = reader
         self.config = config.validate()
+        self.sink = sink
         self.reqs: dict[str, _DReq] = {}
         self.peers: dict[str, _Peer] = {}
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
@@ -1375,6 +1786,11 @@ class Consumer:
         self.heartbeat_chunk = heartbeat_chunk
         self.counters: dict[str, int] = {}
         self.finished: dict[str, int] = {}
+
+    @classmethod
+    def with_rows(cls, *rows: Transition) -> type[Consumer]:
+        """A subclass whose table has ``rows`` in place of the rows with the same key."""
+        return type(f"{cls.__name__}WithRows", (cls,), {"TABLE": with_rows(cls.TABLE, *rows)})
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -1390,6 +1806,7 @@ class Consumer:
         self._count("clock_regression")
         return self.now
 
+    # -- read-only views -------------------------------------------------------------------
     def state(self, rid: str) -> str:
         r = self.reqs.get(rid)
         return D_NEW if r is None else r.state
@@ -1398,40 +1815,107 @@ class Consumer:
         r = self.reqs.get(rid)
         return None if r is None else r.lease_end
 
-    def _go(self, r: _DReq, event: str, guard: str) -> Transition:
-        row = D_TABLE[(r.state, event, guard)]
+    def peer_state(self, engine: str) -> str:
+        """``engine``'s state as D sees it: one of PEER_STATES."""
+        p = self.peers.get(engine)
+        return PEER_UNKNOWN if p is None else p.state
+
+    def abort_pending(self, rid: str) -> bool:
+        r = self.reqs.get(rid)
+        return r is not None and r.abort_pending
+
+    def group_owner(self, engine: str, group: str) -> str | None:
+        """The request of ``group`` (from ``engine``) this rank read or is reading."""
+        return self._group_owner.get((engine, group))
+
+    def outstanding_heartbeats(self, engine: str) -> int:
+        p = self.peers.get(engine)
+        return 0 if p is None else len(p.outstanding)
+
+    # -- the step: one table row --------------------------------------------------------
+    def _step(self, r: _DReq, event: str, guard: str, out: list[DEffect], *,
+              reason: str = "", lease_end: float = -math.inf,
+              notif_attached: bool = True) -> Transition:
+        """Run the row (r.state, event, guard): destination, then effects in order.
+        ``reason`` names the finish when the row leaves it to the event; ``lease_end``
+        is what ``renew`` offers; ``notif_attached`` says whether ``send_done`` is due."""
+        row = self.TABLE[(r.state, event, guard)]
         r.state = row.dst
-        return row
-
-    def _finish(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
-        del self.reqs[r.rid]
-        n = len(self._lease_heap)
-        if n > 2 * len(self.reqs) and n > HEAP_SLACK:
-            # In place: tick iterates this very list.
-            self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
-                                   if q.state in (WAITING, HANDSHAKING)]
-            heapq.heapify(self._lease_heap)
         p = r.params
-        peer = self.peers.get(p.engine)
-        if peer is not None and peer.reqs.get(p.handle) is r:
-            del peer.reqs[p.handle]
-        if p.group is not None and r.state == D_FAILED and reason != "aborted" \
+        if row.track:
+            heapq.heappush(self._lease_heap, (r.lease_end, r.rid))
+        if row.handshake:
+            hs_peer = self.peers[p.engine]
+            if hs_peer.state == PEER_UNKNOWN:
+                hs_peer.state = PEER_HANDSHAKING
+                out.append(StartHandshake(p.engine))
+        if row.read:
+            if p.group is not None:
+                self._group_owner[(p.engine, p.group)] = r.rid
+            out.append(PostRead(r.rid, p.engine, p.handle, p.blocks, p.expected))
+        if row.abort_pending:
+            r.abort_pending = True
+        if row.renew and lease_end > r.lease_end:
+            r.lease_end = lease_end
+        if row.send_done and not notif_attached:
+            out.append(SendDone(r.rid, p.engine, p.handle, p.expected))
+        if row.send_release:
+            out.append(SendRelease(r.rid, p.engine, p.handle, p.expected))
+        if row.disown and p.group is not None \
                 and self._group_owner.get((p.engine, p.group)) == r.rid:
-            # Only a READ that did not land gives up the group: a landed READ (even one
-            # aborted meanwhile) told P "done", and P may free the other members.
             del self._group_owner[(p.engine, p.group)]
-        key = f"{r.state}:{reason}"
-        self.finished[key] = self.finished.get(key, 0) + 1
-        out.append(Finished(r.rid, r.state, reason))
-
-    def _release(self, r: _DReq, reason: str, out: list[DEffect]) -> None:
-        p = r.params
-        out.append(SendRelease(r.rid, p.engine, p.handle, p.expected))
-        self._finish(r, reason, out)
+        if row.finish is not None:
+            why = row.finish or reason
+            del self.reqs[r.rid]
+            n = len(self._lease_heap)
+            if n > 2 * len(self.reqs) and n > HEAP_SLACK:
+                # Compact in place (tick may be iterating this very list).
+                self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
+                                       if q.state in (WAITING, HANDSHAKING)]
+                heapq.heapify(self._lease_heap)
+            peer = self.peers.get(p.engine)
+            if peer is not None and peer.reqs.get(p.handle) is r:
+                del peer.reqs[p.handle]
+            key = f"{r.state}:{why}"
+            self.finished[key] = self.finished.get(key, 0) + 1
+            out.append(Finished(r.rid, r.state, why))
+        return row
 
     def _read_fits(self, lease_end: float, now: float) -> bool:
         return now + self.config.max_read_time + self.config.clock_drift <= lease_end
 
+    def _emit(self, ev: DEvent, out: list[DEffect]) -> list[DEffect]:
+        if self.sink is not None:
+            self.sink(ev, out)
+        return out
+
+    # -- generic entry point -------------------------------------------------------------
+    def apply(self, ev: DEvent) -> list[DEffect]:
+        """Feed one event, return its effects."""
+        if isinstance(ev, DTick):
+            return self.tick(ev.now)
+        if isinstance(ev, DAck):
+            return self.ack(ev.engine, ev.seq, ev.term, ev.refused, ev.now, ev.pending)
+        if isinstance(ev, Schedule):
+            return self.schedule(ev.request_id, ev.now)
+        if isinstance(ev, ReadOk):
+            return self.read_result(ev.request_id, True, ev.now,
+                                    notif_attached=ev.notif_attached)
+        if isinstance(ev, ReadFailed):
+            return self.read_result(ev.request_id, False, ev.now, fenced=ev.fenced)
+        if isinstance(ev, Admit):
+            return self.admit(ev.request_id, ev.params, ev.now)
+        if isinstance(ev, HandshakeOk):
+            return self.handshake_result(ev.engine, True, ev.now)
+        if isinstance(ev, HandshakeFailed):
+            return self.handshake_result(ev.engine, False, ev.now, ev.reason)
+        if isinstance(ev, DAbort):
+            return self.abort(ev.request_id, ev.now)
+        if isinstance(ev, PeerLost):
+            return self.peer_lost(ev.engine, ev.now)
+        raise TypeError(f"not a consumer event: {ev!r}")
+
+    # -- events ------------------------------------------------------------------------------
     def admit(self, rid: str, params: TransferParams, now: float) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
         if self._clock(now) is None:
@@ -1442,24 +1926,19 @@ class Consumer:
             peer = self.peers[params.engine] = _Peer()
         if rid in self.reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
-            return out
+            return self._emit(Admit(rid, params, now), out)
         lease_end = now + params.initial_term - self.config.max_delay
         r = _DReq(rid, params, lease_end)
         self.reqs[rid] = r
         peer.reqs[params.handle] = r
         if not self._read_fits(lease_end, now):
-            self._go(r, ADMIT, "lease_short")
-            self._release(r, "lease_short", out)
-            return out
-        heapq.heappush(self._lease_heap, (lease_end, rid))
-        if peer.ready:
-            self._go(r, ADMIT, "peer_ready")
+            guard = "lease_short"
+        elif peer.state == PEER_READY:
+            guard = "peer_ready"
         else:
-            self._go(r, ADMIT, "peer_unknown")
-            if not peer.handshaking:
-                peer.handshaking = True
-                out.append(StartHandshake(params.engine))
-        return out
+            guard = "peer_unknown"
+        self._step(r, ADMIT, guard, out)
+        return self._emit(Admit(rid, params, now), out)
 
     def handshake_result(self, engine: str, ok: bool, now: float,
                          reason: str = "handshake") -> list[DEffect]:
@@ -1470,15 +1949,16 @@ class Consumer:
         now = clk
         out: list[DEffect] = []
         peer = self.peers.setdefault(engine, _Peer())
-        peer.handshaking = False
-        peer.ready = ok
+        peer.state = PEER_READY if ok else PEER_UNKNOWN
+        if ok:
+            peer.last_heard = now
         for r in [r for r in peer.reqs.values() if r.state == HANDSHAKING]:
             if ok:
-                self._go(r, HANDSHAKE_OK, "ok")
+                self._step(r, HANDSHAKE_OK, "ok", out)
             else:
-                self._go(r, HANDSHAKE_FAILED, "failed")
-                self._finish(r, reason, out)
-        return out
+                self._step(r, HANDSHAKE_FAILED, "failed", out, reason=reason)
+        return self._emit(HandshakeOk(engine, now) if ok else HandshakeFailed(engine, reason, now),
+                          out)
 
     def schedule(self, rid: str, now: float) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
@@ -1490,30 +1970,22 @@ class Consumer:
         r = self.reqs.get(rid)
         if r is None or r.state != WAITING:
             self._count("schedule_not_waiting")
-            return out
+            return self._emit(Schedule(rid, now), out)
         p = r.params
+        guard = ""
         if p.group is not None:
             owner = self._group_owner.get((p.engine, p.group))
             if owner is not None and owner != rid and owner in self.reqs:
                 # The owner's READ has not landed yet (if it fails, this member may
                 # become the owner): not done, not read; the scheduler retries later.
-                self._go(r, SCHEDULE, "sibling_in_flight")
+                guard = "sibling_in_flight"
                 self._count("sibling_in_flight")
-                return out
-            if owner is not None and owner != rid:
-                self._go(r, SCHEDULE, "sibling_local")
-                out.append(SendRelease(rid, p.engine, p.handle, p.expected))
-                self._finish(r, "sibling_local", out)
-                return out
-        if not self._read_fits(r.lease_end, now):
-            self._go(r, SCHEDULE, "lease_short")
-            self._release(r, "lease_short", out)
-            return out
-        if p.group is not None:
-            self._group_owner[(p.engine, p.group)] = rid
-        self._go(r, SCHEDULE, "lease_covers_read")
-        out.append(PostRead(rid, p.engine, p.handle, p.blocks, p.expected))
-        return out
+            elif owner is not None and owner != rid:
+                guard = "sibling_local"
+        if not guard:
+            guard = "lease_covers_read" if self._read_fits(r.lease_end, now) else "lease_short"
+        self._step(r, SCHEDULE, guard, out)
+        return self._emit(Schedule(rid, now), out)
 
     def read_result(self, rid: str, ok: bool, now: float, *, fenced: bool = False,
                     notif_attached: bool = True) -> list[DEffect]:
@@ -1527,23 +1999,19 @@ class Consumer:
             return []
         now = clk
         out: list[DEffect] = []
+        landed = ok and not fenced
+        ev: DEvent = ReadOk(rid, now, notif_attached) if landed else ReadFailed(rid, now, fenced)
         r = self.reqs.get(rid)
         if r is None or r.state != READING:
             self._count("read_result_not_reading")
-            return out
-        p = r.params
-        if ok and not fenced:
-            pending = r.abort_pending
-            self._go(r, READ_OK, "abort_pending" if pending else "ok")
-            if not notif_attached:
-                out.append(SendDone(rid, p.engine, p.handle, p.expected))
-            self._finish(r, "aborted" if pending else "pulled", out)
+        elif landed:
+            self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
+                       notif_attached=notif_attached)
         else:
-            self._go(r, READ_FAILED, "fenced" if fenced else "error")
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
-            self._release(r, "fenced" if fenced else "transfer_error", out)
-        return out
+            self._step(r, READ_FAILED, "fenced" if fenced else "error", out)
+        return self._emit(ev, out)
 
     def abort(self, rid: str, now: float) -> list[DEffect]:
         """Client abort on D. Never releases under an in-flight READ."""
@@ -1555,14 +2023,11 @@ class Consumer:
         r = self.reqs.get(rid)
         if r is None:
             self._count("abort_unknown")
-            return out
-        if r.state == READING:
-            self._go(r, D_ABORT, "in_flight")
-            r.abort_pending = True
-            return out
-        self._go(r, D_ABORT, "idle")
-        self._release(r, "aborted", out)
-        return out
+        elif r.state == READING:
+            self._step(r, D_ABORT, "in_flight", out)
+        else:
+            self._step(r, D_ABORT, "idle", out)
+        return self._emit(DAbort(rid, now), out)
 
     def ack(self, engine: str, seq: int, term: float, refused: Sequence[int],
             now: float, pending: Sequence[int] = ()) -> list[DEffect]:
@@ -1574,11 +2039,14 @@ class Consumer:
             return []
         now = clk
         out: list[DEffect] = []
+        ev = DAck(engine, seq, term, tuple(refused), now, tuple(pending))
         peer = self.peers.get(engine)
+        if peer is not None and peer.state == PEER_READY:
+            peer.last_heard = now
         sent = peer.outstanding.pop(seq, None) if peer is not None else None
         if peer is None or sent is None:
             self._count("ack_unknown")
-            return out
+            return self._emit(ev, out)
         refused_set = set(refused)
         pending_set = set(pending)
         lease_end = sent.sent_at + term - self.config.clock_drift
@@ -1587,13 +2055,19 @@ class Consumer:
             if r is None or r.state not in (WAITING, READING) or h in pending_set:
                 continue
             if h in refused_set:
-                if self._go(r, ACK, "refused").dst == D_FAILED:
-                    self._release(r, "revoked", out)
+                self._step(r, ACK, "refused", out)
             else:
-                self._go(r, ACK, "granted")
-                if lease_end > r.lease_end:
-                    r.lease_end = lease_end
-        return out
+                self._step(r, ACK, "granted", out, lease_end=lease_end)
+        return self._emit(ev, out)
+
+    def _lose_peer(self, peer: _Peer, out: list[DEffect]) -> None:
+        peer.state = PEER_UNKNOWN
+        peer.outstanding.clear()
+        for r in list(peer.reqs.values()):
+            if r.state == READING:
+                self._step(r, PEER_LOST, "in_flight", out)
+            elif r.state in (WAITING, HANDSHAKING):
+                self._step(r, PEER_LOST, "lost", out)
 
     def peer_lost(self, engine: str, now: float) -> list[DEffect]:
         """P disconnected (or crashed): fail everything not in flight, promptly."""
@@ -1603,22 +2077,14 @@ class Consumer:
         now = clk
         out: list[DEffect] = []
         peer = self.peers.get(engine)
-        if peer is None:
-            return out
-        peer.ready = False
-        peer.handshaking = False
-        peer.outstanding.clear()
-        for r in list(peer.reqs.values()):
-            if r.state == READING:
-                self._go(r, PEER_LOST, "in_flight")
-            elif r.state in (WAITING, HANDSHAKING):
-                self._go(r, PEER_LOST, "lost")
-                self._finish(r, "peer_lost", out)
-        return out
+        if peer is not None:
+            self._lose_peer(peer, out)
+        return self._emit(PeerLost(engine, now), out)
 
     def tick(self, now: float) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
-        fail requests whose lease can no longer cover a READ."""
+        fail requests whose lease can no longer cover a READ; lose peers that left
+        heartbeats unanswered for ``peer_timeout``."""
         clk = self._clock(now)
         if clk is None:
             return []
@@ -1635,14 +2101,23 @@ class Consumer:
             if self._read_fits(r.lease_end, now):
                 heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert
                 continue
-            self._go(r, D_TICK, "lease_lost")
-            self._release(r, "lease_lost", out)
+            self._step(r, D_TICK, "lease_lost", out)
+        silent_before = now - cfg.peer_timeout
+        for engine, peer in self.peers.items():
+            # Silent: nothing heard for peer_timeout, and a heartbeat P had that long
+            # to answer is still unanswered.
+            if peer.state == PEER_READY and peer.outstanding \
+                    and peer.last_heard < silent_before \
+                    and next(iter(peer.outstanding.values())).sent_at < silent_before:
+                self._count("peer_silent")
+                self._lose_peer(peer, out)
+                out.append(DropPeer(engine, f"no ack for {now - peer.last_heard:.3f}s"))
         if now >= self._next_hb:
             self._next_hb = now + cfg.heartbeat_interval
             cap = self.heartbeat_chunk or 1 << 30
             for engine, peer in self.peers.items():
                 _prune_outstanding(peer, now - cfg.lease_extension)
-                if not peer.ready or not peer.reqs:
+                if peer.state != PEER_READY or not peer.reqs:
                     continue
                 by_expected: dict[int, list[int]] = {}
                 for h, r in peer.reqs.items():
@@ -1659,7 +2134,7 @@ class Consumer:
                                 peer.outstanding.popitem(last=False)
                                 self._count("heartbeat_memory_evicted")
                             out.append(SendHeartbeat(engine, peer.seq, part, expected))
-        return out
+        return self._emit(DTick(now), out)
 
 
 def mermaid(transitions: Sequence[Transition] = P_TRANSITIONS, *, title: str = "") -> str:
@@ -1669,7 +2144,7 @@ def mermaid(transitions: Sequence[Transition] = P_TRANSITIONS, *, title: str = "
         lines.insert(0, f"%% {title}")
     seen: set[tuple[str, str, str]] = set()
     for t in transitions:
-        if t.src == t.dst and not t.effect.startswith(("free", "ack")):
+        if t.src == t.dst and t.free is None and not t.renew:
             continue  # self-loops that only count are documented in the table, not drawn
         label = f"{t.event} [{t.guard}]" + (f" / {t.effect}" if t.effect else "")
         key = (t.src, t.dst, label)

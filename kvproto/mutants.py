@@ -1,9 +1,11 @@
-"""Known upstream lifecycle bugs, re-introduced into copies of the P machine.
+"""Known upstream lifecycle bugs, re-introduced into the P machine.
 
-Each mutant is a ``Ledger`` subclass that overrides one method; ``kvproto.lifecycle`` is
-never modified. ``tests/test_mutants.py`` shows that the stateful fuzzer
-(``kvproto.fuzz``) catches every one of them within the CI budget, with the invariant
-named in ``Mutant.caught_by``; ``kvproto fuzz --mutant NAME`` fuzzes one by hand.
+Each mutant is a ``Ledger`` subclass that either replaces rows of the transition table
+(``Ledger.with_rows``) or overrides one documented hook (``_tally``, ``_sweep``); none
+copies the ledger's internals, and ``kvproto.lifecycle`` is never modified.
+``tests/test_mutants.py`` shows that the stateful fuzzer (``kvproto.fuzz``) catches every
+one of them within the CI budget, with the invariant named in ``Mutant.caught_by``;
+``kvproto fuzz --mutant NAME`` fuzzes one by hand.
 
 * ``count_messages`` -- counts done/release *messages* instead of distinct readers: a
   duplicated ``done`` from one reader frees the request while another reader's READ is in
@@ -27,78 +29,51 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvproto.lifecycle import (
-    ABORTED,
+    ABORT,
+    DONE,
+    FREED,
+    HEARTBEAT,
     P_TABLE,
     RELEASE,
-    TICK,
-    Abort,
+    UNREGISTERED,
     Effect,
+    Fx,
     Ledger,
-    Tick,
     _Req,
 )
 
+_HELD_LIVE = ("registered", "leased", "notified")
+
 
 class CountMessagesLedger(Ledger):
-    """Mutant (a): a reader that reports twice counts twice."""
+    """Mutant (a): a reader that reports twice counts twice (hook ``_tally``)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._reports: dict[int, int] = {}
 
-    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
-                out: list[Effect]) -> None:
-        self._announce(r, expected)
-        fin = r.finished
-        if fin is None:
-            fin = r.finished = set()
-        fin.add(reader)
-        n = self._reports[r.handle] = self._reports.get(r.handle, 0) + 1  # BUG: messages
-        if event == RELEASE:
-            r.released = True
-        if r.expected and n >= r.expected:
-            guard = "all_finished" if r.released else "all_done"
-        else:
-            guard = "more_readers"
-        row = P_TABLE[(r.state, event, guard)]
-        if row.effect.startswith("free:"):
-            group = r.group
-            self._free(r, row, out)
-            if group is not None and guard == "all_done":
-                self._group_transferred(group, out)
-        else:
-            r.state = row.dst
+    def _tally(self, r: _Req, event: str, reader: str) -> int:
+        super()._tally(r, event, reader)  # the reader set itself stays right
+        n = self._reports[r.handle] = self._reports.get(r.handle, 0) + 1
+        return n  # BUG: messages, not distinct readers; a duplicate is never noticed
 
 
-class AbortFreesNowLedger(Ledger):
-    """Mutant (b): abort of a held request frees it immediately (reason ``aborted``)."""
+# Mutant (b): table rows (held, abort, hold) go straight to freed with the abort's free.
+AbortFreesNowLedger = Ledger.with_rows(
+    *(P_TABLE[(s, ABORT, "hold")]._replace(dst=FREED, effects=(Fx("free", "aborted"),))
+      for s in _HELD_LIVE),
+    name="AbortFreesNowLedger")
 
-    def abort(self, request_id: str, now: float) -> list[Effect]:
-        h = self._by_rid.get(request_id)
-        r = self._live.get(h) if h is not None else None
-        if r is None or r.state == ABORTED:
-            return super().abort(request_id, now)
-        clk = self._clock(now)
-        if clk is None:
-            return self._bad_time("abort", now)
-        now = clk
-        out: list[Effect] = []
-        r.state = ABORTED
-        # BUG: free now, with the effect the table gives an abort whose grace ran out.
-        self._free(r, P_TABLE[(ABORTED, TICK, "deadline_passed")], out)
-        return self._emit(Abort(request_id, now), out)
-
-
-class NoStagingLedger(Ledger):
-    """Mutant (c): early notifications (before ``register``) are dropped, not staged."""
-
-    def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
-        self._count("staged_dropped")  # BUG: nothing is kept for register to apply
+# Mutant (c): table rows (unregistered, done/release/heartbeat, early) drop the message.
+NoStagingLedger = Ledger.with_rows(
+    *(P_TABLE[(UNREGISTERED, ev, "early")]._replace(effects=(Fx("count", "staged_dropped"),))
+      for ev in (DONE, RELEASE, HEARTBEAT)),
+    name="NoStagingLedger")
 
 
 class StoppingSweepLedger(Ledger):
-    """Mutant (d): expiry scans a registration-ordered list and stops at the first
-    request whose deadline has not passed."""
+    """Mutant (d): expiry (hook ``_sweep``) scans a registration-ordered list and stops
+    at the first request whose deadline has not passed."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -107,34 +82,20 @@ class StoppingSweepLedger(Ledger):
     def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         out = super().register(handle, request_id, blocks, now, group=group, expected=expected)
-        if handle in self._live and (not self._order or self._order[-1] != handle):
+        if self.held(handle) is not None and (not self._order or self._order[-1] != handle):
             self._order.append(handle)
         return out
 
-    def tick(self, now: float) -> list[Effect]:
-        clk = self._clock(now)
-        if clk is None:
-            return self._bad_time("tick", now)
-        now = clk
-        out: list[Effect] = []
+    def _sweep(self, now: float, out: list[Effect]) -> None:
         order = self._order
         while order:
-            r = self._live.get(order[0])
-            if r is None:
+            dl = self.deadline(order[0])
+            if dl is None:
                 order.popleft()
                 continue
-            if r.deadline > now:
+            if dl > now:
                 break  # BUG: the entries behind a renewed lease are never looked at
-            order.popleft()
-            self._free(r, P_TABLE[(r.state, TICK, "deadline_passed")], out)
-        staged = self._staged
-        limit = now - self.config.max_staged_age
-        while staged and next(iter(staged.values())).since <= limit:
-            staged.popitem(last=False)
-            self._count("staged_expired")
-        if self.sink is not None:
-            self.sink(Tick(now), out)
-        return out
+            self._expire(order.popleft(), now, out)
 
 
 @dataclass(frozen=True)

@@ -586,9 +586,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "segment_steps", 0) < 0:
-        print("kvproto validate: --segment-steps must be 0 or more", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    from kvproto.verify.dconformance import check_d_journal, is_d_journal
+
+    d_paths = [p for p in args.journals if is_d_journal(p)]
+    d_ok = True
+    for p in d_paths:  # one D rank's journal: checked against D's table (no TLC)
+        try:
+            dv = check_d_journal(p)
+        except (JournalError, OSError, json.JSONDecodeError) as e:
+            print(f"kvproto validate: bad input: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(dv.describe())
+        d_ok &= dv.allowed
+    args.journals = [p for p in args.journals if p not in d_paths]
+    if not args.journals:
+        return EXIT_OK if d_ok else EXIT_NOT_ALLOWED
     try:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
                             workdir=Path(args.keep) if args.keep else None,
@@ -606,6 +618,6 @@ def run(args: argparse.Namespace) -> int:
         return 4
     for v in verdicts:
         print(v.describe())
-    return EXIT_OK if all(v.allowed for v in verdicts) else EXIT_NOT_ALLOWED
+    return EXIT_OK if d_ok and all(v.allowed for v in verdicts) else EXIT_NOT_ALLOWED
 
 

@@ -95,7 +95,8 @@ def test_diagram_prints_the_generated_diagram(side: str, fmt: str,
 def test_diagram_is_generated_from_the_table() -> None:
     p = render("producer", "mermaid")
     assert p.startswith("stateDiagram-v2\n")
-    assert "    [*] --> registered: register [fresh]\n" in p
+    assert "    [*] --> registered: register [fresh] / hold\n" in p
+    assert "    leased --> leased: heartbeat [renew] / renew\n" in p
     assert "    registered --> expired: tick [deadline_passed] / free:expired\n" in p
     assert "    aborted --> freed: tick [deadline_passed] / free:aborted\n" in p
     d = render("consumer", "mermaid")

@@ -169,27 +169,16 @@ def test_graph_equality(name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def table_row(key: tuple[str, str, str], dst: str) -> Iterator[None]:
-    """Patch one row of P_TABLE (the table the machine looks destinations up in)."""
-    old = lifecycle.P_TABLE[key]
-    lifecycle.P_TABLE[key] = old._replace(dst=dst)
-    try:
-        yield
-    finally:
-        lifecycle.P_TABLE[key] = old
+def table_row(key: tuple[str, str, str], dst: str) -> cf.LedgerFactory:
+    """A ledger whose table has one row of P_TABLE changed (its destination)."""
+    return Ledger.with_rows(lifecycle.P_TABLE[key]._replace(dst=dst))
 
 
-class HeartbeatRenewsAborted(Ledger):
-    """Mutant: a heartbeat is not refused after abort (it renews the abort deadline)."""
-
-    def heartbeat(self, reader: str, seq: int, handles: tuple[int, ...] | list[int],  # type: ignore[override]
-                  expected: int, now: float) -> list[lifecycle.Effect]:
-        for h in handles:
-            r = self._live.get(h)
-            if r is not None and r.state == ABORTED:
-                r.deadline = max(r.deadline, now + self.config.lease_extension)
-        return super().heartbeat(reader, seq, handles, expected, now)
+# Mutant: a heartbeat renews an aborted request's deadline (still refused in the ack).
+HeartbeatRenewsAborted = Ledger.with_rows(
+    lifecycle.P_TABLE[(ABORTED, HEARTBEAT, "refuse")]._replace(
+        effects=(lifecycle.Fx("count", "refused"), lifecycle.Fx("renew"), lifecycle.Fx("refuse"))),
+    name="HeartbeatRenewsAborted")
 
 
 MUTANTS: dict[str, tuple[str, cf.LedgerFactory | None, tuple[tuple[str, str, str], str] | None]] = {
@@ -203,8 +192,7 @@ MUTANTS: dict[str, tuple[str, cf.LedgerFactory | None, tuple[tuple[str, str, str
 @contextlib.contextmanager
 def mutant(name: str) -> Iterator[tuple[cf.Model, cf.LedgerFactory]]:
     model_name, factory, row = MUTANTS[name]
-    with table_row(*row) if row else contextlib.nullcontext():
-        yield cf.MODELS[model_name], factory or Ledger
+    yield cf.MODELS[model_name], table_row(*row) if row else factory or Ledger
 
 
 @pytest.mark.tlc

@@ -150,7 +150,8 @@ def test_admit_with_too_little_lease_left_fails_and_releases(consumer: Consumer)
 
 
 def test_tick_fails_and_releases_a_queued_request_whose_lease_ran_short(
-        consumer: Consumer) -> None:
+        make_consumer: ConsumerFactory) -> None:
+    consumer = make_consumer(peer_timeout=60.0)  # P silent, but not yet declared lost
     ready(consumer)
     consumer.admit("r1", params(1), 0.0)
     consumer.tick(0.0)  # heartbeat sent, never acknowledged
@@ -582,3 +583,40 @@ def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
         consumer.abort(f"r{h}", float(h))
         assert len(consumer._lease_heap) <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
     assert consumer.reqs == {}
+# ---------------------------------------------------------------------------
+# Ack silence: Config.peer_timeout drives peer loss (the machine decides, not the adapter)
+# ---------------------------------------------------------------------------
+
+
+def test_ack_silence_for_peer_timeout_loses_the_peer(make_consumer: ConsumerFactory) -> None:
+    consumer = make_consumer(peer_timeout=8.0)
+    ready(consumer)
+    consumer.admit("r1", params(1), 0.0)
+    consumer.admit("r2", params(2), 0.0)
+    consumer.schedule("r2", 0.5)  # in flight: the READ reports its own fate
+    (hb,) = heartbeats(consumer.tick(1.0))
+    assert finished(consumer.tick(8.9)) == []  # silent 8.9 s since the handshake: not yet
+    out = consumer.tick(9.1)
+    assert ("r1", D_FAILED, "peer_lost") in finished(out)
+    assert any(isinstance(e, lifecycle.DropPeer) and e.engine == ENGINE for e in out)
+    assert releases(out) == []  # peer loss never releases: P expires what D held
+    assert consumer.state("r2") == READING
+    assert consumer.peer_state(ENGINE) == lifecycle.PEER_UNKNOWN
+    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 9.2) == []  # forgotten with the peer
+
+
+def test_acks_keep_a_slow_but_answering_peer(make_consumer: ConsumerFactory) -> None:
+    consumer = make_consumer(peer_timeout=8.0)
+    ready(consumer)
+    consumer.admit("r1", params(1), 0.0)
+    for t in range(0, 40, 5):
+        for hb in heartbeats(consumer.tick(float(t))):
+            consumer.ack(ENGINE, hb.seq, 20.0, (), t + 2.0)  # max_delay each way
+    assert consumer.state("r1") == WAITING
+    assert consumer.peer_state(ENGINE) == lifecycle.PEER_READY
+
+
+def test_peer_timeout_is_a_timing_rule() -> None:
+    with pytest.raises(lifecycle.ConfigError, match="peer_timeout"):
+        Config(peer_timeout=6.0).validate()  # <= heartbeat_interval + 2*max_delay = 7
+    assert any("peer_timeout" in why for _, why in Config().timing_rules())

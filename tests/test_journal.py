@@ -285,3 +285,69 @@ def test_replay_raises_journal_error_for_unreadable_input() -> None:
     with pytest.raises(JournalError) as info:
         replay(io.StringIO('{"kvproto_journal": 1, "config": {}, "capacity": 4}\nxx\n'))
     assert info.value.line == 2
+
+
+# ---------------------------------------------------------------------------
+# D journals (one decode rank's Consumer)
+# ---------------------------------------------------------------------------
+
+
+def d_journal() -> list[str]:
+    """A D rank's journal written through Consumer's sink: handshake, a pulled request,
+    a renewed one, an aborted one, a refused renewal."""
+    from kvproto.lifecycle import Consumer, SendHeartbeat, TransferParams
+
+    buf = io.StringIO()
+    writer = JournalWriter(buf, Config(), None, {"source": "test"}, reader="d0")
+    c = Consumer("d0", Config(), sink=writer.sink)
+    c.admit("r1", TransferParams("P0", 1, 1, (1, 2), 30.0, 1, "g"), 0.0)
+    c.handshake_result("P0", True, 0.1)
+    c.admit("r2", TransferParams("P0", 1, 2, (3,), 30.0, 1, "g"), 0.2)
+    c.admit("r3", TransferParams("P0", 1, 3, (4,), 30.0, 2), 0.2)
+    c.admit("r4", TransferParams("P0", 1, 4, (5,), 30.0, 1), 0.2)
+    c.schedule("r1", 1.0)
+    hbs = [e for e in c.tick(1.5) if isinstance(e, SendHeartbeat)]
+    for hb in hbs:
+        c.ack("P0", hb.seq, 20.0, (4,) if 4 in hb.handles else (), 1.7)
+    c.read_result("r1", True, 2.0, notif_attached=False)
+    c.schedule("r2", 2.1)
+    c.abort("r3", 2.2)
+    c.tick(40.0)
+    writer.close()
+    return buf.getvalue().splitlines()
+
+
+def test_d_journal_replays_clean_with_its_finishes(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    lines = d_journal()
+    header = json.loads(lines[0])
+    assert header["side"] == "D" and header["reader"] == "d0" and "capacity" not in header
+    types = [json.loads(x)["event"]["type"] for x in lines[1:]]
+    assert {"admit", "handshake_ok", "schedule", "tick", "ack", "read_ok", "abort"} <= set(types)
+    rc, out, err = run_replay(tmp_path, lines, capsys)
+    assert rc == 0, err
+    assert "ok" in err and "finished" in err and "done:pulled" in err
+    assert "done:sibling_local" in err and "failed:revoked" in err and "failed:aborted" in err
+    assert '"type":"send_done"' in out  # replayed effects are printed
+
+
+def test_tampered_d_journal_diverges_at_its_line(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    lines = d_journal()
+    i = line_of(lines, lambda d: d["event"]["type"] == "read_ok")
+    d = json.loads(lines[i])
+    d["event"]["notif_attached"] = True  # then D would not have sent done itself
+    lines[i] = json.dumps(d)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 1
+    assert f"line {i + 1}: read_ok effects differ" in err
+
+
+def test_d_journal_header_must_name_its_reader(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    lines = d_journal()
+    h = json.loads(lines[0])
+    del h["reader"]
+    lines[0] = json.dumps(h)
+    rc, _, err = run_replay(tmp_path, lines, capsys)
+    assert rc == 2 and "names its reader" in err

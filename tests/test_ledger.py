@@ -857,9 +857,12 @@ def test_transition_table_rows_are_unique_and_use_known_names() -> None:
     for t in P_TRANSITIONS:
         assert t.src in lifecycle.P_STATES and t.dst in lifecycle.P_STATES
         assert t.event in lifecycle.P_EVENTS
-        if t.effect.startswith("free:"):
-            assert t.effect[5:] in lifecycle.FREE_REASONS
+        assert {fx.kind for fx in t.effects} <= lifecycle.P_FX_KINDS
+        if t.free is not None:
+            assert t.free in lifecycle.FREE_REASONS
             assert t.dst in lifecycle.TERMINAL_STATES
+        else:
+            assert t.dst not in lifecycle.TERMINAL_STATES or t.src == t.dst
 
 
 # -- hardening (issue 11): bad time, bounded tick, compact heap ------------------------------

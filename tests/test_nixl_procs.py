@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,8 @@ def procs() -> Iterator[list[Proc]]:
         assert not p.proc.is_alive()
 
 
-def start_p(procs: list[Proc], name: str, **opts: Any) -> tuple[Proc, str, int]:
-    p = Proc(producer_main, name, CFG.to_dict(), 8, BB, {"device": "cpu", **opts})
+def start_p(procs: list[Proc], name: str, cfg: Config = CFG, **opts: Any) -> tuple[Proc, str, int]:
+    p = Proc(producer_main, name, cfg.to_dict(), 8, BB, {"device": "cpu", **opts})
     procs.append(p)
     _, host, port, _epoch = p.recv("ready")
     return p, host, port
@@ -370,7 +371,7 @@ def test_restarted_p_handshakes_again(procs: list[Proc]) -> None:
         assert [(c.request_id, c.reason) for c in comps] == [("a", "pulled")]
         d.free_local("a")
         p1.kill()
-        pump_d(d, lambda _: d.engines[pname].state == "idle")  # the channel closed
+        pump_d(d, lambda _: d.engines[pname].state == "unknown")  # the channel closed
         assert d.counters.get("peer_lost") == 1
         p2, host2, port2 = start_p(procs, pname)
         d.add_engine(pname, host2, port2)
@@ -476,3 +477,39 @@ def test_spoofed_handshake_neither_disturbs_a_live_d_nor_frees_a_block(
     dstats = d.call("stats", reply="stats")[1]
     assert dstats["counters"].get("handshakes") == 1  # never had to handshake again
     assert not any(k.startswith("handshake_failed") for k in dstats["counters"])
+def test_silent_p_is_lost_after_peer_timeout_and_the_d_journal_replays(
+        procs: list[Proc], tmp_path: Path) -> None:
+    """P stops answering (SIGSTOP: its sockets stay open, so only ack silence shows):
+    D's machine declares it lost after Config.peer_timeout and fails the queued request
+    without a release. The D journal of this real NIXL run replays clean."""
+    from kvproto.journal import JournalWriter, replay
+
+    pname = uniq("P")
+    cfg = replace(CFG, initial_lease=5.0, lease_extension=5.0, abort_grace=5.0, peer_timeout=1.0)
+    p, host, port = start_p(procs, pname, cfg)
+    params = register(p, "s0", 1)
+    jpath = tmp_path / "d.jsonl"
+    writer = JournalWriter(jpath, cfg, None, {"source": "test_nixl_procs"}, reader="Dsilent")
+    d = ConsumerAdapter(uniq("D"), cfg, num_blocks=8, block_bytes=BB, sink=writer.sink)
+    assert p.proc.pid is not None
+    try:
+        d.add_engine(pname, host, port)
+        d.admit("s0", params)
+        pump_d(d, lambda _: d.engines[pname].state == "ready")
+        pump_d(d, lambda _: d.counters.get("sent:heartbeat", 0) >= 2)  # acks flowing
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            comps = pump_d(d, lambda c: len(c) == 1)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        assert [(c.request_id, c.state, c.reason) for c in comps] == [("s0", "failed", "peer_lost")]
+        assert d.machine.counters.get("peer_silent") == 1 and d.counters.get("peer_lost") == 1
+        assert d.engines[pname].state == "unknown"
+        assert d.counters.get("sent:release", 0) == 0  # peer loss never releases
+    finally:
+        d.close(1.0)
+        writer.close()
+    with open(jpath, encoding="utf-8") as f:
+        res = replay(f)
+    assert res.ok, (res.divergences, res.violations)
+    assert res.frees == {"failed:peer_lost": 1}

@@ -314,3 +314,40 @@ def test_tlc_timeout_is_a_clear_error_not_a_traceback(
         pytest.skip(str(e))
     assert code == 4
     assert "kvproto validate: TLC did not finish within 0 s" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# D journals (one decode rank): checked against D's table, without TLC
+# ---------------------------------------------------------------------------
+
+
+def d_journal(path: Path) -> Path:
+    from kvproto.lifecycle import Consumer, SendHeartbeat, TransferParams
+
+    with JournalWriter(path, Config(), None, {"source": "test_validate"}, reader="d0") as w:
+        c = Consumer("d0", Config(), sink=w.sink)
+        c.handshake_result("P0", True, 0.0)
+        c.admit("r1", TransferParams("P0", 1, 1, (1,), 30.0, 1), 0.1)
+        c.admit("r2", TransferParams("P0", 1, 2, (2,), 30.0, 1), 0.1)
+        hbs = [e for e in c.tick(0.5) if isinstance(e, SendHeartbeat)]
+        c.ack("P0", hbs[0].seq, 20.0, (2,), 0.7)  # r2 refused: released
+        c.schedule("r1", 1.0)
+        c.read_result("r1", True, 2.0, notif_attached=False)
+    return path
+
+
+def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvproto import cli
+
+    good = d_journal(tmp_path / "d.jsonl")
+    assert cli.main(["-q", "validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "D journal of d0" in out and "follow D_TRANSITIONS" in out and "done:pulled" in out
+    rows = read_lines(good)
+    i = first_line(rows, lambda r: r["event"]["type"] == "ack")
+    rows[i]["effects"] = []  # hide the release of the refused request
+    bad = write_lines(tmp_path / "bad.jsonl", rows)
+    assert cli.main(["-q", "validate", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "do NOT follow" in out and f"line {i + 1}: ack effects differ" in out

@@ -14,8 +14,15 @@ Effects and what they become:
   (heartbeats chunked by the machine so that every message fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine.
 
+* ``DropPeer``       -> the machine declared the P engine lost (ack silence for
+  ``Config.peer_timeout``): its connection is closed.
+
 A handle whose transfer is still in progress is never released. Transfer errors,
-REMOTE_DISCONNECT, the handshake channel closing and ack silence become ``peer_lost``.
+REMOTE_DISCONNECT and the handshake channel closing become ``peer_lost``.
+
+Not re-entrant: effects are queued and executed after the machine call that produced
+them returned; an effect whose execution feeds the machine again (a failed handshake, a
+READ that cannot be posted) queues that call's effects behind the others.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -32,10 +40,16 @@ import torch
 from kvproto.lifecycle import (
     D_DONE,
     D_NEW,
+    HANDSHAKING,
+    PEER_HANDSHAKING,
+    PEER_READY,
+    PEER_UNKNOWN,
     WAITING,
     Config,
     Consumer,
     DEffect,
+    DEvent,
+    DropPeer,
     Finished,
     PostRead,
     SendDone,
@@ -114,7 +128,6 @@ class _Engine:
         "deadline",
         "epoch",
         "host",
-        "last_ack",
         "name",
         "next_check",
         "next_try",
@@ -130,7 +143,7 @@ class _Engine:
         self.name = name
         self.host = host
         self.port = port
-        self.state = "idle"  # idle | connecting | ready
+        self.state = PEER_UNKNOWN  # one of lifecycle.PEER_STATES
         self.client: Client | None = None
         self.attempt = 0
         self.deadline = 0.0
@@ -139,7 +152,6 @@ class _Engine:
         self.region: RemoteRegion | None = None
         self.remote_kv: Any = None
         self.remote_gen: Any = None
-        self.last_ack = 0.0
         self.next_check = 0.0
         self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
 
@@ -188,18 +200,23 @@ class ConsumerAdapter:
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None,
+                 sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
         are the local blocks: ``schedule`` names the blocks each READ lands in.
         ``handshake_secret``: authenticate handshakes (and require P's reply to be
-        authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``."""
+        authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``.
+        ``sink`` receives every machine event and its effects (a D journal:
+        ``JournalWriter(..., reader=name).sink``)."""
         self.name = name
         self.handshake_secret = handshake_secret if handshake_secret is not None \
             else secret_from_env()
+        if peer_timeout is not None:  # kept for callers: the machine reads the config
+            config = replace(config, peer_timeout=peer_timeout)
         self.config = config.validate()
         self.clock = clock
         # The machine chunks heartbeats so that each one (one seq) is one wire message.
-        self.machine = Consumer(name, config)
+        self.machine = Consumer(name, self.config, sink=sink)
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
@@ -210,7 +227,8 @@ class ConsumerAdapter:
         self.handshake_timeout = handshake_timeout
         self.handshake_attempts = handshake_attempts
         self.backoff = backoff
-        self.peer_timeout = peer_timeout if peer_timeout is not None else config.lease_extension
+        self._effects: deque[tuple[DEffect, float]] = deque()  # queued, not yet executed
+        self._draining = False
         self.fault_hook = fault_hook
         self.phase_hook = phase_hook
         self.handshake_version = HANDSHAKE_VERSION  # test hook
@@ -283,7 +301,7 @@ class ConsumerAdapter:
             now = self.clock()
             self._apply(self.machine.schedule(rid, now), now)
             st = self.machine.state(rid)
-        if st in (WAITING, "handshaking", "new"):
+        if st in (WAITING, HANDSHAKING, D_NEW):
             # Retried by poll: after the handshake, or while a sibling's READ is in flight.
             self._want[rid] = None
 
@@ -307,9 +325,9 @@ class ConsumerAdapter:
     def poll(self) -> list[Completion]:
         now = self.clock()
         for e in list(self.engines.values()):
-            if e.state == "connecting":
+            if e.state == PEER_HANDSHAKING:
                 self._progress_handshake(e, now)
-            elif e.state == "ready":
+            elif e.state == PEER_READY:
                 self._check_peer(e, now)
         self._poll_reads(now)
         self._poll_notifs(now)
@@ -327,28 +345,47 @@ class ConsumerAdapter:
                 self._apply(self.machine.schedule(rid, now), now)
                 if self.machine.state(rid) != WAITING:  # else: a sibling is in flight
                     self._want.pop(rid, None)
-            elif st not in ("handshaking", "new"):
+            elif st not in (HANDSHAKING, D_NEW):
                 del self._want[rid]
 
     # -- effects -----------------------------------------------------------------------
     def _apply(self, effects: Sequence[DEffect], now: float) -> None:
-        for eff in effects:
-            if isinstance(eff, StartHandshake):
-                self._start_handshake(eff.engine, now)
-            elif isinstance(eff, PostRead):
-                self._post_read(eff, now)
-            elif isinstance(eff, SendHeartbeat):
-                self._send_heartbeat(eff)
-            elif isinstance(eff, SendRelease):
-                p = self.params.get(eff.request_id)
-                epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-                self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
-            elif isinstance(eff, SendDone):
-                p = self.params.get(eff.request_id)
-                epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-                self._send("done", eff.engine, encode_done(epoch, eff.handle, eff.expected))
-            elif isinstance(eff, Finished):
-                self._finished(eff)
+        """Queue a machine call's effects; execute the queue unless already executing
+        (an effect that feeds the machine again only adds to the queue)."""
+        self._effects.extend((eff, now) for eff in effects)
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._effects:
+                eff, t = self._effects.popleft()
+                self._execute(eff, t)
+        finally:
+            self._draining = False
+
+    def _execute(self, eff: DEffect, now: float) -> None:
+        if isinstance(eff, StartHandshake):
+            self._start_handshake(eff.engine, now)
+        elif isinstance(eff, PostRead):
+            self._post_read(eff, now)
+        elif isinstance(eff, SendHeartbeat):
+            self._send_heartbeat(eff)
+        elif isinstance(eff, SendRelease):
+            p = self.params.get(eff.request_id)
+            epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+            self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
+        elif isinstance(eff, SendDone):
+            p = self.params.get(eff.request_id)
+            epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+            self._send("done", eff.engine, encode_done(epoch, eff.handle, eff.expected))
+        elif isinstance(eff, Finished):
+            self._finished(eff)
+        elif isinstance(eff, DropPeer):
+            e = self.engines.get(eff.engine)
+            if e is not None and e.state == PEER_READY:
+                log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
+                self._count("peer_lost")
+                self._disconnect(e)
 
     def _epoch_of(self, engine: str) -> int:
         e = self.engines.get(engine)
@@ -397,7 +434,7 @@ class ConsumerAdapter:
 
     def _send_heartbeat(self, hb: SendHeartbeat) -> None:
         e = self.engines.get(hb.engine)
-        if e is None or e.state != "ready":
+        if e is None or e.state != PEER_READY:
             return
         msgs = encode_heartbeat(e.epoch, hb.seq, hb.handles, hb.expected,
                                 self.config.max_message_bytes)
@@ -415,7 +452,7 @@ class ConsumerAdapter:
         pending, self._releases = self._releases, {}
         for (engine, epoch, expected), handles in pending.items():
             e = self.engines.get(engine)
-            if e is None or e.state != "ready":
+            if e is None or e.state != PEER_READY:
                 continue  # nobody to tell: P frees on expiry
             for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
                 self._send("release", engine, m)
@@ -432,12 +469,12 @@ class ConsumerAdapter:
         if e is None:
             self._apply(self.machine.handshake_result(engine, False, now, "unknown_engine"), now)
             return
-        if e.state == "ready":
+        if e.state == PEER_READY:
             self._apply(self.machine.handshake_result(engine, True, now), now)
             return
-        if e.state == "connecting":
+        if e.state == PEER_HANDSHAKING:
             return
-        e.state = "connecting"
+        e.state = PEER_HANDSHAKING
         e.attempt = 0
         e.next_try = now
         self._progress_handshake(e, now)
@@ -494,10 +531,9 @@ class ConsumerAdapter:
         except Exception as ex:
             self._retry(e, now, "metadata", error_name(ex))
             return
-        e.state = "ready"
+        e.state = PEER_READY
         e.epoch = hs.epoch
         e.region = region
-        e.last_ack = now
         e.attempt = 0
         self._count("handshakes")
         log.info("%s: handshake with %s ok (epoch %d)", self.name, e.name, hs.epoch)
@@ -521,7 +557,7 @@ class ConsumerAdapter:
         if e.client is not None:
             e.client.close()
             e.client = None
-        e.state = "idle"
+        e.state = PEER_UNKNOWN
         self._count("handshake_failed:" + reason)
         if self.metrics is not None:
             self.metrics.handshake_failed(reason)
@@ -535,27 +571,22 @@ class ConsumerAdapter:
         e.next_check = now + 0.02  # a syscall per engine, at most 50 times a second
         if e.client is not None and not e.client.alive():
             self._lose(e.name, now, "handshake channel closed")
-            return
-        peer = self.machine.peers.get(e.name)
-        if peer is not None and peer.outstanding:
-            # Silence counts from the later of the last ack and the oldest unanswered
-            # heartbeat: after an idle spell, the first heartbeat gets a full timeout.
-            since = max(e.last_ack, next(iter(peer.outstanding.values())).sent_at)
-            if now - since > self.peer_timeout:
-                self._lose(e.name, now, f"no ack for {now - since:.1f}s")
 
-    def _lose(self, engine: str, now: float, why: str) -> None:
-        e = self.engines.get(engine)
-        if e is None or e.state != "ready":
-            return
-        log.warning("%s: lost P engine %s: %s", self.name, engine, why)
-        self._count("peer_lost")
-        e.state = "idle"
+    def _disconnect(self, e: _Engine) -> None:
+        e.state = PEER_UNKNOWN
         if e.client is not None:
             e.client.close()
             e.client = None
         e.stale_handles += [h for h in (e.remote_kv, e.remote_gen) if h is not None]
         e.remote_kv = e.remote_gen = None
+
+    def _lose(self, engine: str, now: float, why: str) -> None:
+        e = self.engines.get(engine)
+        if e is None or e.state != PEER_READY:
+            return
+        log.warning("%s: lost P engine %s: %s", self.name, engine, why)
+        self._count("peer_lost")
+        self._disconnect(e)
         self._apply(self.machine.peer_lost(engine, now), now)
 
     def _reap(self, now: float) -> None:
@@ -574,7 +605,7 @@ class ConsumerAdapter:
                     except Exception as ex:
                         log.debug("release_dlist_handle: %s", error_name(ex))
                 e.stale_handles = []
-                if e.state == "idle":
+                if e.state == PEER_UNKNOWN:
                     try:
                         self.agent.remove_remote_agent(e.name)
                     except Exception as ex:
@@ -599,7 +630,7 @@ class ConsumerAdapter:
         nblocks = len(blocks)
         plan = self._plans.get(rid)
         why = ""
-        if p is None or e is None or e.state != "ready" or e.region is None:
+        if p is None or e is None or e.state != PEER_READY or e.region is None:
             why = "engine not ready"
         elif p.epoch != e.epoch:
             why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
@@ -710,7 +741,7 @@ class ConsumerAdapter:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
             e = self.engines.get(engine)
-            if e is None or e.remote_gen is None or e.state != "ready":
+            if e is None or e.remote_gen is None or e.state != PEER_READY:
                 for rd in rds:
                     self._read_failed(rd, "error:peer_gone", now)
                 continue
@@ -824,7 +855,7 @@ class ConsumerAdapter:
             name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
             e = self.engines.get(name)
             for m in msgs:
-                if e is None or e.state != "ready":
+                if e is None or e.state != PEER_READY:
                     self._rejected("unknown_peer")
                     log.info("%s: message from unknown or not-ready peer %r rejected",
                              self.name, name[:64])
@@ -844,7 +875,6 @@ class ConsumerAdapter:
                     log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
                              name)
                     continue
-                e.last_ack = now
                 self._apply(self.machine.ack(name, msg.seq, msg.term_ms / 1000.0, msg.handles,
                                              now, pending=msg.pending), now)
 

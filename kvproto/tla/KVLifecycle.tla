@@ -7,7 +7,13 @@
 (*                                                                         *)
 (* D mirrors kvproto.lifecycle.Consumer (one machine per (request, reader) *)
 (* pair, D_TRANSITIONS): states new, handshaking, waiting, reading, done,  *)
-(* failed.                                                                 *)
+(* failed. NAMES: an action is the Python event's name in CamelCase        *)
+(* (admit -> Admit, handshake_failed -> HandshakeFailed, read_ok -> ReadOk, *)
+(* read_failed -> ReadFailed, peer_lost -> PeerLost); D events whose bare  *)
+(* name P already uses get a D prefix (abort -> DAbort, ack -> DAck, tick  *)
+(* [lease_lost] -> DTick), like the Python event classes. Message kinds    *)
+(* are the wire names (params, done, release, heartbeat, ack). The peer    *)
+(* states are lifecycle.PEER_STATES: unknown, handshaking, ready.          *)
 (*                                                                         *)
 (* TIME. One Tick = one time unit. All times are RELATIVE (remaining lease *)
 (* on P, remaining lease as D believes it, age of a message, age of a      *)
@@ -44,13 +50,12 @@ CONSTANTS
     MaxDAborts,         \* client aborts on D, at most
     MaxReadErrors,      \* READs that fail (transfer error), at most
     MaxHsFail,          \* failed handshakes, at most
+    MaxPeerLost,        \* times a D rank loses its P engine (disconnect, or ack silence for
+                        \* Config.peer_timeout), at most
     PeerReadyAtStart,   \* D ranks start with the P engine already handshaken
     EarlyRequests,      \* requests whose Register is a separate step after Prefill (in the
                         \* same time unit), so D's messages can arrive before it (staging);
                         \* the others are registered in the Prefill step itself
-    DisownAfterAbortedRead, \* TRUE = kvproto.lifecycle.Consumer today: a READ that completes
-                        \* with an abort pending ends "failed" and gives up the group
-                        \* ownership although its done was sent (unsafe, see spec/TLA.md)
     ExpiryMayLag        \* TRUE: a Tick may leave any due requests for a later Tick (the
                         \* ledger's bounded tick, Config.max_tick_work); the safety models
                         \* set it, the liveness models check prompt expiry
@@ -66,12 +71,12 @@ VARIABLES
     readAge,      \* time units the in-flight READ has run (reading only)
     abortPending, \* client abort arrived during the READ
     owner,        \* [Readers -> [Groups -> Requests \cup {"none"}]]: the member D reads
-    peer,         \* [Readers -> {"unknown", "handshaking", "ready"}]
+    peer,         \* [Readers -> PeerStates]: D's view of its P engine
     hbTimer,      \* [Readers -> 0..HeartbeatInterval]: Ticks until D's next heartbeat
     crashed,      \* crashed D ranks
     \* network and fault budgets
     msgs,         \* set of in-flight messages
-    nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail,
+    nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost,
     reported,     \* GHOST: [Requests -> SUBSET Readers] whose done/release reached P
     flaw,         \* GHOST: name of the step property a step violated, "none" so far
     hsSlow        \* GHOST: pairs whose handshake was still running when time passed
@@ -79,8 +84,8 @@ VARIABLES
 ledgerVars == <<pstate, expected, finished, released, deadline, reports, rc,
                 stagedQ, staged, stagedAge, groupsDone, nfree>>
 dVars == <<pre, dst, dlease, readAge, abortPending, owner, peer, hbTimer, crashed>>
-netVars == <<msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw,
-             hsSlow>>
+netVars == <<msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost,
+             reported, flaw, hsSlow>>
 vars == <<ledgerVars, dVars, netVars>>
 
 Max(a, b) == IF a >= b THEN a ELSE b
@@ -104,7 +109,8 @@ Pairs == {<<r, d>> : r \in Requests, d \in Readers}
 IsPair(r, d) == d \in ReadersOf[r]
 NExp(r) == Cardinality(ReadersOf[r])    \* TransferParams.expected, sent by D in every message
 DStates == {"new", "handshaking", "waiting", "reading", "done", "failed"}
-MsgKinds == {"params", "done", "release", "hb", "ack"}
+MsgKinds == {"params", "done", "release", "heartbeat", "ack"}
+PeerStates == {"unknown", "handshaking", "ready"}   \* lifecycle.PEER_STATES
 
 (* Messages: k kind, rs requests (one, except for the heartbeat batch and its ack),
    d reader, age = units in flight; for "ack": x = the lease end D derives from it,
@@ -139,7 +145,7 @@ Prefill(S) ==
     /\ msgs' = msgs \cup UNION {{Msg("params", r, d) : d \in ReadersOf[r]} : r \in S}
     /\ P!Write(RegisterAll(P!Cur, S \ EarlyRequests))
     /\ UNCHANGED <<dst, dlease, readAge, abortPending, owner, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Ledger.register *)
 Register(r) ==
@@ -152,7 +158,7 @@ Abort(r) ==
     /\ nPAbort < MaxPAborts /\ pstate[r] \in P!HeldLive
     /\ nPAbort' = nPAbort + 1
     /\ P!Abort(r)
-    /\ UNCHANGED <<dVars, msgs, nLoss, nDup, nCrash, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+    /\ UNCHANGED <<dVars, msgs, nLoss, nDup, nCrash, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 (* Delivery of m to its receiver, which sends the messages in out. Either m leaves
    the network, or it stays as a duplicate to be delivered again (budget MaxDup). *)
@@ -178,7 +184,7 @@ Done(m) ==
     /\ P!Done(Req(m), m.d, NExp(Req(m)))
     /\ Report(m)
     /\ StaleCheck({Req(m)})
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, hsSlow>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Ledger.release *)
 Release(m) ==
@@ -186,24 +192,24 @@ Release(m) ==
     /\ P!Release(Req(m), m.d, NExp(Req(m)))
     /\ Report(m)
     /\ StaleCheck({Req(m)})
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, hsSlow>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, hsSlow>>
 
-(* mirrors kvproto.lifecycle.Ledger.heartbeat (one batch); P answers with one Ack
+(* mirrors kvproto.lifecycle.Ledger.heartbeat (one batch); P answers with one ack
    (term = LeaseExtension; refused = the aborted/expired/freed handles). *)
 Heartbeat(m) ==
-    /\ m \in msgs /\ m.k = "hb"
+    /\ m \in msgs /\ m.k = "heartbeat"
     /\ LET ref == {r \in m.rs : P!HeartbeatRefused(P!Cur, r)}
            ack == MsgB("ack", m.rs, m.d, Max(LeaseExtension - ClockDrift - m.age, 0), ref)
        IN  Deliver(m, {ack})
     /\ P!Write(P!HeartbeatBatchOp(P!Cur, m.rs, m.d, m.x))
     /\ StaleCheck(m.rs)
-    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, hsSlow>>
+    /\ UNCHANGED <<dVars, nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, hsSlow>>
 
 (* The network loses a message (budget MaxLoss). *)
 Lose(m) ==
     /\ m \in msgs /\ nLoss < MaxLoss
     /\ msgs' = msgs \ {m} /\ nLoss' = nLoss + 1
-    /\ UNCHANGED <<ledgerVars, dVars, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+    /\ UNCHANGED <<ledgerVars, dVars, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 -----------------------------------------------------------------------------
 (* D side: kvproto.lifecycle.Consumer, one machine per pair <<r, d>>. *)
@@ -214,7 +220,7 @@ Send(ms) == msgs' = msgs \cup ms
 Rest(r, d) == /\ dlease' = [dlease EXCEPT ![<<r, d>>] = 0]
               /\ readAge' = [readAge EXCEPT ![<<r, d>>] = 0]
               /\ abortPending' = [abortPending EXCEPT ![<<r, d>>] = FALSE]
-(* Consumer._finish: a failed pair gives up its group ownership. *)
+(* Effect "disown" of a D_TRANSITIONS row: a failed pair gives up its group ownership. *)
 Disown(r, d) == owner' = IF GroupOf[r] # NoGroup /\ owner[d][GroupOf[r]] = r
                          THEN [owner EXCEPT ![d][GroupOf[r]] = "none"] ELSE owner
 
@@ -234,7 +240,7 @@ Admit(m) ==
                    ELSE /\ SetD(r, d, "handshaking")                     \* (start or join)
                         /\ peer' = [peer EXCEPT ![d] = "handshaking"]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, owner, hbTimer, crashed,
-                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.handshake_result(ok=True) *)
 HandshakeOk(d) ==
@@ -243,15 +249,16 @@ HandshakeOk(d) ==
     /\ dst' = [p \in Pairs |-> IF p[2] = d /\ dst[p] = "handshaking" THEN "waiting" ELSE dst[p]]
     /\ UNCHANGED <<ledgerVars, pre, dlease, readAge, abortPending, owner, hbTimer, crashed, netVars>>
 
-(* mirrors kvproto.lifecycle.Consumer.handshake_result(ok=False): no release (P expires) *)
-HandshakeFail(d) ==
+(* mirrors kvproto.lifecycle.Consumer.handshake_result(ok=False), event handshake_failed:
+   no release (P expires) *)
+HandshakeFailed(d) ==
     /\ Alive(d) /\ peer[d] = "handshaking" /\ nHsFail < MaxHsFail
     /\ nHsFail' = nHsFail + 1
     /\ peer' = [peer EXCEPT ![d] = "unknown"]
     /\ dst' = [p \in Pairs |-> IF p[2] = d /\ dst[p] = "handshaking" THEN "failed" ELSE dst[p]]
     /\ dlease' = [p \in Pairs |-> IF p[2] = d /\ dst[p] = "handshaking" THEN 0 ELSE dlease[p]]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, owner, hbTimer, crashed,
-                   msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, reported, flaw, hsSlow>>
+                   msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nPeerLost, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.schedule: rows SCHEDULE/sibling_local (release),
    SCHEDULE/lease_short (release), SCHEDULE/lease_covers_read (post the READ). *)
@@ -270,29 +277,29 @@ Schedule(r, d) ==
             /\ owner' = IF g # NoGroup THEN [owner EXCEPT ![d][g] = r] ELSE owner
             /\ UNCHANGED <<msgs, abortPending>>
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
-(* mirrors kvproto.lifecycle.Consumer.read_result(ok=True): rows READ_OK/ok (done),
-   READ_OK/abort_pending (failed, but the done notification is sent). *)
-FinishRead(r, d) ==
+(* mirrors kvproto.lifecycle.Consumer.read_result(ok=True), event read_ok: rows
+   READ_OK/ok (done), READ_OK/abort_pending (failed, but the done notification is sent,
+   so the pair keeps its group: no disown). *)
+ReadOk(r, d) ==
     /\ IsPair(r, d) /\ Alive(d) /\ dst[<<r, d>>] = "reading"
-    /\ IF abortPending[<<r, d>>]
-       THEN /\ SetD(r, d, "failed")
-            /\ IF DisownAfterAbortedRead THEN Disown(r, d) ELSE UNCHANGED owner
-       ELSE SetD(r, d, "done") /\ UNCHANGED owner
+    /\ IF abortPending[<<r, d>>] THEN SetD(r, d, "failed") ELSE SetD(r, d, "done")
+    /\ UNCHANGED owner
     /\ Rest(r, d)
     /\ Send({Msg("done", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
-(* mirrors kvproto.lifecycle.Consumer.read_result(ok=False): READ_FAILED/error (release) *)
-ReadError(r, d) ==
+(* mirrors kvproto.lifecycle.Consumer.read_result(ok=False), event read_failed: rows
+   READ_FAILED/error and /fenced (release, disown; the model does not tell them apart) *)
+ReadFailed(r, d) ==
     /\ IsPair(r, d) /\ Alive(d) /\ dst[<<r, d>>] = "reading" /\ nReadErr < MaxReadErrors
     /\ nReadErr' = nReadErr + 1
     /\ SetD(r, d, "failed") /\ Disown(r, d) /\ Rest(r, d)
     /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 (* mirrors kvproto.lifecycle.Consumer.abort (client abort on D): rows D_ABORT/idle
    (release), D_ABORT/in_flight (never release under an in-flight READ). *)
@@ -307,17 +314,21 @@ DAbort(r, d) ==
        ELSE /\ SetD(r, d, "failed") /\ Rest(r, d) /\ Disown(r, d)
             /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
-(* mirrors kvproto.lifecycle.Consumer.ack: rows ACK/granted (lease end := heartbeat
-   send time + term - drift, never lowered), ACK/refused (waiting -> failed, no release;
-   reading -> let the READ finish). *)
-Ack(m) ==
-    /\ m \in msgs /\ m.k = "ack" /\ Deliver(m, {})
-    /\ LET live(r) == IsPair(r, m.d) /\ Alive(m.d) /\ dst[<<r, m.d>>] \in {"waiting", "reading"}
+(* mirrors kvproto.lifecycle.Consumer.ack, event ack: rows ACK/granted (lease end :=
+   heartbeat send time + term - drift, never lowered), ACK/refused (waiting -> failed,
+   release so that an aborted request frees now, disown; reading -> let the READ
+   finish). An ack that reaches a rank which lost its peer since is ignored, as Python
+   forgets the outstanding heartbeats of a lost peer. *)
+DAck(m) ==
+    /\ m \in msgs /\ m.k = "ack"
+    /\ LET live(r) == IsPair(r, m.d) /\ Alive(m.d) /\ peer[m.d] = "ready"
+                       /\ dst[<<r, m.d>>] \in {"waiting", "reading"}
            revoked == {r \in m.rs : live(r) /\ r \in m.ref /\ dst[<<r, m.d>>] = "waiting"}
            granted == {r \in m.rs : live(r) /\ r \notin m.ref /\ dst[<<r, m.d>>] = "waiting"}
-       IN  /\ dst' = [p \in Pairs |-> IF p[2] = m.d /\ p[1] \in revoked THEN "failed" ELSE dst[p]]
+       IN  /\ Deliver(m, {Msg("release", r, m.d) : r \in revoked})
+           /\ dst' = [p \in Pairs |-> IF p[2] = m.d /\ p[1] \in revoked THEN "failed" ELSE dst[p]]
            /\ dlease' = [p \in Pairs |-> IF p[2] # m.d THEN dlease[p]
                                          ELSE IF p[1] \in revoked THEN 0
                                          ELSE IF p[1] \in granted THEN Max(dlease[p], m.x)
@@ -325,16 +336,17 @@ Ack(m) ==
            /\ owner' = [owner EXCEPT ![m.d] = [g \in Groups |->
                             IF owner[m.d][g] \in revoked THEN "none" ELSE owner[m.d][g]]]
     /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, peer, hbTimer, crashed,
-                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
-(* mirrors the lease check of kvproto.lifecycle.Consumer.tick: row D_TICK/lease_lost *)
-LeaseLost(r, d) ==
+(* mirrors the lease check of kvproto.lifecycle.Consumer.tick, event tick: row
+   D_TICK/lease_lost (release, disown) *)
+DTick(r, d) ==
     /\ IsPair(r, d) /\ Alive(d) /\ dst[<<r, d>>] \in {"waiting", "handshaking"}
     /\ ~ReadFits(dlease[<<r, d>>])
     /\ SetD(r, d, "failed") /\ Rest(r, d) /\ Disown(r, d)
     /\ Send({Msg("release", r, d)})
     /\ UNCHANGED <<ledgerVars, pre, peer, hbTimer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 (* mirrors the heartbeat part of kvproto.lifecycle.Consumer.tick: the batches D sends
    when its heartbeat comes due, one per expected-reader count, covering every request D
@@ -343,7 +355,23 @@ LeaseLost(r, d) ==
 HbBatches(d) ==
     LET pull == {q \in Requests : IsPair(q, d) /\ peer[d] = "ready"
                                  /\ dst[<<q, d>>] \in {"waiting", "reading"}}
-    IN  {MsgB("hb", {q \in pull : NExp(q) = e}, d, e, {}) : e \in {NExp(q) : q \in pull}}
+    IN  {MsgB("heartbeat", {q \in pull : NExp(q) = e}, d, e, {}) : e \in {NExp(q) : q \in pull}}
+
+(* mirrors kvproto.lifecycle.Consumer.peer_lost, and the ack-silence check of
+   Consumer.tick (no ack for Config.peer_timeout: the same rows), event peer_lost: rows
+   PEER_LOST/lost (waiting, handshaking -> failed; no release, P expires them) and
+   PEER_LOST/in_flight (a READ in flight reports its own fate). A fault (budget
+   MaxPeerLost): the network or P fails, or P falls silent. *)
+PeerLost(d) ==
+    /\ Alive(d) /\ peer[d] # "unknown" /\ nPeerLost < MaxPeerLost
+    /\ nPeerLost' = nPeerLost + 1
+    /\ peer' = [peer EXCEPT ![d] = "unknown"]
+    /\ LET lost == {p \in Pairs : p[2] = d /\ dst[p] \in {"waiting", "handshaking"}}
+       IN  /\ dst' = [p \in Pairs |-> IF p \in lost THEN "failed" ELSE dst[p]]
+           /\ dlease' = [p \in Pairs |-> IF p \in lost THEN 0 ELSE dlease[p]]
+    /\ UNCHANGED <<ledgerVars, pre, readAge, abortPending, owner, hbTimer, crashed,
+                   msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported,
+                   flaw, hsSlow>>
 
 (* A D rank crashes: it sends nothing more and its READs stop (no message to P). *)
 Crash(d) ==
@@ -356,7 +384,7 @@ Crash(d) ==
     /\ readAge' = [p \in Pairs |-> IF p[2] = d THEN 0 ELSE readAge[p]]
     /\ abortPending' = [p \in Pairs |-> IF p[2] = d THEN FALSE ELSE abortPending[p]]
     /\ UNCHANGED <<ledgerVars, pre, owner, peer,
-                   msgs, nLoss, nDup, nPAbort, nDAbort, nReadErr, nHsFail, reported, flaw, hsSlow>>
+                   msgs, nLoss, nDup, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported, flaw, hsSlow>>
 
 -----------------------------------------------------------------------------
 (* Time. Disabled while something is due "now": a message at its delay bound, a READ
@@ -391,7 +419,7 @@ Tick ==
                                              /\ dst[<<r, d>>] \in {"waiting", "reading"}
                THEN "RenewalKeepsLease" ELSE flaw
     /\ UNCHANGED <<pre, dst, abortPending, owner, peer, crashed,
-                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, reported>>
+                   nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost, reported>>
 
 -----------------------------------------------------------------------------
 Init ==
@@ -407,14 +435,14 @@ Init ==
     /\ crashed = {}
     /\ msgs = {}
     /\ nLoss = 0 /\ nDup = 0 /\ nCrash = 0 /\ nPAbort = 0 /\ nDAbort = 0
-    /\ nReadErr = 0 /\ nHsFail = 0
+    /\ nReadErr = 0 /\ nHsFail = 0 /\ nPeerLost = 0
     /\ reported = [r \in Requests |-> {}]
     /\ flaw = "none"
     /\ hsSlow = {}
 
-Receive == \E m \in msgs : Done(m) \/ Release(m) \/ Heartbeat(m) \/ Admit(m) \/ Ack(m)
+Receive == \E m \in msgs : Done(m) \/ Release(m) \/ Heartbeat(m) \/ Admit(m) \/ DAck(m)
 DStep == \E r \in Requests, d \in Readers :
-            Schedule(r, d) \/ FinishRead(r, d) \/ LeaseLost(r, d) \/ ReadError(r, d) \/ DAbort(r, d)
+            Schedule(r, d) \/ ReadOk(r, d) \/ DTick(r, d) \/ ReadFailed(r, d) \/ DAbort(r, d)
 
 Next ==
     \/ \E S \in PrefillUnits : Prefill(S)
@@ -422,16 +450,17 @@ Next ==
     \/ Receive
     \/ \E m \in msgs : Lose(m)
     \/ DStep
-    \/ \E d \in Readers : HandshakeOk(d) \/ HandshakeFail(d) \/ Crash(d)
+    \/ \E d \in Readers : HandshakeOk(d) \/ HandshakeFailed(d) \/ PeerLost(d) \/ Crash(d)
     \/ Tick
 
 (* Fairness: time passes, messages are delivered, D and P do their work. Faults
-   (loss, duplication, crash, aborts, READ errors, failed handshakes) are not fair. *)
+   (loss, duplication, crash, aborts, READ errors, failed handshakes, peer loss) are not
+   fair. *)
 Fairness ==
     /\ WF_vars(Tick)
-    /\ WF_vars(\E m \in msgs : (Done(m) \/ Release(m) \/ Heartbeat(m) \/ Admit(m) \/ Ack(m))
+    /\ WF_vars(\E m \in msgs : (Done(m) \/ Release(m) \/ Heartbeat(m) \/ Admit(m) \/ DAck(m))
                                /\ msgs' # msgs /\ nDup' = nDup)
-    /\ WF_vars(\E r \in Requests, d \in Readers : Schedule(r, d) \/ FinishRead(r, d) \/ LeaseLost(r, d))
+    /\ WF_vars(\E r \in Requests, d \in Readers : Schedule(r, d) \/ ReadOk(r, d) \/ DTick(r, d))
     /\ WF_vars((\E S \in PrefillUnits : Prefill(S)) \/ \E r \in Requests : Register(r))
     /\ WF_vars(\E d \in Readers : HandshakeOk(d))
 
@@ -445,7 +474,7 @@ ReaderSymmetry == Permutations(Readers)
 (* The state as safety checking needs it: the GHOST `reported` is read only by the
    liveness property ReportedIsFreed, so safety models may leave it out (VIEW). *)
 SafetyView == <<ledgerVars, dVars, msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr,
-                nHsFail, flaw, hsSlow>>
+                nHsFail, nPeerLost, flaw, hsSlow>>
 
 (* Invariants. Each is referenced from spec/TLA.md. *)
 
@@ -457,7 +486,7 @@ TypeOK ==
     /\ readAge \in [Pairs -> Nat]
     /\ abortPending \in [Pairs -> BOOLEAN]
     /\ owner \in [Readers -> [Groups -> Requests \cup {"none"}]]
-    /\ peer \in [Readers -> {"unknown", "handshaking", "ready"}]
+    /\ peer \in [Readers -> PeerStates]
     /\ hbTimer \in [Readers -> 0..HeartbeatInterval]
     /\ crashed \subseteq Readers
     /\ \A m \in msgs : m.k \in MsgKinds /\ m.rs \subseteq Requests /\ m.d \in Readers

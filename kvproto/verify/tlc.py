@@ -598,18 +598,20 @@ def require_ok(res: TlcResult, ok_codes: Sequence[int] = (TLC_OK,)) -> TlcResult
 # Counterexamples in the spec's vocabulary.
 # ---------------------------------------------------------------------------
 
-_MSG_ACTION = {"done": "Done", "release": "Release", "hb": "Heartbeat", "params": "Admit",
-               "ack": "Ack"}
+_MSG_ACTION = {"done": "Done", "release": "Release", "heartbeat": "Heartbeat",
+               "params": "Admit", "ack": "DAck"}
 _PY = {
     "Register": "Ledger.register", "Prefill": "P hands out transfer params",
     "Done": "Ledger.done", "Release": "Ledger.release", "Heartbeat": "Ledger.heartbeat",
-    "Abort": "Ledger.abort", "Tick": "Ledger.tick, Consumer.tick (heartbeats due)", "Admit": "Consumer.admit",
-    "Ack": "Consumer.ack", "Schedule": "Consumer.schedule",
-    "FinishRead": "Consumer.read_result(ok)", "ReadError": "Consumer.read_result(error)",
-    "DAbort": "Consumer.abort", "LeaseLost": "Consumer.tick (lease_lost)",
-    "HandshakeOk": "Consumer.handshake_result(ok)",
-    "HandshakeFail": "Consumer.handshake_result(failed)", "Crash": "D rank crashes",
-    "Lose": "network loses a message",
+    "Abort": "Ledger.abort", "Tick": "Ledger.tick, Consumer.tick (heartbeats due)",
+    "Admit": "Consumer.admit (admit)", "DAck": "Consumer.ack (ack)",
+    "Schedule": "Consumer.schedule (schedule)", "ReadOk": "Consumer.read_result (read_ok)",
+    "ReadFailed": "Consumer.read_result (read_failed)", "DAbort": "Consumer.abort (abort)",
+    "DTick": "Consumer.tick (tick [lease_lost])",
+    "HandshakeOk": "Consumer.handshake_result (handshake_ok)",
+    "HandshakeFailed": "Consumer.handshake_result (handshake_failed)",
+    "PeerLost": "Consumer.peer_lost, or ack silence in Consumer.tick (peer_lost)",
+    "Crash": "D rank crashes", "Lose": "network loses a message",
 }
 
 

@@ -1,0 +1,374 @@
+"""D-side conformance: one decode rank's journal checked against D's transition table.
+
+A D journal (``JournalWriter(..., reader=name)`` on a ``Consumer``'s sink: the simulator,
+``kvproto demo``, the NIXL tests) is replayed through a fresh ``Consumer`` (which runs
+``D_TRANSITIONS``, the table ``tla/KVLifecycle.tla``'s D actions mirror name for name):
+every recorded effect must be the table's, and D's promises to P must hold (no release
+while a READ is in flight). ``kvproto validate`` sends D journals here.
+
+State-graph equality: ``tla/KVConsumer.tla`` is D's machine alone (as ``KVLedger.tla``
+is P's). For each small ``DModel`` TLC dumps its reachable graph, the Python
+``Consumer`` is explored by BFS over the same inputs through the abstraction function
+of KVConsumer.tla's header, and both graphs must have the same labelled edges (effects
+included: they are part of the state, as the last step's ``eff``). Heartbeats and P's
+acks are not in this model (ACK rows are covered by the whole-protocol model
+KVLifecycle.tla and by the journal checks).
+
+Not done yet (issue 10): TLC trace validation of D journals (they are checked against
+D_TRANSITIONS by replay, above).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import networkx as nx
+
+from kvproto.journal import (
+    MAX_LINE_BYTES,
+    JournalError,
+    journal_lines,
+    journal_side,
+    parse_line,
+    read_journal_objects,
+    replay,
+)
+from kvproto.lifecycle import (
+    Config,
+    Consumer,
+    DEffect,
+    DropPeer,
+    Finished,
+    PostRead,
+    SendDone,
+    SendRelease,
+    StartHandshake,
+    TransferParams,
+)
+from kvproto.verify.conformance import read_dot
+from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
+
+
+@dataclass
+class DVerdict:
+    """The outcome for one D journal."""
+
+    path: str
+    reader: str
+    events: int
+    allowed: bool
+    finished: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        head = (f"{self.path}: D journal of {self.reader}: {self.events} events "
+                f"{'follow' if self.allowed else 'do NOT follow'} D_TRANSITIONS "
+                f"(finished {self.finished})")
+        return "\n".join([head, *(f"  {p}" for p in self.problems)])
+
+
+def is_d_journal(path: str | Path) -> bool:
+    """True when ``path``'s header says it is one D rank's journal (False for P's, or
+    when the header cannot be read: the caller reports that)."""
+    try:
+        with open(path, "rb") as f:
+            header = parse_line(f.readline(MAX_LINE_BYTES + 1), 1, "header is ")
+        return isinstance(header, dict) and journal_side(header) == "D"
+    except (OSError, ValueError, JournalError):
+        return False
+
+
+def check_d_journal(path: str | Path) -> DVerdict:
+    """Replay a D journal through ``Consumer``; raises JournalError on unreadable input."""
+    with open(path, "rb") as f:
+        header, _ = read_journal_objects(journal_lines(f))
+        f.seek(0)
+        res = replay(journal_lines(f))
+    return DVerdict(str(path), str(header.get("reader")), res.events, res.ok, res.frees,
+                    [*(f"DIVERGED {d}" for d in res.divergences),
+                     *(f"VIOLATION {v}" for v in res.violations)])
+
+
+# ---------------------------------------------------------------------------
+# State-graph equality: Consumer (Python) vs tla/KVConsumer.tla (TLC), small models.
+# ---------------------------------------------------------------------------
+
+ENGINE: Final = "P0"
+
+
+@dataclass(frozen=True)
+class DAction:
+    label: str  # the TLA+ operator name of the generated action
+    kind: str  # admit | schedule | abort | read_ok | read_failed | handshake_ok | ...
+    request: str = ""
+    flag: bool = False  # read_ok: notification attached; read_failed: fenced
+
+
+@dataclass(frozen=True)
+class DModel:
+    """A small D model, the same for TLC and the Python BFS. Times in model units."""
+
+    name: str
+    requests: tuple[str, ...]
+    group_of: Mapping[str, str | None]
+    term_of: Mapping[str, int]  # TransferParams.initial_term per request
+    max_delay: int = 0
+    max_read_time: int = 1
+    clock_drift: int = 0
+    doc: str = ""
+
+    def config(self) -> Config:
+        longest = max(self.term_of.values()) + 10
+        return Config(initial_lease=float(longest), lease_extension=float(longest),
+                      abort_grace=float(longest), heartbeat_interval=1.0,
+                      max_delay=float(self.max_delay), max_read_time=float(self.max_read_time),
+                      clock_drift=float(self.clock_drift),
+                      peer_timeout=1e9).validate()  # acks are not modelled: never silent
+
+    def params(self, r: str) -> TransferParams:
+        h = self.requests.index(r) + 1
+        return TransferParams(ENGINE, 1, h, (h,), float(self.term_of[r]), 1, self.group_of[r])
+
+    def actions(self) -> list[DAction]:
+        acts: list[DAction] = []
+        for r in self.requests:
+            acts += [DAction(f"Admit_{r}", "admit", r), DAction(f"Schedule_{r}", "schedule", r),
+                     DAction(f"DAbort_{r}", "abort", r)]
+            for b in (True, False):
+                acts.append(DAction(f"ReadOk_{r}_{str(b).upper()}", "read_ok", r, b))
+                acts.append(DAction(f"ReadFailed_{r}_{str(b).upper()}", "read_failed", r, b))
+        acts += [DAction("HandshakeOk_", "handshake_ok"),
+                 DAction("HandshakeFailed_", "handshake_failed"),
+                 DAction("PeerLost_", "peer_lost"), DAction("Tick_", "tick")]
+        return acts
+
+    def module_name(self) -> str:
+        return f"MC_dconf_{self.name}"
+
+    def tla_module(self) -> str:
+        def tfun(m: Mapping[str, Any], conv: Any) -> str:
+            return "[r \\in Requests |-> CASE " + " [] ".join(
+                f'r = "{r}" -> {conv(m[r])}' for r in self.requests) + "]"
+
+        lines = [f"---- MODULE {self.module_name()} ----",
+                 f"(* GENERATED by kvproto.verify.dconformance from DModel {self.name!r}. *)",
+                 "EXTENDS KVConsumer",
+                 f"CGroupOf == {tfun(self.group_of, lambda g: render(g or 'none'))}",
+                 f"CTermOf == {tfun(self.term_of, str)}"]
+        for a in self.actions():
+            if a.kind in ("admit", "schedule", "abort"):
+                op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort"}[a.kind]
+                lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
+            elif a.kind in ("read_ok", "read_failed"):
+                op = "ReadOk" if a.kind == "read_ok" else "ReadFailed"
+                lines.append(f'{a.label} == {op}("{a.request}", {str(a.flag).upper()}) /\\ TRUE')
+            else:
+                op = {"handshake_ok": "HandshakeOk", "handshake_failed": "HandshakeFailed",
+                      "peer_lost": "PeerLost", "tick": "Tick"}[a.kind]
+                lines.append(f"{a.label} == {op} /\\ TRUE")
+        lines.append("ConfNext ==")
+        lines += [f"    \\/ {a.label}" for a in self.actions()]
+        lines.append("====")
+        return "\n".join(lines) + "\n"
+
+    def tla_cfg(self) -> str:
+        return "\n".join([
+            "CONSTANTS",
+            f"    Requests = {{{', '.join(render(r) for r in self.requests)}}}",
+            '    NoGroup = "none"',
+            "    GroupOf <- CGroupOf",
+            "    TermOf <- CTermOf",
+            f"    MaxDelay = {self.max_delay}",
+            f"    MaxReadTime = {self.max_read_time}",
+            f"    ClockDrift = {self.clock_drift}",
+            "INIT Init",
+            "NEXT ConfNext",
+            "INVARIANT TypeOK OneReadPerGroup NoReleaseUnderRead",
+            "",
+        ])
+
+
+D_MODELS: Final[dict[str, DModel]] = {m.name: m for m in (
+    DModel("group2", ("r1", "r2"), {"r1": "g", "r2": "g"}, {"r1": 3, "r2": 3},
+           doc="two siblings of one group: one is read, the other served locally"),
+    DModel("mixed3", ("r1", "r2", "r3"), {"r1": "g", "r2": "g", "r3": None},
+           {"r1": 3, "r2": 2, "r3": 1}, max_read_time=1,
+           doc="a group of two and a request whose term is too short to read"),
+)}
+
+
+@dataclass
+class _DNode:
+    c: Consumer
+    now: int
+    gone: dict[str, tuple[str, ...]]  # rid -> (state,) once it left the machine
+
+
+def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
+    recs: list[Value] = []
+    for e in out:
+        if isinstance(e, StartHandshake):
+            recs.append(mk_fn({"k": "handshake", "r": "", "why": ""}))
+        elif isinstance(e, PostRead):
+            recs.append(mk_fn({"k": "read", "r": e.request_id, "why": ""}))
+        elif isinstance(e, SendDone):
+            recs.append(mk_fn({"k": "done", "r": e.request_id, "why": ""}))
+        elif isinstance(e, SendRelease):
+            recs.append(mk_fn({"k": "release", "r": e.request_id, "why": ""}))
+        elif isinstance(e, Finished):
+            recs.append(mk_fn({"k": "finish", "r": e.request_id, "why": e.reason}))
+        elif isinstance(e, DropPeer):
+            recs.append(mk_fn({"k": "drop_peer", "r": "", "why": ""}))
+    return frozenset(recs)
+
+
+def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
+    """The abstraction function of KVConsumer.tla's header."""
+    c = n.c
+    dst: dict[str, Value] = {}
+    lease: dict[str, Value] = {}
+    pend: dict[str, Value] = {}
+    for r in m.requests:
+        st = n.gone[r][0] if r in n.gone else c.state(r)
+        dst[r] = st
+        le = c.lease_end(r)
+        lease[r] = int(le - n.now) if le is not None and st in ("waiting", "handshaking") else 0
+        pend[r] = c.abort_pending(r)
+    groups = sorted({g for g in m.group_of.values() if g is not None})
+    owner = {g: c.group_owner(ENGINE, g) or "none" for g in groups}
+    state = mk_fn({"dst": mk_fn(dst), "dlease": mk_fn(lease), "abortPending": mk_fn(pend),
+                   "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "eff": eff})
+    assert isinstance(state, Fn)
+    return state
+
+
+def _enabled(m: DModel, s: Fn, a: DAction) -> bool:
+    """The TLA+ action's enabling condition, read off the abstract state."""
+    dst = s["dst"]
+    peer = s["peer"]
+    assert isinstance(dst, Fn)
+    if a.kind == "admit":
+        return dst[a.request] == "new"
+    if a.kind == "schedule":
+        return dst[a.request] == "waiting"
+    if a.kind == "abort":
+        pend = s["abortPending"]
+        assert isinstance(pend, Fn)
+        return dst[a.request] in ("handshaking", "waiting", "reading") and not pend[a.request]
+    if a.kind in ("read_ok", "read_failed"):
+        return dst[a.request] == "reading"
+    if a.kind in ("handshake_ok", "handshake_failed"):
+        return peer == "handshaking"
+    if a.kind == "peer_lost":
+        return peer != "unknown"
+    return True  # tick
+
+
+def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
+    c, r = n.c, a.request
+    if a.kind == "tick":
+        n.now += 1
+    now = float(n.now)
+    if a.kind == "admit":
+        out = c.admit(r, m.params(r), now)
+    elif a.kind == "schedule":
+        out = c.schedule(r, now)
+    elif a.kind == "abort":
+        out = c.abort(r, now)
+    elif a.kind == "read_ok":
+        out = c.read_result(r, True, now, notif_attached=a.flag)
+    elif a.kind == "read_failed":
+        out = c.read_result(r, a.flag, now, fenced=a.flag)
+    elif a.kind == "handshake_ok":
+        out = c.handshake_result(ENGINE, True, now)
+    elif a.kind == "handshake_failed":
+        out = c.handshake_result(ENGINE, False, now)
+    elif a.kind == "peer_lost":
+        out = c.peer_lost(ENGINE, now)
+    else:
+        out = c.tick(now)
+    for e in out:
+        if isinstance(e, Finished):
+            n.gone[e.request_id] = (e.state,)
+    return out
+
+
+def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
+                     max_states: int = 200_000) -> nx.MultiDiGraph:
+    """BFS of the Python Consumer's graph over the model's inputs, by abstract state."""
+    root = _DNode(cls("d0", m.config()), 0, {})
+    s0 = _abstract(m, root, frozenset())
+    g = nx.MultiDiGraph()
+    g.add_node(s0, init=True)
+    rep = {s0: root}
+    queue: deque[Fn] = deque([s0])
+    acts = m.actions()
+    while queue:
+        s = queue.popleft()
+        base = rep.pop(s)
+        for a in acts:
+            if not _enabled(m, s, a):
+                continue
+            n: _DNode = copy.deepcopy(base)
+            t = _abstract(m, n, _effects(_apply(m, n, a)))
+            if t not in g:
+                if g.number_of_nodes() >= max_states:
+                    raise RuntimeError(f"more than {max_states} Python states")
+                g.add_node(t, init=False)
+                rep[t] = n
+                queue.append(t)
+            g.add_edge(s, t, key=a.label, action=a.label)
+    return g
+
+
+def explore_tlc_d(m: DModel, workdir: Path | None = None) -> nx.MultiDiGraph:
+    """TLC's dump of KVConsumer.tla's graph for the model."""
+    wd = Path(tempfile.mkdtemp(prefix=f"dconf-{m.name}-")) if workdir is None else workdir
+    try:
+        wd.mkdir(parents=True, exist_ok=True)
+        shutil.copy(spec_dir() / "KVConsumer.tla", wd / "KVConsumer.tla")
+        mod = wd / f"{m.module_name()}.tla"
+        mod.write_text(m.tla_module(), encoding="utf-8")
+        (wd / f"{m.module_name()}.cfg").write_text(m.tla_cfg(), encoding="utf-8")
+        dot = wd / f"{m.name}.dot"
+        require_ok(run_tlc(mod.with_suffix(".cfg"), module=mod.stem, workdir=wd, name=m.name,
+                           args=["-nowarning", "-dump", "dot,actionlabels", str(dot)]))
+        return read_dot(dot)
+    finally:
+        if workdir is None:
+            shutil.rmtree(wd, ignore_errors=True)
+
+
+@dataclass
+class DComparison:
+    py_states: int
+    tlc_states: int
+    only_py: list[tuple[Fn, str, Fn]]
+    only_tlc: list[tuple[Fn, str, Fn]]
+
+    @property
+    def equal(self) -> bool:
+        return not self.only_py and not self.only_tlc
+
+    def report(self, show: int = 3) -> str:
+        lines = [f"python {self.py_states} states, TLC {self.tlc_states} states: "
+                 + ("EQUAL" if self.equal else "GRAPHS DIFFER")]
+        for what, edges in (("only in Python", self.only_py), ("only in TLC", self.only_tlc)):
+            for a, k, b in edges[:show]:
+                lines.append(f"  {what}: {k}\n    from {render(a)}\n    to   {render(b)}")
+        return "\n".join(lines)
+
+
+def compare_d(py: nx.MultiDiGraph, tlc: nx.MultiDiGraph) -> DComparison:
+    pe = {(a, k, b) for a, b, k in py.edges(keys=True)}
+    te = {(a, k, b) for a, b, k in tlc.edges(keys=True)}
+    key = lambda e: (e[1], repr(e[0]), repr(e[2]))  # noqa: E731 - a sort key
+    return DComparison(py.number_of_nodes(), tlc.number_of_nodes(),
+                       sorted(pe - te, key=key), sorted(te - pe, key=key))
