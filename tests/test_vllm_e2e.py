@@ -127,9 +127,15 @@ def _frees(stats: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _validate(journals: list[Path]) -> None:
-    present = [str(j) for j in journals if j.exists() and j.stat().st_size > 0]
+def _validate(journals: list[Path], *, need_consumer: bool = False) -> None:
+    """``kvproto validate`` on the P journals and the D (Consumer) journals beside them."""
+    from kvproto.vllm.connector import consumer_journal_path
+
+    consumer = [Path(consumer_journal_path(str(j))) for j in journals]
+    present = [str(j) for j in journals + consumer if j.exists() and j.stat().st_size > 0]
     assert present, f"no journal written among {journals}"
+    if need_consumer:
+        assert any(str(c) in present for c in consumer), f"no D journal among {consumer}"
     run = subprocess.run([sys.executable, "-m", "kvproto.cli", "validate", *present],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -271,7 +277,7 @@ def test_pair_journals_validate(pair: Pair) -> None:
     pair.pd.close()
     if STOCK:
         pytest.skip("the stock connector writes no journal")
-    _validate(pair.journals)
+    _validate(pair.journals, need_consumer=True)
 
 
 # ---------------------------------------------------------------------------- faults

@@ -98,6 +98,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -274,6 +275,12 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
 # ---------------------------------------------------------------------------
 
 
+def consumer_journal_path(journal: str) -> str:
+    """Where a D worker writes its Consumer journal, given the ``journal`` option."""
+    p = Path(journal)
+    return str(p.with_name(p.stem + ".consumer" + (p.suffix or ".jsonl")))
+
+
 class _PWorker:
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
 
@@ -374,11 +381,20 @@ class _DWorker:
                 if phase == "before_gen":
                     log.warning("kvproto TEST HOOK: stalling %s for %.1fs", rid, stall)
                     time.sleep(stall)
+        # D's own journal (the Consumer's events and effects) beside P's: with ``journal``
+        # = X.jsonl it is X.consumer.jsonl; ``kvproto validate`` and ``replay`` take both.
+        self.writer: JournalWriter | None = None
+        if opts.journal:
+            from kvproto.journal import JournalWriter
+
+            self.writer = JournalWriter(consumer_journal_path(opts.journal), opts.config,
+                                        meta={"engine": name, "source": "kvproto.vllm"},
+                                        flush_every=opts.journal_flush_every, reader=name)
         self.adapter: ConsumerAdapter = ConsumerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
-            metrics=metrics)
+            metrics=metrics, sink=self.writer.sink if self.writer is not None else None)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Admitted and not finished: request id -> (P engine, handle), and those keys.
         self.admitted: dict[str, tuple[str, int]] = {}
@@ -488,6 +504,8 @@ class _DWorker:
 
     def close(self) -> None:
         self.adapter.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ---------------------------------------------------------------------------
