@@ -1,0 +1,1 @@
+kvproto/tla
