@@ -410,6 +410,27 @@ class ReplayResult:
         return not self.divergences and not self.violations
 
 
+def _replay_step(machine: Any, lineno: int, ev: Any, recorded: list[Any], res: ReplayResult,
+                 out: IO[str] | None, max_reports: int) -> list[Any] | None:
+    """Feed one journaled event to ``machine`` (a Ledger or a Consumer), write and compare
+    its effects; None when the machine raised (recorded as a violation)."""
+    try:
+        got: list[Any] = machine.apply(ev)
+    except Exception as e:
+        res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+        return None
+    res.events += 1
+    if out is not None:
+        for eff in got:
+            out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
+    if got != recorded and len(res.divergences) < max_reports:
+        res.divergences.append(
+            f"line {lineno}: {to_json(ev)['type']} effects differ\n"
+            f"    recorded: {[to_json(e) for e in recorded]}\n"
+            f"    replayed: {[to_json(e) for e in got]}")
+    return got
+
+
 def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
            out: IO[str] | None = None, *,
            full_check_every: int = 1000, max_reports: int = 10) -> ReplayResult:
@@ -424,20 +445,9 @@ def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
     ledger = Ledger(config, pool)
     res = ReplayResult()
     for lineno, ev, recorded in body:
-        try:
-            got = ledger.apply(ev)
-        except Exception as e:
-            res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+        got = _replay_step(ledger, lineno, ev, recorded, res, out, max_reports)
+        if got is None:
             break
-        res.events += 1
-        if out is not None:
-            for eff in got:
-                out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
-        if got != recorded and len(res.divergences) < max_reports:
-            res.divergences.append(
-                f"line {lineno}: {to_json(ev)['type']} effects differ\n"
-                f"    recorded: {[to_json(e) for e in recorded]}\n"
-                f"    replayed: {[to_json(e) for e in got]}")
         for eff in got:
             if isinstance(eff, Free):
                 res.frees[eff.reason] = res.frees.get(eff.reason, 0) + 1
@@ -474,20 +484,9 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
     res.side = "D"
     for lineno, ev, recorded in body:
         before = {rid: machine.state(rid) for rid in machine.reqs}
-        try:
-            got = machine.apply(ev)
-        except Exception as e:
-            res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+        got = _replay_step(machine, lineno, ev, recorded, res, out, max_reports)
+        if got is None:
             break
-        res.events += 1
-        if out is not None:
-            for eff in got:
-                out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
-        if got != recorded and len(res.divergences) < max_reports:
-            res.divergences.append(
-                f"line {lineno}: {to_json(ev)['type']} effects differ\n"
-                f"    recorded: {[to_json(e) for e in recorded]}\n"
-                f"    replayed: {[to_json(e) for e in got]}")
         for eff in got:
             if isinstance(eff, Finished):
                 key = f"{eff.state}:{eff.reason}"
