@@ -15,7 +15,6 @@ from typing import Any
 
 import networkx as nx
 import pytest
-from kvproto.conformance import TLCMissing
 
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
@@ -31,6 +30,7 @@ from kvproto.lifecycle import (
 from kvproto.sim import Faults, Simulator
 from kvproto.verify import dconformance as dc
 from kvproto.verify.dconformance import check_d_journal, is_d_journal
+from kvproto.verify.tlc import MissingDependency as TLCMissing
 
 
 def sim_d_journals(tmp_path: Path, seed: int, duration: float = 40.0) -> list[Path]:
