@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry
+from test_nixl_procs import Proc  # the engine-process wrapper the NIXL tests use
 
 from kvproto.lifecycle import Config, TransferParams
 from kvproto.metrics import MAX_LABEL_VALUES, Metrics, scrape_values, serve
@@ -137,47 +138,6 @@ def test_one_registry_many_engines_and_bounded_labels() -> None:
     Metrics(labels={"engine": "x"}).fenced()
 
 
-class _Proc:
-    """An engine process and its command pipe (as in tests/test_nixl_procs.py)."""
-
-    def __init__(self, ctx: Any, target: Any, *args: Any) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
-        self.inbox: list[tuple[Any, ...]] = []
-
-    def recv(self, kind: str, timeout: float = 30.0) -> tuple[Any, ...]:
-        for i, m in enumerate(self.inbox):
-            if m[0] == kind:
-                return self.inbox.pop(i)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.conn.poll(0.05):
-                m = self.conn.recv()
-                if m[0] == kind:
-                    return m  # type: ignore[no-any-return]
-                self.inbox.append(m)
-            elif not self.proc.is_alive():
-                raise AssertionError(f"process exited ({self.proc.exitcode}) waiting for {kind}")
-        raise AssertionError(f"no {kind!r} within {timeout}s")
-
-    def call(self, *cmd: Any, reply: str) -> tuple[Any, ...]:
-        self.conn.send(cmd)
-        return self.recv(reply)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
 def _journal_counts(path: Path) -> dict[str, Any]:
     """Frees by reason, rejections by reason, heartbeats and stranded block-seconds,
     computed from P's event journal."""
@@ -208,11 +168,11 @@ def _journal_counts(path: Path) -> dict[str, Any]:
 def test_scrape_while_p_and_d_run_matches_the_journal(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api")
     from kvproto.nixl.consumer import ConsumerAdapter
-    from kvproto.nixl.procs import mp_context, producer_main
+    from kvproto.nixl.procs import producer_main
 
     journal = tmp_path / "journal.jsonl"
     pname = f"mP-{os.getpid()}-{next(_ids)}"
-    p = _Proc(mp_context(), producer_main, pname, CFG.to_dict(), 64, BB,
+    p = Proc(producer_main, pname, CFG.to_dict(), 64, BB,
               {"device": "cpu", "journal": str(journal), "metrics_port": 0})
     d: ConsumerAdapter | None = None
     try:
