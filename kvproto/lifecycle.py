@@ -135,6 +135,8 @@ class Transition:
     send_done: bool = field(init=False, default=False)
     send_release: bool = field(init=False, default=False)
     disown: bool = field(init=False, default=False)
+    # "dst:finish" (the machine's finished-counter key) when the row names the finish.
+    finish_key: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -144,6 +146,8 @@ class Transition:
             seen.add(fx.kind)
             name = _FX_FIELD[fx.kind]
             object.__setattr__(self, name, fx.arg if name in _FX_WITH_ARG else True)
+        if self.finish:
+            object.__setattr__(self, "finish_key", f"{self.dst}:{self.finish}")
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -1876,7 +1880,7 @@ class Consumer:
             peer = self.peers.get(p.engine)
             if peer is not None and peer.reqs.get(p.handle) is r:
                 del peer.reqs[p.handle]
-            key = f"{r.state}:{why}"
+            key = row.finish_key or f"{r.state}:{why}"
             self.finished[key] = self.finished.get(key, 0) + 1
             out.append(Finished(r.rid, r.state, why))
         return row
@@ -1938,7 +1942,7 @@ class Consumer:
         else:
             guard = "peer_unknown"
         self._step(r, ADMIT, guard, out)
-        return self._emit(Admit(rid, params, now), out)
+        return self._emit(Admit(rid, params, now), out) if self.sink else out
 
     def handshake_result(self, engine: str, ok: bool, now: float,
                          reason: str = "handshake") -> list[DEffect]:
@@ -1985,14 +1989,15 @@ class Consumer:
         if not guard:
             guard = "lease_covers_read" if self._read_fits(r.lease_end, now) else "lease_short"
         self._step(r, SCHEDULE, guard, out)
-        return self._emit(Schedule(rid, now), out)
+        return self._emit(Schedule(rid, now), out) if self.sink else out
 
     def read_result(self, rid: str, ok: bool, now: float, *, fenced: bool = False,
                     notif_attached: bool = True) -> list[DEffect]:
         """The READ finished (``ok``), failed, or its generations changed (``fenced``).
 
-        With ``notif_attached`` the done notification travelled with the READ (NIXL's
-        notif_msg); otherwise the machine emits SendDone.
+        With ``notif_attached`` the adapter carried the done itself (e.g. as the READ's
+        NIXL notification); otherwise the machine emits SendDone (the NIXL adapter
+        batches those per P engine and step).
         """
         clk = self._clock(now)
         if clk is None:
@@ -2000,7 +2005,6 @@ class Consumer:
         now = clk
         out: list[DEffect] = []
         landed = ok and not fenced
-        ev: DEvent = ReadOk(rid, now, notif_attached) if landed else ReadFailed(rid, now, fenced)
         r = self.reqs.get(rid)
         if r is None or r.state != READING:
             self._count("read_result_not_reading")
@@ -2011,6 +2015,9 @@ class Consumer:
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
             self._step(r, READ_FAILED, "fenced" if fenced else "error", out)
+        if self.sink is None:
+            return out
+        ev: DEvent = ReadOk(rid, now, notif_attached) if landed else ReadFailed(rid, now, fenced)
         return self._emit(ev, out)
 
     def abort(self, rid: str, now: float) -> list[DEffect]:

@@ -35,7 +35,13 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool,
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return ledger.reject("malformed", peer, type(e).__name__, now)
     if msg.kind == KIND_DONE:
-        return ledger.done(peer, msg.handles[0], msg.expected, now)
+        hs = msg.handles
+        if len(hs) == 1:
+            return ledger.done(peer, hs[0], msg.expected, now)
+        out: list[Effect] = []  # a done batch: one done event per handle, in order
+        for h in hs:
+            out += ledger.done(peer, h, msg.expected, now)
+        return out
     if msg.kind == KIND_HEARTBEAT:
         return ledger.heartbeat(peer, msg.seq, msg.handles, msg.expected, now)
     if msg.kind == KIND_RELEASE:

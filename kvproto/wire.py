@@ -28,8 +28,11 @@ KIND_DONE: Final = 1
 KIND_RELEASE: Final = 2
 KIND_HEARTBEAT: Final = 3
 KIND_ACK: Final = 4
+# The same ``done`` message for several handles at once (one notification carries the done
+# of every request whose stamps one READ fetched). Decodes to a ``done`` Message.
+KIND_DONE_BATCH: Final = 5
 KIND_NAMES: Final = {KIND_DONE: "done", KIND_RELEASE: "release", KIND_HEARTBEAT: "heartbeat",
-                     KIND_ACK: "ack"}
+                     KIND_ACK: "ack", KIND_DONE_BATCH: "done"}
 
 MAX_HANDLE: Final = (1 << 64) - 1
 MAX_EXPECTED: Final = 0xFFFF
@@ -208,6 +211,23 @@ def encode_release(epoch: int, handles: Iterable[int], expected: int,
     return _batched(KIND_RELEASE, epoch, (expected,), handles, max_bytes)
 
 
+def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: int,
+                                max_bytes: int) -> list[bytes]:
+    """Reference encoder (the fast ``encode_done_batch`` must match it byte for byte).
+
+    ``done`` for several handles (kind 5, body as ``release``'s), chunked so that no
+    message exceeds ``max_bytes``. One handle is encoded as a plain ``done`` (kind 1)."""
+    _check_range("expected", expected, MAX_EXPECTED)
+    if expected < 1:
+        raise ValueError("expected must be >= 1 in done")
+    hs = _sorted_unique(handles)
+    if not hs:
+        raise ValueError("a done batch names at least one handle")
+    if len(hs) == 1:
+        return [encode_done(epoch, hs[0], expected)]
+    return _batched(KIND_DONE_BATCH, epoch, (expected,), hs, max_bytes)
+
+
 def encode_ack_reference(epoch: int, seq: int, term: float, refused: Iterable[int],
                          max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
     """Reference encoder. ``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
@@ -278,11 +298,11 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
         if h > MAX_HANDLE:
             raise WireError("bad_field", "handle above 2**64-1")
         handles: tuple[int, ...] = (h,)
-    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK):
+    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK, KIND_DONE_BATCH):
         if kind == KIND_HEARTBEAT:
             seq, pos = _get_varint(buf, pos)
             expected, pos = _get_varint(buf, pos)
-        elif kind == KIND_RELEASE:
+        elif kind == KIND_RELEASE or kind == KIND_DONE_BATCH:
             expected, pos = _get_varint(buf, pos)
         else:
             seq, pos = _get_varint(buf, pos)
@@ -295,8 +315,14 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
             raise WireError("bad_field", f"expected readers {expected} above {MAX_EXPECTED}")
         if kind == KIND_RELEASE and expected < 1:
             raise WireError("bad_field", "expected readers must be >= 1 in release")
+        if kind == KIND_DONE_BATCH and expected < 1:
+            raise WireError("bad_field", "expected readers must be >= 1 in done")
         hs, pos = _get_handles(buf, pos)
         handles = tuple(hs)
+        if kind == KIND_DONE_BATCH:
+            if not handles:
+                raise WireError("bad_field", "a done batch names no handle")
+            kind = KIND_DONE
         if kind == KIND_ACK:
             pend, pos = _get_handles(buf, pos)
             pending = tuple(pend)
@@ -336,6 +362,7 @@ _PREFIX: Final = struct.Struct(">2sBB")
 _DONE_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_DONE)
 _HB_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_HEARTBEAT)
 _ACK_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_ACK)
+_DONES_PREFIX: Final = _PREFIX.pack(MAGIC, VERSION, KIND_DONE_BATCH)
 _HEAD: Final = struct.Struct(">4sI")  # magic, version and kind as one 4-byte field; epoch
 _DONE_HEAD: Final = struct.Struct(">4sIB")  # ... and a one-byte ``expected``
 _new_message = tuple.__new__
@@ -397,6 +424,26 @@ def encode_heartbeat(epoch: int, seq: int, handles: Iterable[int], expected: int
         return encode_heartbeat_reference(epoch, seq, hs if hs is not None else handles,
                                           expected, max_bytes)
     return encode_heartbeat_reference(epoch, seq, handles, expected, max_bytes)
+
+
+def encode_done_batch(epoch: int, handles: Iterable[int], expected: int,
+                      max_bytes: int) -> list[bytes]:
+    """``done`` for several handles at once (kind 5; one handle: a plain ``done``),
+    chunked so that no message exceeds ``max_bytes``. Same bytes as
+    ``encode_done_batch_reference``; the fast path is one chunk of dense handles."""
+    if (type(epoch) is int and type(expected) is int and 0 <= epoch <= 0xFFFFFFFF
+            and 1 <= expected < 0x80 and max_bytes >= _RESERVE + MAX_VARINT_BYTES):
+        try:
+            hs = sorted(set(handles))
+        except TypeError:
+            hs = None
+        if hs is not None and len(hs) > 1 and len(hs) + MAX_VARINT_BYTES <= max_bytes - _RESERVE:
+            body = _delta_bytes(hs)
+            if body is not None:
+                return [_HEAD.pack(_DONES_PREFIX, epoch) + bytes((expected,)) + body]
+        return encode_done_batch_reference(epoch, hs if hs is not None else handles, expected,
+                                           max_bytes)
+    return encode_done_batch_reference(epoch, handles, expected, max_bytes)
 
 
 def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
@@ -473,6 +520,14 @@ def _decode_fast(buf: bytes, n: int, prefix: bytes, ep: int) -> Message | None:
         if r is None or r[1] != n:
             return None
         return _new_message(Message, (KIND_HEARTBEAT, ep, r[0], expected, seq, 0, ()))
+    if prefix == _DONES_PREFIX:
+        expected, pos = _get_varint(buf, 8)
+        if not 1 <= expected <= MAX_EXPECTED:
+            return None
+        r = _fast_handles(buf, pos, n)
+        if r is None or r[1] != n or not r[0]:
+            return None
+        return _new_message(Message, (KIND_DONE, ep, r[0], expected, 0, 0, ()))
     if prefix == _ACK_PREFIX:
         seq, pos = _get_varint(buf, 8)
         term_ms, pos = _get_varint(buf, pos)
@@ -512,7 +567,7 @@ def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) ->
 
 # -- handshake payload -------------------------------------------------------------------
 
-HANDSHAKE_VERSION: Final = 1
+HANDSHAKE_VERSION: Final = 2  # 2: D may send done batches (wire kind 5)
 MAX_HANDSHAKE_BYTES: Final = 1 << 20
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvproto.lifecycle import Config, TransferParams
+from kvproto.wire import HANDSHAKE_VERSION
 
 pytest.importorskip("nixl._api")
 
@@ -174,7 +175,7 @@ def test_p_killed_d_fails_requests_promptly(procs: list[Proc]) -> None:
 
 def test_version_mismatch_handshake_cross_process(procs: list[Proc]) -> None:
     pname = uniq("P")
-    p, host, port = start_p(procs, pname, handshake_version=2)
+    p, host, port = start_p(procs, pname, handshake_version=HANDSHAKE_VERSION + 1)
     params = register(p, "v", 1)
     d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB)
     try:
@@ -336,18 +337,20 @@ def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[st
     from kvproto.nixl import bench
 
     args = argparse.Namespace(block_kib=16, blocks_per_request=2, requests=2, rounds=1,
-                              small_requests=10, in_flight=100, json=True)
+                              small_requests=10, in_flight=100, json=True, device="cpu")
     assert bench.run(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
     keys = ("raw_gbps", "kvproto_gbps", "ratio", "ratio_4k", "cpu_ratio_4k",
             "small_block_rps_raw", "small_block_rps_kvproto", "stamp_reads_per_request_4k",
-            "handshake_ms", "heartbeat_bytes_per_s")
+            "handshake_ms", "heartbeat_bytes_per_s", "small_block_rps_raw_coalesced",
+            "data_reads_per_request_4k")
     for k in keys:
         assert isinstance(res[k], (int, float)) and math.isfinite(res[k]) and res[k] > 0, k
     assert len(res["raw_rounds_ms"]) == len(res["kvproto_rounds_ms"]) == args.rounds
     assert res["ratio_4k"] == res["small_block_ratio"]
     assert res["stamp_reads_per_request_4k"] <= 1  # stamp checks are batched, never more
+    assert res["data_reads_per_request_4k"] <= 1  # data READs are coalesced, never more
     # 100 handles in flight: about one byte per handle id per heartbeat round.
     assert res["heartbeat"]["bytes_per_round"] < 100 * 2 + 64
 

@@ -62,6 +62,7 @@ def sample_messages() -> list[bytes]:
         wire.encode_done(EPOCH, 300, 2),
         *wire.encode_heartbeat(EPOCH, 70000, [1, 2, 200, 100000], 3, 4096),
         *wire.encode_release(EPOCH, [5, 1 << 40], 1, 4096),
+        *wire.encode_done_batch(EPOCH, [7, 300, 1 << 40], 2, 4096),
         *wire.encode_ack(EPOCH, 12, 20.0, [7, 9000], 4096, pending=[3, 300]),
         *wire.encode_heartbeat(EPOCH, 1, [], 1, 4096),
     ]
@@ -103,6 +104,38 @@ def test_release_round_trips_in_chunks_within_max_bytes(
         assert (m.kind, m.expected) == (KIND_RELEASE, expected)
         got.extend(m.handles)
     assert got == sorted(set(handles))
+
+
+@given(epochs, st.lists(handles_st, min_size=1, max_size=300), expecteds, max_bytes_st)
+def test_done_batch_round_trips_in_chunks_within_max_bytes(
+        epoch: int, handles: list[int], expected: int, max_bytes: int) -> None:
+    """A done batch decodes to ``done`` messages (the same message as kind 1) naming every
+    handle once; one handle is a plain done, byte for byte."""
+    chunks = wire.encode_done_batch(epoch, handles, expected, max_bytes)
+    got: list[int] = []
+    for buf in chunks:
+        assert len(buf) <= max_bytes
+        m = wire.decode(buf, max_bytes=max_bytes, epoch=epoch)
+        assert m == wire.decode_reference(buf, max_bytes=max_bytes, epoch=epoch)
+        assert (m.kind, m.kind_name, m.expected) == (KIND_DONE, "done", expected)
+        got.extend(m.handles)
+    assert got == sorted(set(handles))
+    if len(set(handles)) == 1:
+        assert chunks == [wire.encode_done(epoch, handles[0], expected)]
+    else:
+        assert all(buf[3] == wire.KIND_DONE_BATCH for buf in chunks)
+
+
+def test_done_batch_refuses_nothing_to_say_and_bad_expected() -> None:
+    with pytest.raises(ValueError):
+        wire.encode_done_batch(EPOCH, [], 1, 4096)
+    with pytest.raises(ValueError):
+        wire.encode_done_batch(EPOCH, [1, 2], 0, 4096)
+    kind5 = wire.KIND_DONE_BATCH
+    assert reason_of(header(kind5) + b"\x01\x00") == "bad_field"  # no handle
+    assert reason_of(header(kind5) + b"\x00\x02\x01\x01") == "bad_field"  # expected 0
+    assert reason_of(header(kind5) + b"\x01\x02\x05\x00") == "bad_field"  # duplicate
+    assert reason_of(header(kind5) + b"\x01\x03\x05\x01") == "truncated"
 
 
 @given(epochs, seqs, st.integers(0, 4_000_000), handle_sets, handle_sets, max_bytes_st)
@@ -217,7 +250,7 @@ def test_wrong_version_is_rejected() -> None:
     assert reason_of(header(KIND_DONE, version=VERSION + 1) + b"\x01\x01") == "version"
 
 
-@pytest.mark.parametrize("kind", [0, 5, 255])
+@pytest.mark.parametrize("kind", [0, 6, 255])
 def test_unknown_kind_is_rejected(kind: int) -> None:
     assert reason_of(header(kind) + b"\x01\x01") == "unknown_kind"
 
@@ -329,6 +362,14 @@ def test_fast_encode_heartbeat_is_byte_identical(epoch: int, seq: int, handles: 
             == outcome(wire.encode_heartbeat_reference, epoch, seq, handles, expected, max_bytes))
 
 
+@given(st.one_of(epochs, st.just(1 << 32)), any_handles, st.integers(-1, 300),
+       st.sampled_from([64, 4096, 1 << 16]))
+def test_fast_encode_done_batch_is_byte_identical(epoch: int, handles: list[int],
+                                                  expected: int, max_bytes: int) -> None:
+    assert outcome(wire.encode_done_batch, epoch, handles, expected, max_bytes) == \
+        outcome(wire.encode_done_batch_reference, epoch, handles, expected, max_bytes)
+
+
 def test_fast_encoders_refuse_what_the_reference_refuses() -> None:
     for args in [(EPOCH, 1, [True], 1, 4096), (EPOCH, 1, [1, -1], 1, 4096),
                  (EPOCH, 1, [1, MAX_HANDLE + 1], 1, 4096), (EPOCH, True, [1], 1, 4096)]:
@@ -354,7 +395,7 @@ def test_fast_encode_ack_is_byte_identical(epoch: int, seq: int, term: float,
 def wire_messages(draw: st.DrawFn) -> bytes:
     """A valid message of any kind (reference encoders), sometimes mutated."""
     epoch = draw(st.sampled_from([EPOCH, 0, 0xFFFFFFFF]))
-    kind = draw(st.sampled_from(["done", "hb", "ack", "release"]))
+    kind = draw(st.sampled_from(["done", "hb", "ack", "release", "dones"]))
     if kind == "done":
         buf = wire.encode_done_reference(epoch, draw(st.one_of(st.integers(0, 1 << 21),
                                                                handles_st)), draw(expecteds))
@@ -365,6 +406,10 @@ def wire_messages(draw: st.DrawFn) -> bytes:
         buf = wire.encode_ack_reference(epoch, draw(seqs), draw(st.integers(0, 10**6)) / 1000,
                                         draw(dense_handles), 1 << 16,
                                         pending=draw(dense_handles))[0]
+    elif kind == "dones":
+        hs = draw(st.lists(st.one_of(st.integers(0, 300), handles_st), min_size=2, max_size=40,
+                           unique=True))
+        buf = wire.encode_done_batch(epoch, hs, draw(expecteds), 1 << 16)[0]
     else:
         buf = wire.encode_release(epoch, draw(any_handles), draw(expecteds), 1 << 16)[0]
     how = draw(st.sampled_from(["as_is", "as_is", "flip", "cut", "append"]))
@@ -391,6 +436,7 @@ def test_fast_decode_agrees_with_the_reference(buf: bytes, epoch: int | None,
 def test_fast_decode_takes_the_fast_path_for_hot_messages() -> None:
     """The hot shapes decode without the reference decoder (it is not consulted)."""
     hot = [wire.encode_done(EPOCH, 123456, 2), wire.encode_done(EPOCH, 5, 1),
+           *wire.encode_done_batch(EPOCH, range(7000, 7400), 1, 4096),
            *wire.encode_heartbeat(EPOCH, 9, range(1000, 1300), 2, 4096),
            *wire.encode_ack(EPOCH, 9, 20.0, (), 4096),
            *wire.encode_ack(EPOCH, 9, 20.0, [4, 6], 4096, pending=[300])]
@@ -436,7 +482,8 @@ def test_handshake_round_trips(engine: str, epoch: int, meta: bytes, role: str,
 
 
 def test_handshake_version_mismatch_is_rejected() -> None:
-    assert decode_reason(handshake_dict(kvproto=2)) == "version"
+    assert decode_reason(handshake_dict(kvproto=wire.HANDSHAKE_VERSION + 1)) == "version"
+    assert decode_reason(handshake_dict(kvproto=1)) == "version"  # before done batches
 
 
 @pytest.mark.parametrize("buf", [b"{", b"\xff\xfe", b"", b"null", b"[1, 2]", b'{"engine": "x"}'])

@@ -5,13 +5,17 @@ Effects and what they become:
 
 * ``StartHandshake`` -> a non-blocking handshake with that P engine (its own socket,
   deadline, retries with exponential backoff), so one dead P never delays another;
-* ``PostRead``       -> a block-granular READ of the data with prepared dlists; when it
-  completes, a second READ of the blocks' generation stamps carries the encoded ``done``
-  as its ``notif_msg`` (so P hears ``done`` only after both READs landed). The stamps are
-  compared with ``TransferParams.generations``: any difference -> ``fenced``, the data is
-  never served (fail closed);
-* ``SendDone``/``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif``
-  (heartbeats chunked by the machine so that every message fits ``max_message_bytes``);
+* ``PostRead``       -> a block-granular READ of the data with prepared dlists. READs
+  queued for the same P engine between two ``poll`` calls are posted as one NIXL
+  transfer; when it completes, one READ fetches the generation stamps of every request
+  whose data landed, and they are compared with ``TransferParams.generations``: any
+  difference -> ``fenced``, the data is never served (fail closed);
+* ``SendDone``       -> collected, and sent right after the stamps that verified them as
+  one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
+  hears ``done`` only after the data and the stamps landed;
+* ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
+  batched per step; heartbeats chunked by the machine so that every message fits
+  ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine.
 
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
@@ -33,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
@@ -81,6 +85,7 @@ from kvproto.wire import (
     decode,
     decode_handshake,
     encode_done,
+    encode_done_batch,
     encode_heartbeat,
     encode_release,
 )
@@ -99,8 +104,13 @@ PhaseHook = Callable[[str, str], None]
 # Stamps fetched by one stamp READ at most (a request with more blocks gets its own READ).
 # Bounds the descriptor list of one READ; the queue itself is bounded by the local blocks.
 MAX_STAMP_DESCS = 4096
+# Descriptors of one coalesced data READ at most: READs queued for one P engine are posted
+# as transfers of up to this many descriptors (a request with more gets its own).
+MAX_READ_DESCS = 4096
 
 _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
+# Machine states in which a schedule intent is kept and retried by ``poll``.
+_RETRY = frozenset((WAITING, HANDSHAKING, D_NEW))
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
@@ -157,8 +167,8 @@ class _Engine:
 
 
 class _Read:
-    __slots__ = ("engine", "extra", "gens", "local", "nbytes", "params", "phase", "remote", "rid",
-                 "started", "warned", "xfer")
+    __slots__ = ("engine", "gens", "local", "nbytes", "params", "remote", "rid", "started",
+                 "warned")
 
     def __init__(self, rid: str, params: TransferParams, local: list[int], started: float,
                  remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
@@ -171,11 +181,18 @@ class _Read:
         self.remote: Sequence[int] = params.blocks if remote is None else remote
         self.gens: Sequence[int] = params.generations if gens is None else gens
         self.started = started
-        self.phase = "data"
-        self.xfer: Xfer | None = None
         self.nbytes = 0
         self.warned = False
-        self.extra: list[bytes] = []
+
+
+class _ReadBatch:
+    """One data READ (one NIXL transfer) of several requests' blocks (same P engine)."""
+
+    __slots__ = ("reads", "xfer")
+
+    def __init__(self, reads: list[_Read], xfer: Xfer) -> None:
+        self.reads = reads
+        self.xfer = xfer
 
 
 class _StampBatch:
@@ -184,13 +201,16 @@ class _StampBatch:
     __slots__ = ("local", "reads", "xfer")
 
     def __init__(self, reads: list[_Read], local: list[int], xfer: Xfer) -> None:
-        self.reads = reads  # the first one's done rides on this READ
+        self.reads = reads
         self.local = local  # the local stamp slots, in the order of ``reads``
         self.xfer = xfer
 
 
 class ConsumerAdapter:
     """One D rank. Call ``poll`` from the step loop; it never blocks."""
+
+    # Effect type -> the method that executes it (filled in below the class).
+    _run: ClassVar[dict[type, Callable[[Any, Any, float], None]]]
 
     def __init__(self, name: str, config: Config, *, num_blocks: int, block_bytes: int,
                  device: str = "cpu", clock: Clock = time.monotonic, tp_rank: int = 0,
@@ -235,7 +255,8 @@ class ConsumerAdapter:
         self.engines: dict[str, _Engine] = {}
         self.params: dict[str, TransferParams] = {}
         self.reads: dict[str, _Read] = {}  # every READ not finished yet
-        self._polling: dict[str, _Read] = {}  # data READs posted and still in progress
+        self._post_queue: dict[str, list[_Read]] = {}  # engine -> READs to post at poll
+        self._polling: list[_ReadBatch] = []  # data READs posted and still in progress
         self._stamp_queue: dict[str, list[_Read]] = {}  # engine -> data landed, no stamps yet
         self._batches: list[_StampBatch] = []  # stamp READs in progress
         self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
@@ -244,6 +265,7 @@ class ConsumerAdapter:
         self._free_local: deque[int] = deque(range(num_blocks))
         self._held_local: dict[str, list[int]] = {}
         self._releases: dict[tuple[str, int, int], list[int]] = {}
+        self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
         self._out: list[Completion] = []
         self._done_info: dict[str, tuple[int, float]] = {}
         self.counters: dict[str, int] = {}
@@ -294,14 +316,15 @@ class ConsumerAdapter:
         ``local_blocks``: where the READ lands (the engine's allocator chose them); when
         fewer than P's blocks, the engine holds the prefix already and only the last
         ``len(local_blocks)`` are read. Without it this adapter allocates them."""
-        if local_blocks is not None and self.machine.state(rid) != D_NEW:
+        machine = self.machine
+        st = machine.state(rid)
+        if local_blocks is not None and st != D_NEW:
             self._plans[rid] = list(local_blocks)
-        st = self.machine.state(rid)
         if st == WAITING:
             now = self.clock()
-            self._apply(self.machine.schedule(rid, now), now)
-            st = self.machine.state(rid)
-        if st in (WAITING, HANDSHAKING, D_NEW):
+            self._apply(machine.schedule(rid, now), now)
+            st = machine.state(rid)
+        if st is WAITING or st is HANDSHAKING or st is D_NEW or st in _RETRY:
             # Retried by poll: after the handshake, or while a sibling's READ is in flight.
             self._want[rid] = None
 
@@ -333,6 +356,9 @@ class ConsumerAdapter:
         self._poll_notifs(now)
         self._apply(self.machine.tick(now), now)
         self._schedule_ready(now)
+        if self._post_queue:  # READs scheduled during this poll
+            self._post_queued(now)
+        self._flush_dones()
         self._flush_releases()
         self._reap(now)
         out, self._out = self._out, []
@@ -350,62 +376,85 @@ class ConsumerAdapter:
 
     # -- effects -----------------------------------------------------------------------
     def _apply(self, effects: Sequence[DEffect], now: float) -> None:
-        """Queue a machine call's effects; execute the queue unless already executing
-        (an effect that feeds the machine again only adds to the queue)."""
-        self._effects.extend((eff, now) for eff in effects)
+        """Execute a machine call's effects in order, unless already executing: then
+        queue them behind the others (an effect that feeds the machine again only adds
+        to the queue, so this adapter is never re-entered)."""
+        if not effects:
+            return
         if self._draining:
+            self._effects.extend((eff, now) for eff in effects)
             return
         self._draining = True
+        run = self._run
         try:
-            while self._effects:
-                eff, t = self._effects.popleft()
-                self._execute(eff, t)
+            for eff in effects:
+                run[type(eff)](self, eff, now)
+            q = self._effects
+            while q:
+                eff, t = q.popleft()
+                run[type(eff)](self, eff, t)
         finally:
             self._draining = False
 
-    def _execute(self, eff: DEffect, now: float) -> None:
-        if isinstance(eff, StartHandshake):
-            self._start_handshake(eff.engine, now)
-        elif isinstance(eff, PostRead):
-            self._post_read(eff, now)
-        elif isinstance(eff, SendHeartbeat):
-            self._send_heartbeat(eff)
-        elif isinstance(eff, SendRelease):
-            p = self.params.get(eff.request_id)
-            epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-            self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
-        elif isinstance(eff, SendDone):
-            p = self.params.get(eff.request_id)
-            epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-            self._send("done", eff.engine, encode_done(epoch, eff.handle, eff.expected))
-        elif isinstance(eff, Finished):
-            self._finished(eff)
-        elif isinstance(eff, DropPeer):
-            e = self.engines.get(eff.engine)
-            if e is not None and e.state == PEER_READY:
-                log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
-                self._count("peer_lost")
-                self._disconnect(e)
+    def _x_release(self, eff: SendRelease, now: float) -> None:
+        p = self.params.get(eff.request_id)
+        epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+        self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
+
+    def _x_done(self, eff: SendDone, now: float) -> None:
+        """Batched: every SendDone of one step goes out in one done batch per P engine
+        (``_flush_dones``, right after the stamps that verified them)."""
+        p = self.params.get(eff.request_id)
+        epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+        key = (eff.engine, epoch, eff.expected)
+        hs = self._dones.get(key)
+        if hs is None:
+            self._dones[key] = [eff.handle]
+        else:
+            hs.append(eff.handle)
+
+    def _flush_dones(self) -> None:
+        if not self._dones:
+            return
+        pending, self._dones = self._dones, {}
+        mb = self.config.max_message_bytes
+        for (engine, epoch, expected), handles in pending.items():
+            if len(handles) == 1:
+                self._send("done", engine, encode_done(epoch, handles[0], expected))
+                continue
+            for m in encode_done_batch(epoch, handles, expected, mb):
+                if not self._send("done", engine, m):
+                    break
+
+    def _x_drop_peer(self, eff: DropPeer, now: float) -> None:
+        e = self.engines.get(eff.engine)
+        if e is not None and e.state == PEER_READY:
+            log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
+            self._count("peer_lost")
+            self._disconnect(e)
 
     def _epoch_of(self, engine: str) -> int:
         e = self.engines.get(engine)
         return e.epoch if e is not None else 0
 
-    def _finished(self, f: Finished) -> None:
-        p = self.params.pop(f.request_id, None)
-        self._want.pop(f.request_id, None)
-        nbytes, secs = self._done_info.pop(f.request_id, (0, 0.0))
+    def _finished(self, f: Finished, now: float = 0.0) -> None:
+        rid = f.request_id
+        p = self.params.pop(rid, None)
+        if self._want:
+            self._want.pop(rid, None)
+        info = self._done_info.pop(rid, None)
+        nbytes, secs = (0, 0.0) if info is None else info
         m = self.metrics
         if m is not None:
             m.read_finished(f"{f.state}:{f.reason}", nbytes)
             if f.state != D_DONE and f.reason != "aborted" and p is not None:
                 m.recomputed(len(p.blocks))  # the engine must prefill these again
         if f.state == D_DONE:
-            local = tuple(self._held_local.get(f.request_id, ()))
-            self._out.append(Completion(f.request_id, f.state, f.reason, local, nbytes, secs))
+            local = tuple(self._held_local.get(rid, ()))
+            self._out.append(Completion(rid, f.state, f.reason, local, nbytes, secs))
         else:
-            self.free_local(f.request_id)
-            self._out.append(Completion(f.request_id, f.state, f.reason, None, nbytes, secs))
+            self.free_local(rid)
+            self._out.append(Completion(rid, f.state, f.reason, None, nbytes, secs))
 
     def _send(self, kind: str, engine: str, buf: bytes) -> bool:
         bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
@@ -432,7 +481,7 @@ class ConsumerAdapter:
             self._count("send_error")
             log.info("send to %s failed: %s", engine, error_name(ex))
 
-    def _send_heartbeat(self, hb: SendHeartbeat) -> None:
+    def _send_heartbeat(self, hb: SendHeartbeat, now: float = 0.0) -> None:
         e = self.engines.get(hb.engine)
         if e is None or e.state != PEER_READY:
             return
@@ -463,6 +512,9 @@ class ConsumerAdapter:
                          layout=self.region.layout(self.tp_rank, self.tp_size),
                          agent_metadata=self._metadata, role="consumer", extra={},
                          version=self.handshake_version).encode()
+
+    def _x_handshake(self, eff: StartHandshake, now: float) -> None:
+        self._start_handshake(eff.engine, now)
 
     def _start_handshake(self, engine: str, now: float) -> None:
         e = self.engines.get(engine)
@@ -613,15 +665,17 @@ class ConsumerAdapter:
 
     # -- reads -----------------------------------------------------------------------------
     #
-    # A READ is two phases. The data READ runs per request; when it lands the request
-    # joins its P engine's stamp queue, and the next ``poll`` fetches the generation
-    # stamps of every queued request of that engine with one READ (at most
-    # ``MAX_STAMP_DESCS`` stamps per READ). That READ carries the first request's ``done``
-    # as its notification; the machine sends the others' ``done`` (``SendDone``) once
-    # their stamps have landed and matched. So P still hears ``done`` only after the data
-    # and the stamps landed, every stamp is read after its data (fail closed: a stamp that
-    # changed means the blocks were freed, and the data is never served), and a fenced
-    # request other than the carrier sends no ``done`` at all.
+    # A READ is two phases, each one NIXL transfer per P engine and step. ``PostRead``
+    # queues the request; the next ``poll`` posts every queued request of one P engine as
+    # one data READ (at most ``MAX_READ_DESCS`` descriptors per transfer). When it lands
+    # its requests join the engine's stamp queue, and the same ``poll`` fetches the
+    # generation stamps of every queued request with one READ (at most
+    # ``MAX_STAMP_DESCS`` stamps per READ). Once they landed and were compared, the
+    # machine's ``done`` for every verified request leaves as one done batch; a fenced
+    # request sends ``release`` instead. So P hears ``done`` only after the data and the
+    # stamps landed and matched, every stamp is read after its data (fail closed: a stamp
+    # that changed means the blocks were freed, and the data is never served), and a
+    # transfer that fails fails every request in it (each is released and recomputed).
     def _post_read(self, pr: PostRead, now: float) -> None:
         rid = pr.request_id
         p = self.params.get(rid)
@@ -649,64 +703,104 @@ class ConsumerAdapter:
             log.warning("%s: cannot read %s: %s", self.name, rid, why)
             self._apply(self.machine.read_result(rid, False, now), now)
             return
-        assert p is not None and e is not None and e.region is not None
+        assert p is not None
         if plan is not None:
             local, skip = plan, nblocks - len(plan)
             rd = _Read(rid, p, local, now, blocks[skip:], p.generations[skip:])
         else:
             free = self._free_local
-            local = [free.popleft() for _ in range(nblocks)]
+            local = [free.popleft()] if nblocks == 1 else [free.popleft() for _ in blocks]
             rd = _Read(rid, p, local, now)
         self._held_local[rid] = local
         self.reads[rid] = rd
-        if self.phase_hook is not None:
-            self.phase_hook("before_post", rid)
-        if self.region.segments or e.region.segments:  # engine caches: descriptor indices
-            x = Xfer.make_read(self.agent, self.local_kv, self.region.block_index(local),
-                               e.remote_kv, e.region.block_index(rd.remote), b"",
-                               len(local) * self.region.block_bytes)
+        q = self._post_queue.get(pr.engine)
+        if q is None:
+            self._post_queue[pr.engine] = [rd]
         else:
-            x = Xfer.make_read(self.agent, self.local_kv, local, e.remote_kv, blocks, b"",
-                               nblocks * self.region.block_bytes)
+            q.append(rd)
+
+    def _post_queued(self, now: float) -> None:
+        """Post the queued READs: one transfer per P engine (and ``MAX_READ_DESCS``)."""
+        queued, self._post_queue = self._post_queue, {}
+        for engine, rds in queued.items():
+            if self.phase_hook is not None:
+                for rd in rds:
+                    self.phase_hook("before_post", rd.rid)
+            e = self.engines.get(engine)
+            if e is None or e.state != PEER_READY or e.region is None or e.remote_kv is None:
+                self._batch_failed(rds, "error:peer_gone", now)
+                continue
+            if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
+                self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
+                                   "error:peer_gone", now)
+                rds = [rd for rd in rds if rd.params.epoch == e.epoch]
+            segs = bool(self.region.segments or e.region.segments)
+            start = 0
+            while start < len(rds):
+                end = start + 1
+                ndesc = len(rds[start].local)
+                while end < len(rds) and ndesc + len(rds[end].local) <= MAX_READ_DESCS:
+                    ndesc += len(rds[end].local)
+                    end += 1
+                self._post_data_batch(e, rds[start:end], segs, now)
+                start = end
+
+    def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: float) -> None:
+        assert e.region is not None
+        if len(rds) == 1:
+            local: list[int] = rds[0].local
+            remote: Sequence[int] = rds[0].remote
+        else:
+            local = [b for rd in rds for b in rd.local]
+            remote = [b for rd in rds for b in rd.remote]
+        if segs:  # engine caches: descriptor indices
+            li: Sequence[int] = self.region.block_index(local)
+            ri: Sequence[int] = e.region.block_index(remote)
+        else:
+            li, ri = local, remote
+        x = Xfer.make_read(self.agent, self.local_kv, li, e.remote_kv, ri, b"",
+                           len(local) * self.region.block_bytes)
         if isinstance(x, str):
-            self._read_failed(rd, x, now)
+            self._batch_failed(rds, x, now)
             return
-        rd.xfer = x
+        b = _ReadBatch(rds, x)
+        self._count("data_reads")
         st = x.post()
         if st == DONE:
-            self._data_landed(rd, now)
+            self._data_landed(b, now)
         elif st == PROC:
-            self._polling[rid] = rd
+            self._polling.append(b)
         else:
-            self._read_failed(rd, st, now)
+            self._release_xfer(x)
+            self._batch_failed(rds, st, now)
 
     def _poll_reads(self, now: float) -> None:
+        if self._post_queue:
+            self._post_queued(now)
         if self._batches:
-            for b in list(self._batches):
+            for sb in list(self._batches):
+                st = sb.xfer.poll()
+                if st == PROC:
+                    self._warn_slow(sb.reads[0], now)
+                    continue
+                self._batches.remove(sb)
+                if st == DONE:
+                    self._stamps_landed(sb, now)
+                else:
+                    self._release_xfer(sb.xfer)
+                    self._batch_failed(sb.reads, st, now)
+        if self._polling:
+            polling, self._polling = self._polling, []
+            for b in polling:
                 st = b.xfer.poll()
                 if st == PROC:
                     self._warn_slow(b.reads[0], now)
-                    continue
-                self._batches.remove(b)
-                if st == DONE:
-                    self._stamps_landed(b, now)
+                    self._polling.append(b)
+                elif st == DONE:
+                    self._data_landed(b, now)
                 else:
                     self._release_xfer(b.xfer)
-                    for rd in b.reads:
-                        self._read_failed(rd, st, now)
-        if self._polling:
-            for rd in list(self._polling.values()):
-                x = rd.xfer
-                assert x is not None
-                st = x.poll()
-                if st == PROC:
-                    self._warn_slow(rd, now)
-                    continue
-                del self._polling[rd.rid]
-                if st == DONE:
-                    self._data_landed(rd, now)
-                else:
-                    self._read_failed(rd, st, now)
+                    self._batch_failed(b.reads, st, now)
         if self._stamp_queue:
             self._post_stamps(now)
 
@@ -721,33 +815,33 @@ class ConsumerAdapter:
         if not x.release():
             self.zombies.append(x)
 
-    def _data_landed(self, rd: _Read, now: float) -> None:
-        """The data READ landed: release it and queue the request for its stamp READ."""
-        x = rd.xfer
-        assert x is not None
-        rd.nbytes += x.nbytes
-        self._release_xfer(x)
-        rd.xfer = None
-        rd.phase = "gen"
-        if self.phase_hook is not None:
-            self.phase_hook("before_gen", rd.rid)
-        q = self._stamp_queue.get(rd.engine)
+    def _data_landed(self, b: _ReadBatch, now: float) -> None:
+        """The data READ landed: release it and queue its requests for their stamp READ."""
+        self._release_xfer(b.xfer)
+        bb = self.region.block_bytes
+        hook = self.phase_hook
+        rds = b.reads
+        for rd in rds:
+            rd.nbytes += len(rd.local) * bb
+            if hook is not None:
+                hook("before_gen", rd.rid)
+        engine = rds[0].engine
+        q = self._stamp_queue.get(engine)
         if q is None:
-            self._stamp_queue[rd.engine] = [rd]
+            self._stamp_queue[engine] = list(rds)
         else:
-            q.append(rd)
+            q += rds
 
     def _post_stamps(self, now: float) -> None:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
             e = self.engines.get(engine)
             if e is None or e.remote_gen is None or e.state != PEER_READY:
-                for rd in rds:
-                    self._read_failed(rd, "error:peer_gone", now)
+                self._batch_failed(rds, "error:peer_gone", now)
                 continue
             if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
-                for rd in [rd for rd in rds if rd.params.epoch != e.epoch]:
-                    self._read_failed(rd, "error:peer_gone", now)
+                self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
+                                   "error:peer_gone", now)
                 rds = [rd for rd in rds if rd.params.epoch == e.epoch]
             start = 0
             while start < len(rds):
@@ -760,23 +854,15 @@ class ConsumerAdapter:
                 start = end
 
     def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
-        carrier = rds[0]
-        p = carrier.params
-        notif = encode_done(p.epoch, p.handle, p.expected)
-        notifs = self.fault_hook("done", e.name, notif) if self.fault_hook else [notif]
-        carrier.extra = notifs[1:]  # duplicated by the fault hook: sent after the stamps
         if len(rds) == 1:
-            local: list[int] = carrier.local
-            remote: Sequence[int] = carrier.remote
+            local: list[int] = rds[0].local
+            remote: Sequence[int] = rds[0].remote
         else:
             local = [b for rd in rds for b in rd.local]
             remote = [b for rd in rds for b in rd.remote]
-        # The carrier's done rides on the stamp READ (a dropped one rides on nothing).
-        x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote,
-                           notifs[0] if notifs else b"", 0)
+        x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote, b"", 0)
         if isinstance(x, str):
-            for rd in rds:
-                self._read_failed(rd, x, now)
+            self._batch_failed(rds, x, now)
             return
         b = _StampBatch(rds, local, x)
         self._count("stamp_reads")
@@ -788,8 +874,7 @@ class ConsumerAdapter:
             self._batches.append(b)
         else:
             self._release_xfer(x)
-            for rd in rds:
-                self._read_failed(rd, st, now)
+            self._batch_failed(rds, st, now)
 
     def _stamps_landed(self, b: _StampBatch, now: float) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
@@ -802,41 +887,48 @@ class ConsumerAdapter:
             got = self.region.gen[torch.tensor(b.local, dtype=torch.int64,
                                                device=self.region.gen.device)].tolist()
         rds = b.reads
-        carrier = rds[0]
-        for extra in carrier.extra:
-            self._send_raw(carrier.engine, extra)
         reads = self.reads
         machine = self.machine
+        done_info = self._done_info
+        apply = self._apply
+        single = len(rds) == 1
         off = 0
         for rd in rds:
-            n = len(rd.local)
-            mine = got[off:off + n] if len(rds) > 1 else got
+            gens = rd.gens
+            n = len(gens)
+            if n == 1:  # one block: compare the scalars
+                fenced = got[off] != gens[0]
+            elif single:
+                fenced = got != list(gens)
+            else:
+                fenced = got[off:off + n] != list(gens)
             off += n
-            expect = rd.gens
-            fenced = tuple(mine) != tuple(expect)
             del reads[rd.rid]
             if fenced:
                 self._count("fenced")
                 if self.metrics is not None:
                     self.metrics.fenced()
                 log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
-                            mine[:4], list(expect[:4]))
+                            got[off - n:off - n + 4], list(gens[:4]))
             else:
-                self._done_info[rd.rid] = (rd.nbytes, now - rd.started)
-            self._apply(machine.read_result(rd.rid, True, now, fenced=fenced,
-                                            notif_attached=rd is carrier), now)
+                done_info[rd.rid] = (rd.nbytes, now - rd.started)
+            # A landed READ's SendDone joins the done batch sent below.
+            apply(machine.read_result(rd.rid, True, now, fenced=fenced, notif_attached=False),
+                  now)
+        self._flush_dones()
 
-    def _read_failed(self, rd: _Read, why: str, now: float) -> None:
-        self._count("read_error:" + why)
-        log.warning("%s: READ of %s failed: %s", self.name, rd.rid, why)
-        if rd.xfer is not None:
-            self._release_xfer(rd.xfer)
-            rd.xfer = None
-        self._polling.pop(rd.rid, None)
-        self.reads.pop(rd.rid, None)
-        self._apply(self.machine.read_result(rd.rid, False, now), now)
+    def _batch_failed(self, rds: list[_Read], why: str, now: float) -> None:
+        """Every READ in ``rds`` failed (one transfer, or its engine is gone)."""
+        if not rds:
+            return
+        self._count("read_error:" + why, len(rds))
+        log.warning("%s: READ of %s%s failed: %s", self.name, rds[0].rid,
+                    f" and {len(rds) - 1} more" if len(rds) > 1 else "", why)
+        for rd in rds:
+            self.reads.pop(rd.rid, None)
+            self._apply(self.machine.read_result(rd.rid, False, now), now)
         if why == DISCONNECT:
-            self._lose(rd.engine, now, "READ reported REMOTE_DISCONNECT")
+            self._lose(rds[0].engine, now, "READ reported REMOTE_DISCONNECT")
 
     # -- notifications (acks) ----------------------------------------------------------------
     def _rejected(self, reason: str) -> None:
@@ -899,3 +991,15 @@ class ConsumerAdapter:
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
+
+
+# Effect type -> what executes it (one dict look-up per effect on D's hot path).
+ConsumerAdapter._run = {
+    StartHandshake: ConsumerAdapter._x_handshake,
+    PostRead: ConsumerAdapter._post_read,
+    SendHeartbeat: ConsumerAdapter._send_heartbeat,
+    SendRelease: ConsumerAdapter._x_release,
+    SendDone: ConsumerAdapter._x_done,
+    Finished: ConsumerAdapter._finished,
+    DropPeer: ConsumerAdapter._x_drop_peer,
+}

@@ -69,7 +69,8 @@ D (decode engine)
   * ``get_num_new_matched_tokens`` answers the prompt's tokens as an async load;
     ``update_state_after_alloc`` orders a load into the newly allocated blocks (a suffix
     of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
-    then the stamps (the done notification rides on the stamp READ), compares them.
+    then the stamps (one READ each per P engine and step), compares them, and sends the
+    verified requests' ``done`` as one done batch.
   * Every ordered load ends in ``finished_recving``. A failed or fenced READ also
     reports the request's local blocks from ``get_block_ids_with_load_errors``; with
     ``kv_load_failure_policy="recompute"`` (vLLM's default) vLLM recomputes them, with
