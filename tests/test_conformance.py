@@ -225,7 +225,7 @@ ORACLE_MODELS = [n for n in ("group2x2", "solo2x2") if n not in KNOWN_DIVERGENCE
 @pytest.mark.parametrize("name", ORACLE_MODELS)
 def test_oracle_any_input(name: str) -> None:
     model = cf.MODELS[name]
-    oracle = orc.Oracle(model, _tlc_graph(name).graph)
+    oracle = orc.Oracle.from_graph(model, _tlc_graph(name).graph)
     labels = [a.label for a in model.actions()]
     stats: dict[str, int] = {}
 
@@ -246,7 +246,7 @@ def test_oracle_any_input(name: str) -> None:
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_oracle_catches_mutant(name: str) -> None:
     with mutant(name) as (model, factory):
-        oracle = orc.Oracle(model, _tlc_graph(model.name).graph)
+        oracle = orc.Oracle.from_graph(model, _tlc_graph(model.name).graph)
         labels = [a.label for a in model.actions()]
         failures: list[str] = []
 
