@@ -201,11 +201,21 @@ class Oracle:
     policy: the oldest handle is dropped at ``max_staged``, at most the ledger's
     ``max_staged_msgs`` messages per handle, entries older than ``max_staged_age``
     dropped on tick), and the expected-reader count announced so far. It follows one
-    ledger: use :meth:`fresh` for the next one."""
+    ledger: use :meth:`fresh` for the next one.
 
-    def __init__(self, config: Config, *, spec: _SpecGraph | None = None) -> None:
+    ``prompt_free`` turns the PromptFree check on (the default). It is a property of the
+    protocol's own inputs, where every message of a reader carries the same expected
+    count (``TransferParams.expected``); under arbitrary inputs (the graph path) it does
+    not hold, and the spec agrees: a reader's *duplicate* ``done`` that is the first to
+    announce the expected count is counted as a duplicate (``duplicate_reader``), so a
+    request whose readers have all reported stays held until its deadline (KVLedger's
+    ``Finish``, the same in Python). :meth:`from_graph` turns it off."""
+
+    def __init__(self, config: Config, *, spec: _SpecGraph | None = None,
+                 prompt_free: bool = True) -> None:
         self.config = config
         self.spec = spec
+        self.prompt_free = prompt_free
         self.violations: list[InvariantViolation] = []
         self.terminal: dict[int, str] = {}  # handles known terminal (survives tombstone eviction)
         self.reported: dict[int, set[str]] = {}  # live handle -> readers that reported
@@ -222,11 +232,11 @@ class Oracle:
     def from_graph(cls, model: GraphModel, graph: nx.MultiDiGraph) -> Oracle:
         """An oracle that also checks every labelled step against TLC's ``graph`` of
         ``model`` (the graph is indexed once; :meth:`fresh` shares the index)."""
-        return cls(model.config(), spec=_SpecGraph(model, graph))
+        return cls(model.config(), spec=_SpecGraph(model, graph), prompt_free=False)
 
     def fresh(self) -> Oracle:
         """A new oracle with the same configuration and graph, for a new ledger."""
-        return Oracle(self.config, spec=self.spec)
+        return Oracle(self.config, spec=self.spec, prompt_free=self.prompt_free)
 
     @property
     def graph(self) -> nx.MultiDiGraph | None:
@@ -402,6 +412,8 @@ class Oracle:
                 self.expected.pop(h, None)
 
     def _check_prompt_free(self, ledger: Ledger, where: str) -> None:
+        if not self.prompt_free:
+            return
         for h, (_st, exp, _fin, _rel, _dl) in ledger.snapshot().items():
             want = max(exp, self.expected.get(h, 0))
             got = self.reported.get(h, set())
