@@ -345,6 +345,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "5 no tla2tools.jar")
     p.add_argument("models", nargs="*", metavar="MODEL",
                    help=f"models to check (default: {' '.join(DEFAULT_MODELS)}); see below")
+    p.add_argument("--model", action="append", dest="model_opts", metavar="MODEL",
+                   default=None,
+                   help="a model to check, the same as naming it as MODEL (repeatable: "
+                        "`kvproto check --model ci` is `kvproto check ci`)")
     p.add_argument("--all", action="store_true",
                    help="every model except the long ones (what CI runs)")
     p.add_argument("--bugs", action="store_true",
@@ -391,8 +395,9 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto check: --workers must be >= 1", file=err)
         return EXIT_USAGE
     jobs: list[tuple[Model, str | None]] = []
+    models = [*args.models, *(getattr(args, "model_opts", None) or [])]
     if _lease_mode(args):
-        if args.models or args.all or args.bugs:
+        if models or args.all or args.bugs:
             print("kvproto check: the lease check runs alone (no MODEL, --all or --bugs)",
                   file=err)
             return EXIT_USAGE
@@ -418,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
         jobs.append((MODELS["lease"], lease_cfg_text(q)))
         jobs.append((MODELS["lease_live"], lease_cfg_text(live_quantize(config), "lease_live")))
     else:
-        names: list[str] = list(args.models)
+        names: list[str] = models
         if args.all:
             names += [m.name for m in MODELS.values() if m.ci]
         if args.bugs:

@@ -12,13 +12,11 @@ and by ``kvproto fuzz``:
   params (``max_delay`` after hand-out) and lagging P registrations. NoFreeUnderRead is
   checked twice: a free of blocks under a READ in flight, and a READ that D posts within
   its lease on blocks whose generation changed since P handed them out (freed meanwhile).
-* ``Oracle`` + ``observed_ledger_class`` -- wraps any ``Ledger`` class (the real one, or a
-  mutant from ``kvproto.mutants``) and checks, around every P event, that each request's
-  state change is a row of ``P_TRANSITIONS`` for that event (with the matching ``free:``
-  effect), plus two liveness-style properties that the real machine guarantees:
-  *PromptFree* (a request all of whose expected readers have reported -- counting early
-  reports that the staging policy must keep -- is freed by that very event) and
-  *ExpiredFreed* (after a tick at ``now`` no held request has a deadline ``<= now``).
+* the oracle -- ``kvproto.verify.oracle.Oracle``, the one oracle of the project, fed
+  by ``observed_ledger_class`` (any ``Ledger`` class: the real one, or a mutant from
+  ``kvproto.mutants``): around every P event, each request's state change must be a row
+  of ``P_TRANSITIONS`` for that event (with the matching ``free:`` effect), plus
+  *PromptFree* and *ExpiredFreed* (see that module). The names are re-exported here.
 * ``LifecycleMachine`` -- the hypothesis ``RuleBasedStateMachine``: rules for every
   event and fault, invariants after every step, a no-leak teardown. Rules that would do
   nothing in the current state are disabled by a precondition (hypothesis picks uniformly
@@ -43,11 +41,11 @@ import logging
 import math
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Final, cast
+from typing import Any, ClassVar, Final
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
@@ -64,36 +62,25 @@ from hypothesis.stateful import (
 
 from kvproto import wire
 from kvproto.lifecycle import (
-    ABORT,
-    ABORTED,
-    DONE,
-    EXPIRED,
-    FREED,
-    HEARTBEAT,
-    HELD_STATES,
-    LEASED,
-    NOTIFIED,
-    P_TRANSITIONS,
-    REGISTER,
-    REGISTERED,
-    RELEASE,
-    SIBLING,
     TERMINAL_STATES,
-    TICK,
     UNREGISTERED,
-    Ack,
     Config,
     DEffect,
-    Effect,
-    Free,
     Ledger,
     PostRead,
-    Rejected,
     StartHandshake,
     TransferParams,
 )
-from kvproto.lifecycle import MAX_STAGED_MSGS_PER_HANDLE as _MAX_STAGED_MSGS
 from kvproto.sim import P_NAME, Faults, Msg, Network, Read, Simulator
+from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
+from kvproto.verify.oracle import (
+    InvariantViolation,
+    ObservedLedger,
+    Oracle,
+    ledger_violations,
+    observed_ledger_class,
+    safety_violations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,377 +101,11 @@ CONFIGS: Final[dict[str, Config]] = {
                              max_tombstones=2, max_groups_remembered=1).validate(),
 }
 
-INVARIANTS: Final = frozenset({
-    "NoDoubleFree", "Conservation", "NoFreeUnderRead", "StagingBounded", "TombstonesBounded",
-    "LegalTransition", "LedgerInvariants", "PromptFree", "ExpiredFreed", "NoLeak"})
+INVARIANTS: Final = ORACLE_INVARIANTS - {"SpecStep"}
 """Every name an ``InvariantViolation`` raised by the fuzzer can carry."""
 
 ENGINES: Final = (1, 2)  # D0 has one rank, D1 two (two readers per request)
 CAPACITY: Final = 24
-
-
-class InvariantViolation(AssertionError):
-    """A fuzzer check failed. ``invariant`` is the invariant's name."""
-
-    def __init__(self, invariant: str, detail: str) -> None:
-        super().__init__(f"{invariant}: {detail}")
-        self.invariant = invariant
-        self.detail = detail
-
-
-# ---------------------------------------------------------------------------
-# Legality of P transitions: which (src, dst, free reason) each event may produce.
-# ---------------------------------------------------------------------------
-
-Step = tuple[str, str | None]  # (destination, free reason or None)
-
-
-def _row_steps(src: str, event: str) -> set[Step]:
-    out: set[Step] = set()
-    for t in P_TRANSITIONS:
-        if t.src == src and t.event == event:
-            out.add((t.dst, t.free))
-    return out
-
-
-def _register_paths() -> set[Step]:
-    """Where one ``register`` event can take an unregistered handle: the register row,
-    then any sequence of staged done/release/heartbeat rows applied in the same event."""
-    out: set[Step] = set()
-    start: list[Step] = [s for s in _row_steps(UNREGISTERED, REGISTER)]
-    seen: set[Step] = set()
-    todo = list(start)
-    while todo:
-        step = todo.pop()
-        if step in seen:
-            continue
-        seen.add(step)
-        out.add(step)
-        dst, _ = step
-        if dst in HELD_STATES:
-            for ev in (DONE, RELEASE, HEARTBEAT):
-                todo.extend(_row_steps(dst, ev))
-    return out
-
-
-_REGISTER_PATHS: Final = _register_paths()
-
-
-def _allowed(event: str, src: str, dst: str, reason: str | None) -> bool:
-    if event == REGISTER and src == UNREGISTERED:
-        return (dst, reason) in _REGISTER_PATHS or (dst == UNREGISTERED and reason is None)
-    return (dst, reason) in _row_steps(src, event)
-
-
-# ---------------------------------------------------------------------------
-# The oracle: a model of what P was told, and the checks around each event.
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class _StagedModel:
-    since: float
-    msgs: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, reader, expected)
-
-
-class Oracle:
-    """Observes a ledger's events; records violations (it never raises inside the ledger).
-
-    The model is deliberately small and spec-level: which readers P has been told about
-    per request (including early reports, kept under the documented staging policy: the
-    oldest handle is dropped at ``max_staged``, at most 64 messages per handle, entries
-    older than ``max_staged_age`` dropped on tick), and the expected-reader count
-    announced so far.
-    """
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.violations: list[InvariantViolation] = []
-        self.terminal: dict[int, str] = {}  # handles known terminal (survives tombstone eviction)
-        self.reported: dict[int, set[str]] = {}  # live handle -> readers that reported
-        self.expected: dict[int, int] = {}  # live handle -> expected readers announced
-        self.staged: OrderedDict[int, _StagedModel] = OrderedDict()
-        self.registered: dict[int, str] = {}  # handle -> request id (every valid register)
-        self.groups: dict[int, str | None] = {}
-        self.raw: dict[int, str] = {}  # the ledger's state of the named handles, pre-event
-        self.events = 0
-        self.transitions: dict[tuple[str, str, str], int] = {}  # (src, event, dst) coverage
-
-    def fail(self, invariant: str, detail: str) -> None:
-        log.debug("oracle: %s: %s", invariant, detail)
-        self.violations.append(InvariantViolation(invariant, detail))
-
-    # -- states ---------------------------------------------------------------------
-    def state(self, ledger: Ledger, h: int) -> str:
-        s = ledger.state(h)
-        if s == UNREGISTERED and h in self.terminal:
-            return self.terminal[h]  # its tombstone was evicted at the cap
-        return s
-
-    def pre(self, ledger: Ledger, touched: Iterable[int]) -> dict[int, str]:
-        """States before an event: every live handle and the ones the event names. The
-        ledger's own view of the named ones (evicted tombstones look unregistered to it)
-        is kept in ``self.raw``."""
-        states = {h: v[0] for h, v in ledger.snapshot().items()}
-        self.raw = {}
-        for h in touched:
-            self.raw[h] = ledger.state(h)
-            if h not in states:
-                states[h] = self.state(ledger, h)
-        return states
-
-    # -- model updates --------------------------------------------------------------
-    def _stage(self, kind: str, reader: str, h: int, expected: int, now: float) -> None:
-        st_ = self.staged.get(h)
-        if st_ is None:
-            if len(self.staged) >= self.config.max_staged:
-                self.staged.popitem(last=False)
-            st_ = self.staged[h] = _StagedModel(now)
-        if len(st_.msgs) < _MAX_STAGED_MSGS:
-            st_.msgs.append((kind, reader, expected))
-
-    def _report(self, h: int, reader: str, expected: int) -> None:
-        self.reported.setdefault(h, set()).add(reader)
-        if expected > self.expected.get(h, 0):
-            self.expected[h] = expected
-
-    def _model_event(self, kind: str, reader: str, handles: Sequence[int], expected: int,
-                     pre: dict[int, str], now: float) -> None:
-        for h in handles:
-            s = pre[h]
-            if self.raw.get(h) == UNREGISTERED:  # unknown to the ledger: staged
-                self._stage(kind, reader, h, expected, now)
-            elif s in HELD_STATES and kind != HEARTBEAT:
-                self._report(h, reader, expected)
-            elif kind == HEARTBEAT and s in (REGISTERED, LEASED, NOTIFIED) \
-                    and expected > self.expected.get(h, 0):
-                self.expected[h] = expected
-
-    # -- the checks -------------------------------------------------------------------
-    def post(self, ledger: Ledger, event: str, pre: dict[int, str], targets: Sequence[int],
-             out: Sequence[Effect], now: float) -> None:
-        self.events += 1
-        frees: dict[int, str] = {}
-        for eff in out:
-            if isinstance(eff, Free):
-                if eff.handle in frees:
-                    self.fail("NoDoubleFree", f"{event}: handle {eff.handle} freed twice in one event")
-                frees[eff.handle] = eff.reason
-        rejected = any(isinstance(e, Rejected) for e in out)
-        post = {h: self.state(ledger, h) for h in pre}
-        for h, why in frees.items():
-            if post.get(h) == UNREGISTERED:  # freed, then its tombstone evicted at the cap
-                post[h] = EXPIRED if why == "expired" else FREED
-        for h in frees:
-            if h not in pre:
-                self.fail("LegalTransition", f"{event}: Free of handle {h} that was not held "
-                          f"before the event (state {self.state(ledger, h)})")
-        target_set = set(targets)
-        cascade_src = {h for h in targets if frees.get(h) == "transferred"} \
-            if event in (DONE, REGISTER) else set()
-        cascade_groups = {self.groups.get(h) for h in cascade_src} - {None}
-        for h, s in pre.items():
-            t = post[h]
-            reason = frees.get(h)
-            if t in TERMINAL_STATES and s not in TERMINAL_STATES:
-                self.terminal[h] = t
-                if reason is None:
-                    self.fail("LegalTransition", f"{event}: handle {h} went {s} -> {t} "
-                              "without a Free effect")
-            if s in TERMINAL_STATES and t != s:
-                self.fail("LegalTransition", f"{event}: terminal handle {h} went {s} -> {t}")
-                continue
-            if h in target_set or event == TICK:
-                if event == TICK and s == t and reason is None:
-                    continue  # nothing due
-                if event == REGISTER and s == t and rejected:
-                    continue  # invalid or duplicate register: counted, changes nothing
-                ok = _allowed(event, s, t, reason)
-                self.transitions[(s, event, t)] = self.transitions.get((s, event, t), 0) + 1
-                if not ok:
-                    self.fail("LegalTransition", f"{event}: handle {h} {s} -> {t}"
-                              f"{' with free:' + reason if reason else ''} is not a row of "
-                              "P_TRANSITIONS")
-            elif s != t or reason is not None:
-                if self.groups.get(h) in cascade_groups \
-                        and (t, reason) in _row_steps(s, SIBLING):
-                    self.transitions[(s, SIBLING, t)] = \
-                        self.transitions.get((s, SIBLING, t), 0) + 1
-                    continue
-                self.fail("LegalTransition", f"{event}: handle {h} not named by the event "
-                          f"went {s} -> {t} (free {reason})")
-        for h, s in post.items():
-            if s in TERMINAL_STATES:
-                self.reported.pop(h, None)
-                self.expected.pop(h, None)
-
-    def check_prompt_free(self, ledger: Ledger, where: str) -> None:
-        for h, (_st, exp, _fin, _rel, _dl) in ledger.snapshot().items():
-            want = max(exp, self.expected.get(h, 0))
-            got = self.reported.get(h, set())
-            if want and len(got) >= want:
-                self.fail("PromptFree", f"after {where}: handle {h} is still held "
-                          f"({_st}) although all {want} expected readers reported "
-                          f"({sorted(got)})")
-
-    def check_expired_freed(self, ledger: Ledger, now: float) -> None:
-        for h, (s, _exp, _fin, _rel, dl) in ledger.snapshot().items():
-            if dl <= now:
-                self.fail("ExpiredFreed", f"after tick at {now:.6g}: handle {h} ({s}) is still "
-                          f"held with deadline {dl:.6g} <= now")
-
-    # -- per-event hooks (called by ObservedLedger) ---------------------------------------
-    def on_register(self, ledger: Ledger, pre: dict[int, str], h: int, rid: str,
-                    group: str | None, expected: int, out: Sequence[Effect], now: float) -> None:
-        fresh = pre.get(h) == UNREGISTERED and not any(isinstance(e, Rejected) for e in out)
-        if fresh:
-            self.groups[h] = group  # before post(): a staged done may cascade to siblings
-        self.post(ledger, REGISTER, pre, [h], out, now)
-        if not fresh:
-            return
-        self.registered[h] = rid
-        st_ = self.staged.pop(h, None)
-        if self.state(ledger, h) in TERMINAL_STATES:
-            return
-        self.expected[h] = max(expected, self.expected.get(h, 0))
-        if st_ is not None:
-            for kind, reader, exp in st_.msgs:
-                if kind != HEARTBEAT:
-                    self._report(h, reader, exp)
-        self.check_prompt_free(ledger, f"register of handle {h}")
-
-    def on_message(self, ledger: Ledger, kind: str, pre: dict[int, str], reader: str,
-                   handles: Sequence[int], expected: int, out: Sequence[Effect],
-                   now: float) -> None:
-        self._model_event(kind, reader, handles, expected, pre, now)
-        self.post(ledger, kind, pre, handles, out, now)
-        if kind == HEARTBEAT:
-            acks = [e for e in out if isinstance(e, Ack)]
-            if len(acks) != 1:
-                self.fail("LegalTransition", f"heartbeat produced {len(acks)} acks")
-            else:
-                refused = set(acks[0].refused)
-                pending = set(acks[0].pending)
-                for h in handles:
-                    want = "pending" if self.raw.get(h) == UNREGISTERED else \
-                        "refused" if pre[h] in (ABORTED, EXPIRED, FREED) else "granted"
-                    got = "refused" if h in refused else "pending" if h in pending else \
-                        "granted"
-                    if want != got:
-                        self.fail("LegalTransition", f"heartbeat: handle {h} in {pre[h]} was "
-                                  f"{got}, not {want}")
-        self.check_prompt_free(ledger, f"{kind} from {reader} for {list(handles)}")
-
-    def on_abort(self, ledger: Ledger, pre: dict[int, str], h: int | None,
-                 out: Sequence[Effect], now: float) -> None:
-        self.post(ledger, ABORT, pre, [] if h is None else [h], out, now)
-
-    def on_tick(self, ledger: Ledger, pre: dict[int, str], out: Sequence[Effect],
-                now: float) -> None:
-        self.post(ledger, TICK, pre, [], out, now)
-        limit = now - self.config.max_staged_age
-        while self.staged:
-            st_ = next(iter(self.staged.values()))
-            if st_.since > limit:
-                break
-            self.staged.popitem(last=False)
-        self.check_expired_freed(ledger, now)
-
-
-class ObservedLedger(Ledger):
-    """Mixin over a ledger class: every public event goes through the oracle.
-
-    Use ``observed_ledger_class(cls)`` to put it in front of a mutant's overrides.
-    """
-
-    oracle: Oracle | None = None
-
-    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
-                 group: str | None = None, expected: int = 0) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().register(handle, request_id, blocks, now, group=group,
-                                    expected=expected)
-        touched = [handle] if isinstance(handle, int) else []
-        pre = o.pre(self, touched)
-        out = super().register(handle, request_id, blocks, now, group=group, expected=expected)
-        o.on_register(self, pre, handle, request_id, group, expected, out, self.now)
-        return out
-
-    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().done(reader, handle, expected, now)
-        pre = o.pre(self, [handle])
-        out = super().done(reader, handle, expected, now)
-        o.on_message(self, DONE, pre, reader, [handle], expected, out, self.now)
-        return out
-
-    def release(self, reader: str, handles: Sequence[int], expected: int,
-                now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().release(reader, handles, expected, now)
-        pre = o.pre(self, handles)
-        out = super().release(reader, handles, expected, now)
-        o.on_message(self, RELEASE, pre, reader, handles, expected, out, self.now)
-        return out
-
-    def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
-                  now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().heartbeat(reader, seq, handles, expected, now)
-        pre = o.pre(self, handles)
-        out = super().heartbeat(reader, seq, handles, expected, now)
-        o.on_message(self, HEARTBEAT, pre, reader, handles, expected, out, self.now)
-        return out
-
-    def abort(self, request_id: str, now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().abort(request_id, now)
-        h = self.handle_of(request_id)
-        pre = o.pre(self, [] if h is None else [h])
-        out = super().abort(request_id, now)
-        o.on_abort(self, pre, h, out, self.now)
-        return out
-
-    def tick(self, now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().tick(now)
-        pre = o.pre(self, [])
-        out = super().tick(now)
-        o.on_tick(self, pre, out, self.now)
-        return out
-
-    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
-        o = self.oracle
-        if o is None:
-            return super().reject(reason, peer, detail, now)
-        pre = o.pre(self, [])
-        out = super().reject(reason, peer, detail, now)
-        o.post(self, "reject", pre, [], out, self.now)
-        return out
-
-
-_OBSERVED: dict[type[Ledger], type[ObservedLedger]] = {}
-
-
-def observed_ledger_class(base: type[Ledger]) -> type[ObservedLedger]:
-    """``ObservedLedger`` in front of ``base`` (the real ledger or a mutant)."""
-    if issubclass(base, ObservedLedger):
-        return base
-    cls = _OBSERVED.get(base)
-    if cls is None:
-        if base is Ledger:
-            cls = ObservedLedger
-        else:
-            cls = cast(type[ObservedLedger],
-                       type(f"Observed{base.__name__}", (ObservedLedger, base), {}))
-        _OBSERVED[base] = cls
-    return cls
 
 
 # ---------------------------------------------------------------------------
@@ -586,7 +207,7 @@ class FuzzSim(Simulator):
                     # D posts a READ its lease covers, on blocks P has given back since it
                     # handed them out: a free the reader, within the timing assumptions,
                     # can observe (the READ would be fenced at best).
-                    self._violation(f"NoFreeUnderRead: {rank} starts a READ of handle "
+                    self._violation("NoFreeUnderRead", f"{rank} starts a READ of handle "
                                     f"{eff.handle} within its lease on blocks freed since "
                                     "hand-out")
                 self.reads[(rank, eff.request_id)] = Read(
@@ -1089,14 +710,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------------------
     def _raise_first(self) -> None:
         sim = self.sim
-        for v in sim.stats.violations:
-            name = "NoFreeUnderRead" if ("NoFreeUnderRead" in v or "fenced" in v) else \
-                v.split(":", 1)[0].split()[-1]
-            if name not in self.DISABLED:
-                raise InvariantViolation(name, v)
-        for e in sim.oracle.violations:
-            if e.invariant not in self.DISABLED:
-                raise e
+        for v in (*sim.violations, *sim.oracle.violations):
+            if v.invariant not in self.DISABLED:
+                raise v
 
     @invariant()
     def safety(self) -> None:
@@ -1108,23 +724,12 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check_safety(self) -> None:
         """The safety invariants (and any violation the oracle or the simulator recorded)."""
         sim = self.sim
-        pool = sim.pool
-        if pool.violations:
-            raise InvariantViolation("NoDoubleFree", f"{pool.violations} double free(s)")
-        held, free = pool.recount()
-        if pool.held_count + pool.free_count != pool.capacity or held != pool.held_count:
-            raise InvariantViolation("Conservation", f"held {pool.held_count}/{held} + free "
-                                     f"{pool.free_count}/{free} != {pool.capacity}")
-        L = sim.ledger
-        if L.staged_count > L.config.max_staged:
-            raise InvariantViolation("StagingBounded", f"{L.staged_count} > {L.config.max_staged}")
-        if L.tombstone_count > L.config.max_tombstones:
-            raise InvariantViolation("TombstonesBounded",
-                                     f"{L.tombstone_count} > {L.config.max_tombstones}")
+        first = safety_violations(sim.pool, sim.ledger, ledger_invariants=False)
+        if first:
+            raise first[0]
         self._raise_first()
-        errs = L.check_invariants()
-        if errs:
-            raise InvariantViolation("LedgerInvariants", "; ".join(errs))
+        for v in ledger_violations(sim.ledger):
+            raise v
 
     def _record_coverage(self) -> None:
         sim = self.sim
@@ -1163,9 +768,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             leaks.append(f"D {rk} still tracks {rid} ({sim.ranks[rk].state(rid)})")
         if sim.reads or sim.net.queue:
             leaks.append(f"{len(sim.reads)} READs / {len(sim.net.queue)} messages pending")
-        errs = L.check_invariants()
-        if errs:
-            raise InvariantViolation("LedgerInvariants", "; ".join(errs))
+        for v in ledger_violations(L):
+            raise v
         if leaks:
             raise InvariantViolation("NoLeak", "after settling: " + "; ".join(leaks[:8]))
 

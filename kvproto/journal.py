@@ -73,6 +73,7 @@ from kvproto.lifecycle import (
     Tick,
     TransferParams,
 )
+from kvproto.verify.oracle import safety_violations
 
 log = logging.getLogger(__name__)
 
@@ -458,11 +459,9 @@ def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
                     res.violations.append(
                         f"line {lineno}: NoFreeUnderRead: {who} free of handle {eff.handle} "
                         f"({eff.reason}) at {ev.now} before its lease deadline {eff.deadline}")
-        if pool.violations:
-            res.violations.append(f"line {lineno}: NoDoubleFree: {pool.violations} double free(s)")
-            break
-        if pool.held_count + pool.free_count != pool.capacity:
-            res.violations.append(f"line {lineno}: Conservation: held + free != capacity")
+        bad = safety_violations(pool, ledger, recount=False, ledger_invariants=False)
+        if bad:
+            res.violations.extend(f"line {lineno}: {v}" for v in bad)
             break
         if full_check_every and res.events % full_check_every == 0:
             errs = ledger.check_invariants()

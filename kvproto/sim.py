@@ -42,6 +42,7 @@ from kvproto.lifecycle import (
     StartHandshake,
     TransferParams,
 )
+from kvproto.verify.oracle import InvariantViolation, ledger_violations, safety_violations
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class Simulator:
         self._aseq = 0
         self._next_req = 0
         self.stats = Stats()
+        self.violations: list[InvariantViolation] = []  # the records behind stats.violations
         self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
         self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
                                   tuple[str, ...]]] = []
@@ -186,9 +188,11 @@ class Simulator:
         self._aseq += 1
         return self._aseq
 
-    def _violation(self, msg: str) -> None:
-        log.error("violation at t=%.3f: %s", self.now, msg)
-        self.stats.violations.append(f"t={self.now:.3f} {msg}")
+    def _violation(self, invariant: str, detail: str) -> None:
+        v = InvariantViolation(invariant, detail)
+        log.error("violation at t=%.3f: %s", self.now, v)
+        self.violations.append(v)
+        self.stats.violations.append(f"t={self.now:.3f} {v}")
 
     # -- P side (the adapter: decode, feed the ledger, apply effects) ------------------
     def p_receive(self, src: str, data: bytes) -> None:
@@ -228,7 +232,7 @@ class Simulator:
             self.gens[b] += 1  # bump before the block can be reused
         for r in self.reads.values():
             if reclaimed.intersection(r.blocks):
-                self._violation(f"NoFreeUnderRead: handle {eff.handle} ({eff.reason}) freed "
+                self._violation("NoFreeUnderRead", f"handle {eff.handle} ({eff.reason}) freed "
                                 f"blocks under {r.reader}'s READ of handle {r.handle}")
         self.holders.pop(eff.handle, None)
 
@@ -324,7 +328,8 @@ class Simulator:
         fenced = any(self.gens[b] != g for b, g in zip(r.blocks, r.gens, strict=True))
         if fenced:
             self.stats.fenced += 1
-            self._violation(f"fenced READ of handle {r.handle} by {r.reader}: blocks reused")
+            self._violation("NoFreeUnderRead", f"fenced READ of handle {r.handle} by "
+                            f"{r.reader}: blocks reused")
         c = self.ranks[r.reader]
         # NIXL delivers the READ's notification after the data landed, from the initiator.
         if not fenced:
@@ -471,15 +476,12 @@ class Simulator:
         self.check_step()
 
     def check_step(self) -> None:
-        pool = self.pool
-        if pool.violations:
-            self._violation(f"NoDoubleFree: {pool.violations} double free(s)")
-            pool.violations = 0
-        if pool.held_count + pool.free_count != pool.capacity:
-            self._violation("Conservation: held + free != capacity")
-        L = self.ledger
-        if L.staged_count > L.config.max_staged or L.tombstone_count > L.config.max_tombstones:
-            self._violation("StagingBounded/TombstonesBounded")
+        """The oracle's safety checks of the pool and the ledger (no full recount: this
+        runs every step). A double free is reported once."""
+        for v in safety_violations(self.pool, self.ledger, recount=False,
+                                   ledger_invariants=False):
+            self._violation(v.invariant, v.detail)
+        self.pool.violations = 0
 
     def run(self, duration: float, *, drain: bool = True,
             progress: Callable[[float], None] | None = None) -> Stats:
@@ -500,10 +502,10 @@ class Simulator:
         while self.now < limit and (self.ledger.held_requests or self.reads or self.net.queue
                                     or self.agenda or self.p_agenda):
             self.step(generate=False)
-        for e in self.ledger.check_invariants():
-            self._violation(e)
+        for v in ledger_violations(self.ledger):
+            self._violation(v.invariant, v.detail)
         if self.ledger.held_requests or self.pool.held_count:
-            self._violation(f"NoLeak: {self.ledger.held_requests} requests / "
+            self._violation("NoLeak", f"{self.ledger.held_requests} requests / "
                             f"{self.pool.held_count} blocks still held after drain")
 
     def summary(self) -> dict[str, Any]:

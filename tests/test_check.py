@@ -114,7 +114,26 @@ def test_list_names_every_model_and_its_expectation(capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("argv", [
+    ["check", "--model", "ci", "--plan"],
+    ["check", "ci", "--plan"],
+])
+def test_model_option_is_the_positional_model(argv: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvproto check --model ci`` (issue 10's spelling) checks what ``check ci`` does."""
+    assert main(argv) == check.EXIT_OK
+    assert capsys.readouterr().out.strip() == "would check ci (kvproto/tla/MC_ci.cfg)"
+
+
+def test_model_option_repeats_and_dedups(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "ci", "--model", "live", "--model", "ci", "--plan"]) == check.EXIT_OK
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split()[2] for ln in lines] == ["ci", "live"]
+
+
+@pytest.mark.parametrize("argv", [
     ["check", "no_such_model"],
+    ["check", "--model", "no_such_model"],
+    ["check", "--model", "ci", "--lease-extension", "3"],
     ["check", "--lease-config", "/nonexistent/lease.json"],
     ["check", "ci", "--lease-extension", "3"],
     ["check", "--workers", "0"],

@@ -225,7 +225,7 @@ ORACLE_MODELS = [n for n in ("group2x2", "solo2x2") if n not in KNOWN_DIVERGENCE
 @pytest.mark.parametrize("name", ORACLE_MODELS)
 def test_oracle_any_input(name: str) -> None:
     model = cf.MODELS[name]
-    oracle = orc.Oracle(model, _tlc_graph(name).graph)
+    oracle = orc.Oracle.from_graph(model, _tlc_graph(name).graph)
     labels = [a.label for a in model.actions()]
     stats: dict[str, int] = {}
 
@@ -246,7 +246,7 @@ def test_oracle_any_input(name: str) -> None:
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_oracle_catches_mutant(name: str) -> None:
     with mutant(name) as (model, factory):
-        oracle = orc.Oracle(model, _tlc_graph(model.name).graph)
+        oracle = orc.Oracle.from_graph(model, _tlc_graph(model.name).graph)
         labels = [a.label for a in model.actions()]
         failures: list[str] = []
 
@@ -262,3 +262,19 @@ def test_oracle_catches_mutant(name: str) -> None:
             check()
     assert failures
     log.info("oracle caught %s: %s", name, failures[-1][:1000])
+
+
+@pytest.mark.tlc
+def test_oracle_prompt_free_is_off_under_arbitrary_inputs() -> None:
+    """Why ``Oracle.from_graph`` turns PromptFree off (spec/TLA.md §6): when the expected
+    count first arrives in a reader's duplicate ``done``, the spec and Python both keep
+    the request held although every reader reported. The fuzzer's inputs (every message
+    of a reader carries the same count) never do this, so it checks PromptFree there."""
+    model = cf.MODELS["group2x2"]
+    oracle = orc.Oracle.from_graph(model, _tlc_graph("group2x2").graph)
+    assert not oracle.prompt_free
+    seq = ["Register_r1", "Done_r1_d1_0", "Done_r1_d2_0", "Done_r1_d1_2"]
+    assert orc.run(model, oracle, seq) is None  # the spec has this step: no SpecStep
+    strict = orc.Oracle(oracle.config, spec=oracle.spec, prompt_free=True)
+    why = orc.run(model, strict, seq)
+    assert why is not None and "step 4 of" in why and "PromptFree" in why, why

