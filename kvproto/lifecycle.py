@@ -1568,13 +1568,16 @@ class TransferParams:
                    group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())))
 
 
-# D effects.
-@dataclass(frozen=True, slots=True)
+# D effects. Values: compared and hashed by their fields, and never changed once built
+# (nothing in kvproto assigns to one). Not ``frozen``: a frozen dataclass costs about 4x
+# as much to build (0.66 us vs 0.16 us for PostRead, measured), and D builds three of
+# these per request on its hot path.
+@dataclass(slots=True, unsafe_hash=True)
 class StartHandshake:
     engine: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class PostRead:
     request_id: str
     engine: str
@@ -1583,7 +1586,7 @@ class PostRead:
     expected: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SendDone:
     request_id: str
     engine: str
@@ -1591,7 +1594,7 @@ class SendDone:
     expected: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SendRelease:
     request_id: str
     engine: str
@@ -1599,7 +1602,7 @@ class SendRelease:
     expected: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SendHeartbeat:
     engine: str
     seq: int
@@ -1607,7 +1610,7 @@ class SendHeartbeat:
     expected: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Finished:
     """The request left the machine: ``state`` is done or failed, with a reason."""
 
@@ -1616,7 +1619,7 @@ class Finished:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DropPeer:
     """Effect: the machine declared ``engine`` lost (no ack for ``peer_timeout`` while
     heartbeats were outstanding): close its connection; its requests were failed."""

@@ -890,7 +890,7 @@ class ConsumerAdapter:
         reads = self.reads
         machine = self.machine
         done_info = self._done_info
-        apply = self._apply
+        effects: list[DEffect] = []  # every request's, executed once the loop is done
         single = len(rds) == 1
         off = 0
         for rd in rds:
@@ -913,8 +913,9 @@ class ConsumerAdapter:
             else:
                 done_info[rd.rid] = (rd.nbytes, now - rd.started)
             # A landed READ's SendDone joins the done batch sent below.
-            apply(machine.read_result(rd.rid, True, now, fenced=fenced, notif_attached=False),
-                  now)
+            effects += machine.read_result(rd.rid, True, now, fenced=fenced,
+                                           notif_attached=False)
+        self._apply(effects, now)
         self._flush_dones()
 
     def _batch_failed(self, rds: list[_Read], why: str, now: float) -> None:
