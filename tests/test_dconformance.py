@@ -18,7 +18,9 @@ import pytest
 
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
+    ACK,
     D_ABORT,
+    D_FAILED,
     D_TABLE,
     PEER_LOST,
     READ_FAILED,
@@ -84,34 +86,53 @@ def test_a_d_journal_whose_effects_were_changed_is_rejected(tmp_path: Path) -> N
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tlc_group2() -> nx.MultiDiGraph:
-    try:
-        return dc.explore_tlc_d(dc.D_MODELS["group2"])
-    except TLCMissing as e:  # pragma: no cover - CI has Java
-        pytest.skip(str(e))
+_GRAPHS: dict[str, nx.MultiDiGraph] = {}
+
+
+def tlc_graph(name: str) -> nx.MultiDiGraph:
+    """TLC's graph of a D model, once per test session."""
+    if name not in _GRAPHS:
+        try:
+            _GRAPHS[name] = dc.explore_tlc_d(dc.D_MODELS[name])
+        except TLCMissing as e:  # pragma: no cover - CI has Java
+            pytest.skip(str(e))
+    return _GRAPHS[name]
 
 
 @pytest.mark.tlc
-def test_consumer_and_the_tla_d_machine_have_the_same_graph(tlc_group2: nx.MultiDiGraph) -> None:
+def test_consumer_and_the_tla_d_machine_have_the_same_graph() -> None:
     m = dc.D_MODELS["group2"]
-    c = dc.compare_d(dc.explore_python_d(m), tlc_group2)
-    assert c.tlc_states > 300 and tlc_group2.number_of_edges() > 2 * c.tlc_states
+    tlc = tlc_graph("group2")
+    c = dc.compare_d(dc.explore_python_d(m), tlc)
+    assert c.tlc_states > 3000 and tlc.number_of_edges() > 5 * c.tlc_states
     assert c.equal, c.report()
+    # heartbeats, acks (granted, refused, unknown) and ack silence are all in the graph
+    labels = {k.split("_")[0] for _, _, k in tlc.edges(keys=True)}
+    assert {"DAck", "DAckUnknown", "DTick", "PeerLost"} <= labels, labels
+    effs = {e["k"] for s in tlc.nodes for e in s["eff"]}
+    assert {"heartbeat", "drop_peer", "release"} <= effs, effs
+    whys = {e["why"] for s in tlc.nodes for e in s["eff"]}
+    assert {"revoked", "peer_lost", "lease_lost", "sibling_local"} <= whys, whys
 
 
 @pytest.mark.tlc
-@pytest.mark.parametrize(("key", "change"), [
-    ((READING, READ_FAILED, "error"), {"effects": (Fx("send_release"),
-                                                   Fx("finish", "transfer_error"))}),
-    ((WAITING, PEER_LOST, "lost"), {"effects": (Fx("send_release"), Fx("finish", "peer_lost"))}),
-    ((READING, D_ABORT, "in_flight"), {"effects": ()}),
-], ids=["read_failed_keeps_group", "peer_lost_releases", "abort_in_flight_forgotten"])
-def test_a_changed_d_row_breaks_graph_equality(tlc_group2: nx.MultiDiGraph,
-                                               key: tuple[str, str, str],
+@pytest.mark.parametrize(("model", "key", "change"), [
+    ("group2_noack", (READING, READ_FAILED, "error"),
+     {"effects": (Fx("send_release"), Fx("finish", "transfer_error"))}),
+    ("group2_noack", (WAITING, PEER_LOST, "lost"),
+     {"effects": (Fx("send_release"), Fx("finish", "peer_lost"))}),
+    ("group2_noack", (READING, D_ABORT, "in_flight"), {"effects": ()}),
+    ("solo", (WAITING, ACK, "refused"), {"effects": (Fx("disown"), Fx("finish", "revoked"))}),
+    ("solo", (READING, ACK, "refused"), {"dst": D_FAILED, "effects": (Fx("finish", "revoked"),)}),
+], ids=["read_failed_keeps_group", "peer_lost_releases", "abort_in_flight_forgotten",
+        "refused_ack_does_not_release", "refused_ack_drops_a_read"])
+def test_a_changed_d_row_breaks_graph_equality(model: str, key: tuple[str, str, str],
                                                change: dict[str, Any]) -> None:
+    tlc = tlc_graph(model)
+    m = dc.D_MODELS[model]
+    assert dc.compare_d(dc.explore_python_d(m), tlc).equal  # the unchanged table agrees (small)
     mutant = Consumer.with_rows(D_TABLE[key]._replace(**change))
-    c = dc.compare_d(dc.explore_python_d(dc.D_MODELS["group2"], mutant), tlc_group2)
+    c = dc.compare_d(dc.explore_python_d(m, mutant), tlc)
     assert not c.equal
     assert c.only_py, "the changed row must show as a Python-only edge"
     assert "GRAPHS DIFFER" in c.report()
