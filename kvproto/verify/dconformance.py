@@ -264,7 +264,7 @@ def _clone(c: Consumer) -> Consumer:
     n = object.__new__(type(c))
     n.__dict__.update(vars(c))
     reqs: dict[int, _DReq] = {}
-    for rid, r in c.reqs.items():
+    for r in c.reqs.values():
         q = object.__new__(_DReq)
         for k in _DReq.__slots__:
             setattr(q, k, getattr(r, k))
