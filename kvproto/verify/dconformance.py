@@ -10,12 +10,12 @@ State-graph equality: ``tla/KVConsumer.tla`` is D's machine alone (as ``KVLedger
 is P's). For each small ``DModel`` TLC dumps its reachable graph, the Python
 ``Consumer`` is explored by BFS over the same inputs through the abstraction function
 of KVConsumer.tla's header, and both graphs must have the same labelled edges (effects
-included: they are part of the state, as the last step's ``eff``). Heartbeats and P's
-acks are not in this model (ACK rows are covered by the whole-protocol model
-KVLifecycle.tla and by the journal checks).
+included: they are part of the state, as the last step's ``eff``). Heartbeats (sent by
+D's tick every unit), P's acks of any outstanding heartbeat (granted or refused, and acks
+of no outstanding heartbeat) and ack silence are in the models.
 
-Not done yet (issue 10): TLC trace validation of D journals (they are checked against
-D_TRANSITIONS by replay, above).
+TLC trace validation of D journals (``tla/conformance/TraceConsumer.tla``) is in
+``kvproto.verify.dtrace``; ``kvproto validate`` runs it after the replay above.
 """
 
 from __future__ import annotations
