@@ -539,10 +539,16 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
     """Validate journals, one verdict each (raises JournalError/TraceError on bad input,
     TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
     is its first segment's rejection."""
+    from kvproto.verify.dconformance import is_d_journal
+    from kvproto.verify.dtrace import d_journal_to_traces
+
     per_path: list[list[Trace]] = []
     for p in paths:
         try:
-            per_path.append(journal_to_traces(p, segment_steps))
+            if is_d_journal(p):  # one D rank's journal: TraceConsumer over KVConsumer
+                per_path.append(d_journal_to_traces(p, segment_steps))
+            else:
+                per_path.append(journal_to_traces(p, segment_steps))
         except (JournalError, TraceError) as e:  # name the file: several may be given
             raise TraceError(f"{p}: {e}") from None
     traces = [t for ts in per_path for t in ts]
@@ -590,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
 
     d_paths = [p for p in args.journals if is_d_journal(p)]
     d_ok = True
-    for p in d_paths:  # one D rank's journal: checked against D's table (no TLC)
+    for p in d_paths:  # one D rank's journal: replayed against D's table, then TLC below
         try:
             dv = check_d_journal(p)
         except (JournalError, OSError, json.JSONDecodeError) as e:
@@ -598,9 +604,6 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
         print(dv.describe())
         d_ok &= dv.allowed
-    args.journals = [p for p in args.journals if p not in d_paths]
-    if not args.journals:
-        return EXIT_OK if d_ok else EXIT_NOT_ALLOWED
     try:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
                             workdir=Path(args.keep) if args.keep else None,

@@ -480,11 +480,15 @@ def test_spoofed_handshake_neither_disturbs_a_live_d_nor_frees_a_block(
     dstats = d.call("stats", reply="stats")[1]
     assert dstats["counters"].get("handshakes") == 1  # never had to handshake again
     assert not any(k.startswith("handshake_failed") for k in dstats["counters"])
+
+
+@pytest.mark.tlc
 def test_silent_p_is_lost_after_peer_timeout_and_the_d_journal_replays(
         procs: list[Proc], tmp_path: Path) -> None:
     """P stops answering (SIGSTOP: its sockets stay open, so only ack silence shows):
     D's machine declares it lost after Config.peer_timeout and fails the queued request
-    without a release. The D journal of this real NIXL run replays clean."""
+    without a release. The D journal of this real NIXL run replays clean and TLC
+    validates it (``kvproto validate``)."""
     from kvproto.journal import JournalWriter, replay
 
     pname = uniq("P")
@@ -516,3 +520,12 @@ def test_silent_p_is_lost_after_peer_timeout_and_the_d_journal_replays(
         res = replay(f)
     assert res.ok, (res.divergences, res.violations)
     assert res.frees == {"failed:peer_lost": 1}
+    # ... and TLC allows it (TraceConsumer.tla): heartbeats, acks, the ack silence
+    rows = [json.loads(x) for x in jpath.read_text().splitlines()[1:]]
+    assert any(r["event"]["type"] == "ack" for r in rows)
+    assert any(e["type"] == "drop_peer" for r in rows for e in r["effects"])
+    try:
+        verdicts = validate([jpath])
+    except TLCMissing as e:  # pragma: no cover - CI has Java
+        pytest.skip(str(e))
+    assert verdicts[0].allowed, verdicts[0].describe()

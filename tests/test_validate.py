@@ -317,7 +317,8 @@ def test_tlc_timeout_is_a_clear_error_not_a_traceback(
 
 
 # ---------------------------------------------------------------------------
-# D journals (one decode rank): checked against D's table, without TLC
+# D journals (one decode rank): replayed against D's table, then validated by TLC
+# (TraceConsumer.tla; more in tests/test_dconformance.py)
 # ---------------------------------------------------------------------------
 
 
@@ -336,6 +337,7 @@ def d_journal(path: Path) -> Path:
     return path
 
 
+@pytest.mark.tlc
 def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvproto import cli
@@ -344,6 +346,7 @@ def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
     assert cli.main(["-q", "validate", str(good)]) == 0
     out = capsys.readouterr().out
     assert "D journal of d0" in out and "follow D_TRANSITIONS" in out and "done:pulled" in out
+    assert f"{good}: OK, all 7 steps are allowed by the spec" in out  # TLC, TraceConsumer
     rows = read_lines(good)
     i = first_line(rows, lambda r: r["event"]["type"] == "ack")
     rows[i]["effects"] = []  # hide the release of the refused request
@@ -351,3 +354,5 @@ def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
     assert cli.main(["-q", "validate", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "do NOT follow" in out and f"line {i + 1}: ack effects differ" in out
+    assert f"{bad}: NOT ALLOWED at line {i + 1}" in out
+    assert "the spec has an effect here that the journal does not" in out

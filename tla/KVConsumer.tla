@@ -2,31 +2,63 @@
 (***************************************************************************)
 (* One D rank's machine alone: kvproto.lifecycle.Consumer for one reader  *)
 (* and one P engine, driven by any input. It is to D_TRANSITIONS what     *)
-(* KVLedger is to P_TRANSITIONS: the TLC side of the D state-graph        *)
-(* equality check (kvproto.verify.dconformance). KVLifecycle's D actions  *)
-(* are the same rows inside the whole protocol; the names agree with both *)
-(* (see KVLifecycle's header): Admit, HandshakeOk, HandshakeFailed,       *)
-(* Schedule, ReadOk, ReadFailed, DAbort, PeerLost, and Tick for D's       *)
-(* tick (lease check; its heartbeats and P's acks are not modelled here). *)
+(* KVLedger is to P_TRANSITIONS: pure operators over a record of the      *)
+(* machine's state (AdmitOp, ..., DTickOp), one per Python event, and     *)
+(* actions over abstract inputs that apply them (Next). Two checks use it: *)
+(*  - D state-graph equality (kvproto.verify.dconformance): TLC's graph   *)
+(*    of a small model against a BFS of the real Consumer;                *)
+(*  - trace validation of D journals (conformance/TraceConsumer.tla,      *)
+(*    `kvproto validate`): a recorded journal walked through the same     *)
+(*    operators.                                                          *)
+(* NAMES agree with D_TRANSITIONS and KVLifecycle's D actions: Admit,     *)
+(* HandshakeOk, HandshakeFailed, Schedule, ReadOk, ReadFailed, DAbort,    *)
+(* DAck (rows ACK/granted: renew; ACK/refused: release, disown,           *)
+(* finish:revoked, or let a READ finish), PeerLost, and DTick, the whole  *)
+(* Consumer.tick: rows D_TICK/lease_lost, the ack-silence check           *)
+(* (PEER_LOST rows after peer_timeout, effect drop_peer) and the          *)
+(* heartbeats D sends every HeartbeatInterval.                            *)
+(*                                                                         *)
+(* HEARTBEATS are state, not messages: hbs is the set of heartbeats sent  *)
+(* and not yet acknowledged (Python's _Peer.outstanding), each a record   *)
+(* [seq, rs (the requests it names), age (now - send time)]. A heartbeat  *)
+(* leaves as the effect record [k |-> "heartbeat"]; the batches it was cut *)
+(* into (one per expected-reader count, chunked to fit a wire message)    *)
+(* are the new members of hbs. DAck(h, term, refused, pending) is P's     *)
+(* ack of h: lease end := send time + term - drift (never lowered), as in *)
+(* Consumer.ack. The graph model's acks grant LeaseExtension (what P      *)
+(* grants) and number no heartbeat (seq 0); trace validation takes seq,   *)
+(* term, refused and pending from the journal.                            *)
+(*                                                                         *)
+(* TIME is relative. The graph model's DTick is one time unit; the trace  *)
+(* module moves the clock by any amount before every event (Shift).       *)
 (*                                                                         *)
 (* ABSTRACTION (Python -> TLA+): dst[r] = Consumer.state(r), or the state *)
 (* of its Finished effect once it left the machine; dlease[r] = lease end *)
 (* - now while waiting or handshaking, else 0; abortPending[r] =          *)
 (* Consumer.abort_pending(r); owner[g] = Consumer.group_owner(engine, g)  *)
-(* or "none"; peer = Consumer.peer_state(engine); eff = the effects of the *)
-(* last step as records (heartbeats left out).                             *)
+(* or "none"; peer = Consumer.peer_state(engine); hbs = {[seq, rs: the    *)
+(* requests of its handles, age: now - sent_at] : the peer's outstanding  *)
+(* heartbeats}; hbWait = max(0, _next_hb - now); heard = min(now -        *)
+(* last_heard, PeerTimeout + 1) while the peer is ready, else 0; eff =    *)
+(* the effects of the last step as records (SendHeartbeat as one          *)
+(* [k |-> "heartbeat"], DropPeer as [k |-> "drop_peer"]).                 *)
 (***************************************************************************)
-EXTENDS Naturals, FiniteSets
+EXTENDS Integers, FiniteSets
 
-CONSTANTS Requests, GroupOf, NoGroup, TermOf, MaxDelay, MaxReadTime, ClockDrift
+CONSTANTS Requests, GroupOf, NoGroup, TermOf, ExpOf,
+          MaxDelay, MaxReadTime, ClockDrift, HeartbeatInterval, LeaseExtension, PeerTimeout
 
-VARIABLES dst, dlease, abortPending, owner, peer, eff
-vars == <<dst, dlease, abortPending, owner, peer, eff>>
+VARIABLES dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff
+vars == <<dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff>>
 
 Groups == {GroupOf[r] : r \in Requests} \ {NoGroup}
 DStates == {"new", "handshaking", "waiting", "reading", "done", "failed"}
 PeerStates == {"unknown", "handshaking", "ready"}   \* lifecycle.PEER_STATES
 Active == {"handshaking", "waiting", "reading"}
+Idle == {"waiting", "handshaking"}                  \* a lease D still checks
+Pulling == {"waiting", "reading"}                   \* named in heartbeats and acks
+Max(a, b) == IF a >= b THEN a ELSE b
+Min(a, b) == IF a <= b THEN a ELSE b
 
 (* Consumer._read_fits, relative: now + max_read_time + clock_drift <= lease end *)
 ReadFits(l) == MaxReadTime + ClockDrift <= l
@@ -34,142 +66,225 @@ ReadFits(l) == MaxReadTime + ClockDrift <= l
 E(k, r, why) == [k |-> k, r |-> r, why |-> why]
 Finish(r, why) == E("finish", r, why)
 Release(r) == E("release", r, "")
+HbEffect == E("heartbeat", "", "")
+DropPeer == E("drop_peer", "", "")
 
-(* Per-request fields back to rest when r leaves waiting/handshaking/reading. *)
-Rest(S) == /\ dlease' = [q \in Requests |-> IF q \in S THEN 0 ELSE dlease[q]]
-           /\ abortPending' = [q \in Requests |-> IF q \in S THEN FALSE ELSE abortPending[q]]
-(* effect "disown" *)
-Disown(r) == owner' = IF GroupOf[r] # NoGroup /\ owner[GroupOf[r]] = r
-                      THEN [owner EXCEPT ![GroupOf[r]] = "none"] ELSE owner
+(* The machine's state as one record, and an action that makes a record the state. *)
+Cur == [dst |-> dst, dlease |-> dlease, abortPending |-> abortPending, owner |-> owner,
+        peer |-> peer, hbs |-> hbs, hbWait |-> hbWait, heard |-> heard, eff |-> eff]
+Become(C) == /\ dst' = C.dst /\ dlease' = C.dlease /\ abortPending' = C.abortPending
+             /\ owner' = C.owner /\ peer' = C.peer /\ hbs' = C.hbs /\ hbWait' = C.hbWait
+             /\ heard' = C.heard /\ eff' = C.eff
 
-Init ==
-    /\ dst = [r \in Requests |-> "new"]
-    /\ dlease = [r \in Requests |-> 0]
-    /\ abortPending = [r \in Requests |-> FALSE]
-    /\ owner = [g \in Groups |-> "none"]
-    /\ peer = "unknown"
-    /\ eff = {}
+InitC == [dst |-> [r \in Requests |-> "new"], dlease |-> [r \in Requests |-> 0],
+          abortPending |-> [r \in Requests |-> FALSE], owner |-> [g \in Groups |-> "none"],
+          peer |-> "unknown", hbs |-> {}, hbWait |-> 0, heard |-> 0, eff |-> {}]
 
-(* event admit: rows ADMIT/lease_short, peer_ready, peer_unknown (start or join) *)
-Admit(r) ==
-    /\ dst[r] = "new"
-    /\ LET l == TermOf[r] - MaxDelay IN
-       IF ~ReadFits(l)
-       THEN /\ dst' = [dst EXCEPT ![r] = "failed"]
-            /\ eff' = {Release(r), Finish(r, "lease_short")}
-            /\ UNCHANGED <<dlease, peer>>
-       ELSE /\ dlease' = [dlease EXCEPT ![r] = l]
-            /\ IF peer = "ready"
-               THEN dst' = [dst EXCEPT ![r] = "waiting"] /\ eff' = {} /\ UNCHANGED peer
-               ELSE /\ dst' = [dst EXCEPT ![r] = "handshaking"]
-                    /\ peer' = "handshaking"
-                    /\ eff' = IF peer = "unknown" THEN {E("handshake", "", "")} ELSE {}
-    /\ UNCHANGED <<abortPending, owner>>
+(* An event that changes nothing (Python counts it: duplicate admit, schedule of a
+   request not waiting, a READ result for one not reading, abort of an unknown one). *)
+NoOp(C) == [C EXCEPT !.eff = {}]
 
-(* event handshake_ok: row HANDSHAKE_OK/ok *)
-HandshakeOk ==
-    /\ peer = "handshaking"
-    /\ peer' = "ready"
-    /\ dst' = [r \in Requests |-> IF dst[r] = "handshaking" THEN "waiting" ELSE dst[r]]
-    /\ eff' = {}
-    /\ UNCHANGED <<dlease, abortPending, owner>>
+(* The requests in S leave the machine: state d, per-request fields back to rest;
+   with rel, the release and disown effects of the give-up rows (_RELEASE_FAIL). *)
+Leave(C, S, d, why, rel) ==
+    [C EXCEPT !.dst = [q \in Requests |-> IF q \in S THEN d ELSE C.dst[q]],
+              !.dlease = [q \in Requests |-> IF q \in S THEN 0 ELSE C.dlease[q]],
+              !.abortPending = [q \in Requests |-> IF q \in S THEN FALSE ELSE C.abortPending[q]],
+              !.owner = IF rel THEN [g \in Groups |-> IF C.owner[g] \in S THEN "none"
+                                                     ELSE C.owner[g]]
+                        ELSE C.owner,
+              !.eff = {Finish(q, why) : q \in S} \cup
+                      (IF rel THEN {Release(q) : q \in S} ELSE {})]
 
-(* event handshake_failed: row HANDSHAKE_FAILED/failed (no release: P expires) *)
-HandshakeFailed ==
-    /\ peer = "handshaking"
-    /\ peer' = "unknown"
-    /\ LET S == {r \in Requests : dst[r] = "handshaking"} IN
-       /\ dst' = [r \in Requests |-> IF r \in S THEN "failed" ELSE dst[r]]
-       /\ Rest(S)
-       /\ eff' = {Finish(r, "handshake") : r \in S}
-    /\ UNCHANGED owner
+(* k time units pass and nothing else happens (the trace module's clock). *)
+Shift(C, k) ==
+    [C EXCEPT !.dlease = [q \in Requests |-> IF C.dst[q] \in Idle THEN C.dlease[q] - k
+                                             ELSE C.dlease[q]],
+              !.hbs = {[h EXCEPT !.age = h.age + k] : h \in C.hbs},
+              !.hbWait = Max(0, C.hbWait - k),
+              !.heard = IF C.peer = "ready" THEN Min(C.heard + k, PeerTimeout + 1) ELSE 0]
+
+(* event admit: rows ADMIT/lease_short, peer_ready, peer_unknown (start or join).
+   late: how far the admit's own time lies behind D's clock (Consumer.admit keeps the
+   earlier time: its read check uses it, and the lease runs from it). *)
+AdmitOp(C, r, late) ==
+    IF C.dst[r] # "new" THEN NoOp(C)
+    ELSE LET l == TermOf[r] - MaxDelay IN
+         IF ~ReadFits(l)
+         THEN [C EXCEPT !.dst[r] = "failed", !.eff = {Release(r), Finish(r, "lease_short")}]
+         ELSE IF C.peer = "ready"
+         THEN [C EXCEPT !.dst[r] = "waiting", !.dlease[r] = l - late, !.eff = {}]
+         ELSE [C EXCEPT !.dst[r] = "handshaking", !.dlease[r] = l - late,
+                        !.peer = "handshaking",
+                        !.eff = IF C.peer = "unknown" THEN {E("handshake", "", "")} ELSE {}]
+
+(* event handshake_ok: row HANDSHAKE_OK/ok; P is heard from now *)
+HandshakeOkOp(C) ==
+    [C EXCEPT !.peer = "ready", !.heard = 0, !.eff = {},
+              !.dst = [q \in Requests |-> IF C.dst[q] = "handshaking" THEN "waiting"
+                                          ELSE C.dst[q]]]
+
+(* event handshake_failed: row HANDSHAKE_FAILED/failed (no release: P expires);
+   the finish reason is the event's *)
+HandshakeFailedOp(C, why) ==
+    [Leave(C, {q \in Requests : C.dst[q] = "handshaking"}, "failed", why, FALSE)
+        EXCEPT !.peer = "unknown", !.heard = 0]
 
 (* event schedule: rows SCHEDULE/sibling_in_flight, sibling_local, lease_short,
    lease_covers_read *)
-Schedule(r) ==
-    /\ dst[r] = "waiting"
-    /\ LET g == GroupOf[r]
-           o == IF g # NoGroup THEN owner[g] ELSE "none"
-       IN  IF o \notin {"none", r} /\ dst[o] \in Active
-           THEN UNCHANGED <<dst, dlease, abortPending, owner, peer>> /\ eff' = {}
-           ELSE IF o \notin {"none", r}
-           THEN /\ dst' = [dst EXCEPT ![r] = "done"] /\ Rest({r}) /\ UNCHANGED owner
-                /\ eff' = {Release(r), Finish(r, "sibling_local")}
-           ELSE IF ~ReadFits(dlease[r])
-           THEN /\ dst' = [dst EXCEPT ![r] = "failed"] /\ Rest({r}) /\ Disown(r)
-                /\ eff' = {Release(r), Finish(r, "lease_short")}
-           ELSE /\ dst' = [dst EXCEPT ![r] = "reading"]
-                /\ dlease' = [dlease EXCEPT ![r] = 0]
-                /\ owner' = IF g # NoGroup THEN [owner EXCEPT ![g] = r] ELSE owner
-                /\ eff' = {E("read", r, "")}
-                /\ UNCHANGED abortPending
-    /\ UNCHANGED peer
+ScheduleOp(C, r) ==
+    IF C.dst[r] # "waiting" THEN NoOp(C)
+    ELSE LET g == GroupOf[r]
+             o == IF g # NoGroup THEN C.owner[g] ELSE "none"
+         IN  IF o \notin {"none", r} /\ C.dst[o] \in Active
+             THEN NoOp(C)
+             ELSE IF o \notin {"none", r}
+             THEN [Leave(C, {r}, "done", "sibling_local", FALSE)
+                      EXCEPT !.eff = @ \cup {Release(r)}]
+             ELSE IF ~ReadFits(C.dlease[r])
+             THEN Leave(C, {r}, "failed", "lease_short", TRUE)
+             ELSE [C EXCEPT !.dst[r] = "reading", !.dlease[r] = 0,
+                            !.owner = IF g # NoGroup THEN [C.owner EXCEPT ![g] = r]
+                                      ELSE C.owner,
+                            !.eff = {E("read", r, "")}]
 
 (* event read_ok: rows READ_OK/ok, abort_pending (done sent unless it rode on the
    READ; no disown: P heard done) *)
-ReadOk(r, attached) ==
-    /\ dst[r] = "reading"
-    /\ dst' = [dst EXCEPT ![r] = IF abortPending[r] THEN "failed" ELSE "done"]
-    /\ Rest({r})
-    /\ eff' = (IF attached THEN {} ELSE {E("done", r, "")})
-              \cup {Finish(r, IF abortPending[r] THEN "aborted" ELSE "pulled")}
-    /\ UNCHANGED <<owner, peer>>
+ReadOkOp(C, r, attached) ==
+    IF C.dst[r] # "reading" THEN NoOp(C)
+    ELSE LET L == Leave(C, {r}, IF C.abortPending[r] THEN "failed" ELSE "done",
+                        IF C.abortPending[r] THEN "aborted" ELSE "pulled", FALSE)
+         IN  [L EXCEPT !.eff = @ \cup (IF attached THEN {} ELSE {E("done", r, "")})]
 
 (* event read_failed: rows READ_FAILED/fenced, error *)
-ReadFailed(r, fenced) ==
-    /\ dst[r] = "reading"
-    /\ dst' = [dst EXCEPT ![r] = "failed"]
-    /\ Rest({r}) /\ Disown(r)
-    /\ eff' = {Release(r), Finish(r, IF fenced THEN "fenced" ELSE "transfer_error")}
-    /\ UNCHANGED peer
+ReadFailedOp(C, r, fenced) ==
+    IF C.dst[r] # "reading" THEN NoOp(C)
+    ELSE Leave(C, {r}, "failed", IF fenced THEN "fenced" ELSE "transfer_error", TRUE)
 
 (* event abort (D): rows D_ABORT/idle, in_flight *)
-DAbort(r) ==
-    /\ dst[r] \in Active /\ ~abortPending[r]
-    /\ IF dst[r] = "reading"
-       THEN /\ abortPending' = [abortPending EXCEPT ![r] = TRUE]
-            /\ UNCHANGED <<dst, dlease, owner>> /\ eff' = {}
-       ELSE /\ dst' = [dst EXCEPT ![r] = "failed"] /\ Rest({r}) /\ Disown(r)
-            /\ eff' = {Release(r), Finish(r, "aborted")}
-    /\ UNCHANGED peer
+DAbortOp(C, r) ==
+    IF C.dst[r] \notin Active THEN NoOp(C)
+    ELSE IF C.dst[r] = "reading"
+    THEN [C EXCEPT !.abortPending[r] = TRUE, !.eff = {}]
+    ELSE Leave(C, {r}, "failed", "aborted", TRUE)
 
-(* event peer_lost: rows PEER_LOST/lost (no release), in_flight *)
-PeerLost ==
-    /\ peer # "unknown"
-    /\ peer' = "unknown"
-    /\ LET S == {r \in Requests : dst[r] \in {"waiting", "handshaking"}} IN
-       /\ dst' = [r \in Requests |-> IF r \in S THEN "failed" ELSE dst[r]]
-       /\ Rest(S)
-       /\ eff' = {Finish(r, "peer_lost") : r \in S}
-    /\ UNCHANGED owner
+(* event ack: P's answer to the heartbeats H (a set of at most one member of hbs; {}
+   when the ack's seq is not outstanding: only "heard" changes). Rows ACK/granted
+   (renew: lease end := send time + term - drift, never lowered), ACK/refused (waiting:
+   release, disown, finish:revoked; reading: let the READ finish). Requests in pending
+   (P had not registered them) keep their estimate. *)
+DAckOp(C, H, term, refused, pending) ==
+    LET C1 == [C EXCEPT !.heard = 0, !.eff = {}]
+        named == UNION {h.rs : h \in H}
+        live == {q \in named : C.dst[q] \in Pulling /\ q \notin pending}
+        revoked == {q \in live : q \in refused /\ C.dst[q] = "waiting"}
+        x == CHOOSE v \in {term - ClockDrift - h.age : h \in H} : TRUE
+        granted == {q \in live \ refused : C.dst[q] = "waiting"}
+    IN  IF H = {} THEN C1
+        ELSE LET C2 == Leave([C1 EXCEPT !.hbs = C.hbs \ H], revoked, "failed", "revoked", TRUE)
+             IN  [C2 EXCEPT !.dlease = [q \in Requests |-> IF q \in granted
+                                                          THEN Max(C.dlease[q], x)
+                                                          ELSE C2.dlease[q]]]
 
-(* event tick: one time unit passes; rows D_TICK/lease_lost for every waiting or
-   handshaking request whose lease can no longer cover a READ *)
-Tick ==
-    LET l(r) == IF dst[r] \in {"waiting", "handshaking"} THEN dlease[r] - 1 ELSE dlease[r]
-        S == {r \in Requests : dst[r] \in {"waiting", "handshaking"} /\ ~ReadFits(l(r))}
-    IN  /\ dst' = [r \in Requests |-> IF r \in S THEN "failed" ELSE dst[r]]
-        /\ dlease' = [r \in Requests |-> IF r \in S THEN 0 ELSE l(r)]
-        /\ abortPending' = [r \in Requests |-> IF r \in S THEN FALSE ELSE abortPending[r]]
-        /\ owner' = [g \in Groups |-> IF owner[g] \in S THEN "none" ELSE owner[g]]
-        /\ eff' = UNION {{Release(r), Finish(r, "lease_lost")} : r \in S}
-        /\ UNCHANGED peer
+(* event peer_lost: rows PEER_LOST/lost (no release), in_flight; the heartbeats
+   awaiting an ack are forgotten *)
+PeerLostOp(C) ==
+    [Leave(C, {q \in Requests : C.dst[q] \in Idle}, "failed", "peer_lost", FALSE)
+        EXCEPT !.peer = "unknown", !.heard = 0, !.hbs = {}]
+
+(* The requests D's heartbeat names: waiting (queued ones too) and reading, of a
+   ready peer. *)
+Pull(C) == IF C.peer = "ready" THEN {q \in Requests : C.dst[q] \in Pulling} ELSE {}
+
+(* The heartbeat batches the graph model sends: one per expected-reader count. *)
+HbCanon(C) == {[seq |-> 0, rs |-> {q \in Pull(C) : ExpOf[q] = e}] : e \in {ExpOf[q] : q \in Pull(C)}}
+
+(* Batches Consumer.tick may send for C (with its chunking): non-empty, disjoint, one
+   expected count each, covering Pull(C), under sequence numbers not outstanding. *)
+HbBatchesOK(C, B) ==
+    /\ UNION {b.rs : b \in B} = Pull(C)
+    /\ \A b \in B : b.rs # {} /\ \A q, q2 \in b.rs : ExpOf[q] = ExpOf[q2]
+    /\ \A b, b2 \in B : b # b2 => b.rs \cap b2.rs = {} /\ b.seq # b2.seq
+    /\ \A b \in B : \A h \in C.hbs : h.seq # b.seq
+
+(* event tick, first part: rows D_TICK/lease_lost (release, disown) for every idle
+   request whose lease can no longer cover a READ; then the ack-silence check: a ready
+   peer heard from more than PeerTimeout ago, with a heartbeat older than that still
+   unanswered, is lost (PEER_LOST rows, effect drop_peer). *)
+TickLossOp(C) ==
+    LET C1 == Leave(C, {q \in Requests : C.dst[q] \in Idle /\ ~ReadFits(C.dlease[q])},
+                    "failed", "lease_lost", TRUE)
+        silent == /\ C.peer = "ready" /\ C.heard > PeerTimeout
+                  /\ \E h \in C.hbs : h.age > PeerTimeout
+        C2 == PeerLostOp(C1)
+    IN  IF silent THEN [C2 EXCEPT !.eff = @ \cup C1.eff \cup {DropPeer}] ELSE C1
+
+(* event tick, second part: when the heartbeat is due, forget heartbeats older than
+   LeaseExtension (no ack of theirs could extend anything) and send the batches B. *)
+TickHbOp(C, B) ==
+    IF C.hbWait > 0 THEN C
+    ELSE [C EXCEPT !.hbWait = HeartbeatInterval,
+                   !.hbs = {h \in C.hbs : h.age <= LeaseExtension}
+                           \cup {[seq |-> b.seq, rs |-> b.rs, age |-> 0] : b \in B},
+                   !.eff = IF B = {} THEN @ ELSE @ \cup {HbEffect}]
+
+(* event tick (Consumer.tick), at the current time *)
+DTickOp(C, B) == TickHbOp(TickLossOp(C), B)
+
+-----------------------------------------------------------------------------
+(* The actions of the graph model: any input, each with the condition under which
+   Python's event does something (the no-op cases are left out of the graph). *)
+
+Init == /\ dst = InitC.dst /\ dlease = InitC.dlease /\ abortPending = InitC.abortPending
+        /\ owner = InitC.owner /\ peer = InitC.peer /\ hbs = InitC.hbs
+        /\ hbWait = InitC.hbWait /\ heard = InitC.heard /\ eff = InitC.eff
+
+Admit(r) == dst[r] = "new" /\ Become(AdmitOp(Cur, r, 0))
+
+HandshakeOk == peer = "handshaking" /\ Become(HandshakeOkOp(Cur))
+
+HandshakeFailed == peer = "handshaking" /\ Become(HandshakeFailedOp(Cur, "handshake"))
+
+Schedule(r) == dst[r] = "waiting" /\ Become(ScheduleOp(Cur, r))
+
+ReadOk(r, attached) == dst[r] = "reading" /\ Become(ReadOkOp(Cur, r, attached))
+
+ReadFailed(r, fenced) == dst[r] = "reading" /\ Become(ReadFailedOp(Cur, r, fenced))
+
+DAbort(r) == dst[r] \in Active /\ ~abortPending[r] /\ Become(DAbortOp(Cur, r))
+
+(* P acks h (a member of hbs), granting LeaseExtension and refusing R; DAckUnknown: an
+   ack whose heartbeat is not outstanding (pruned, or already answered). *)
+DAck(h, R) == h \in hbs /\ Become(DAckOp(Cur, {h}, LeaseExtension, R, {}))
+
+DAckUnknown == Become(DAckOp(Cur, {}, LeaseExtension, {}, {}))
+
+PeerLost == peer # "unknown" /\ Become(PeerLostOp(Cur))
+
+(* one time unit passes, then D's tick runs *)
+DTick == LET C == TickLossOp(Shift(Cur, 1)) IN Become(TickHbOp(C, HbCanon(C)))
 
 Next ==
     \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r)
                            \/ \E b \in BOOLEAN : ReadOk(r, b) \/ ReadFailed(r, b)
-    \/ HandshakeOk \/ HandshakeFailed \/ PeerLost \/ Tick
+    \/ \E h \in hbs, R \in SUBSET Requests : DAck(h, R)
+    \/ DAckUnknown \/ HandshakeOk \/ HandshakeFailed \/ PeerLost \/ DTick
 
 TypeOK ==
     /\ dst \in [Requests -> DStates]
-    /\ dlease \in [Requests -> Nat]
+    /\ dlease \in [Requests -> Int]
     /\ abortPending \in [Requests -> BOOLEAN]
     /\ owner \in [Groups -> Requests \cup {"none"}]
     /\ peer \in PeerStates
+    /\ \A h \in hbs : h.rs \subseteq Requests /\ h.age \in Nat
+    /\ hbWait \in 0..HeartbeatInterval
+    /\ heard \in 0..(PeerTimeout + 1)
 
 (* D's promises: one member of a group read (at most one owner, and only an owner
-   reads); release is never an effect of a step that leaves a READ in flight. *)
+   reads); release is never an effect of a step that leaves a READ in flight; only a
+   ready peer has heartbeats awaiting an ack. *)
 OneReadPerGroup == \A r \in Requests : dst[r] = "reading" /\ GroupOf[r] # NoGroup
                                        => owner[GroupOf[r]] = r
 NoReleaseUnderRead == \A r \in Requests : dst[r] = "reading" => Release(r) \notin eff
+HbOnlyWhenReady == hbs # {} => peer = "ready"
 =============================================================================

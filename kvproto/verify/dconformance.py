@@ -10,20 +10,19 @@ State-graph equality: ``tla/KVConsumer.tla`` is D's machine alone (as ``KVLedger
 is P's). For each small ``DModel`` TLC dumps its reachable graph, the Python
 ``Consumer`` is explored by BFS over the same inputs through the abstraction function
 of KVConsumer.tla's header, and both graphs must have the same labelled edges (effects
-included: they are part of the state, as the last step's ``eff``). Heartbeats and P's
-acks are not in this model (ACK rows are covered by the whole-protocol model
-KVLifecycle.tla and by the journal checks).
+included: they are part of the state, as the last step's ``eff``). Heartbeats (sent by
+D's tick every unit), P's acks of any outstanding heartbeat (granted or refused, and acks
+of no outstanding heartbeat) and ack silence are in the models.
 
-Not done yet (issue 10): TLC trace validation of D journals (they are checked against
-D_TRANSITIONS by replay, above).
+TLC trace validation of D journals (``tla/conformance/TraceConsumer.tla``) is in
+``kvproto.verify.dtrace``; ``kvproto validate`` runs it after the replay above.
 """
 
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +47,12 @@ from kvproto.lifecycle import (
     Finished,
     PostRead,
     SendDone,
+    SendHeartbeat,
     SendRelease,
     StartHandshake,
     TransferParams,
+    _DReq,
+    _Peer,
 )
 from kvproto.verify.conformance import read_dot
 from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
@@ -109,6 +111,8 @@ class DAction:
     kind: str  # admit | schedule | abort | read_ok | read_failed | handshake_ok | ...
     request: str = ""
     flag: bool = False  # read_ok: notification attached; read_failed: fenced
+    age: int = 0  # ack: the acknowledged heartbeat was sent this many units ago
+    refused: tuple[str, ...] = ()  # ack: the requests P refuses to renew
 
 
 @dataclass(frozen=True)
@@ -122,19 +126,33 @@ class DModel:
     max_delay: int = 0
     max_read_time: int = 1
     clock_drift: int = 0
+    lease_extension: int = 2  # what P's acks grant; heartbeats older than this are forgotten
+    peer_timeout: int = 2  # ack silence after which the peer is lost
+    acks: bool = True  # ack actions: of every outstanding heartbeat, with each refused set
+    refusals: tuple[tuple[str, ...], ...] | None = None  # None: every subset of requests
     doc: str = ""
 
     def config(self) -> Config:
         longest = max(self.term_of.values()) + 10
-        return Config(initial_lease=float(longest), lease_extension=float(longest),
+        return Config(initial_lease=float(longest), lease_extension=float(self.lease_extension),
                       abort_grace=float(longest), heartbeat_interval=1.0,
                       max_delay=float(self.max_delay), max_read_time=float(self.max_read_time),
                       clock_drift=float(self.clock_drift),
-                      peer_timeout=1e9).validate()  # acks are not modelled: never silent
+                      peer_timeout=float(self.peer_timeout)).validate()
 
     def params(self, r: str) -> TransferParams:
-        h = self.requests.index(r) + 1
-        return TransferParams(ENGINE, 1, h, (h,), float(self.term_of[r]), 1, self.group_of[r])
+        return TransferParams(ENGINE, 1, self.handle(r), (self.handle(r),),
+                              float(self.term_of[r]), 1, self.group_of[r])
+
+    def handle(self, r: str) -> int:
+        return self.requests.index(r) + 1
+
+    def ack_refusals(self) -> list[tuple[str, ...]]:
+        """The refused sets the model's acks carry: every subset of the requests."""
+        if self.refusals is not None:
+            return list(self.refusals)
+        rs = self.requests
+        return [tuple(r for k, r in enumerate(rs) if mask >> k & 1) for mask in range(1 << len(rs))]
 
     def actions(self) -> list[DAction]:
         acts: list[DAction] = []
@@ -144,9 +162,16 @@ class DModel:
             for b in (True, False):
                 acts.append(DAction(f"ReadOk_{r}_{str(b).upper()}", "read_ok", r, b))
                 acts.append(DAction(f"ReadFailed_{r}_{str(b).upper()}", "read_failed", r, b))
+        if self.acks:
+            # an ack of the heartbeat sent `age` units ago, refusing `refused`
+            for age in range(self.lease_extension + 1):
+                for ref in self.ack_refusals():
+                    acts.append(DAction(f"DAck_a{age}_{'_'.join(ref) or 'none'}", "ack",
+                                        age=age, refused=ref))
+            acts.append(DAction("DAckUnknown_", "ack_unknown"))
         acts += [DAction("HandshakeOk_", "handshake_ok"),
                  DAction("HandshakeFailed_", "handshake_failed"),
-                 DAction("PeerLost_", "peer_lost"), DAction("Tick_", "tick")]
+                 DAction("PeerLost_", "peer_lost"), DAction("DTick_", "tick")]
         return acts
 
     def module_name(self) -> str:
@@ -161,7 +186,8 @@ class DModel:
                  f"(* GENERATED by kvproto.verify.dconformance from DModel {self.name!r}. *)",
                  "EXTENDS KVConsumer",
                  f"CGroupOf == {tfun(self.group_of, lambda g: render(g or 'none'))}",
-                 f"CTermOf == {tfun(self.term_of, str)}"]
+                 f"CTermOf == {tfun(self.term_of, str)}",
+                 "CExpOf == [r \\in Requests |-> 1]"]
         for a in self.actions():
             if a.kind in ("admit", "schedule", "abort"):
                 op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort"}[a.kind]
@@ -169,9 +195,12 @@ class DModel:
             elif a.kind in ("read_ok", "read_failed"):
                 op = "ReadOk" if a.kind == "read_ok" else "ReadFailed"
                 lines.append(f'{a.label} == {op}("{a.request}", {str(a.flag).upper()}) /\\ TRUE')
+            elif a.kind == "ack":
+                ref = "{" + ", ".join(render(r) for r in a.refused) + "}"
+                lines.append(f"{a.label} == \\E h \\in hbs : h.age = {a.age} /\\ DAck(h, {ref})")
             else:
                 op = {"handshake_ok": "HandshakeOk", "handshake_failed": "HandshakeFailed",
-                      "peer_lost": "PeerLost", "tick": "Tick"}[a.kind]
+                      "peer_lost": "PeerLost", "tick": "DTick", "ack_unknown": "DAckUnknown"}[a.kind]
                 lines.append(f"{a.label} == {op} /\\ TRUE")
         lines.append("ConfNext ==")
         lines += [f"    \\/ {a.label}" for a in self.actions()]
@@ -185,19 +214,29 @@ class DModel:
             '    NoGroup = "none"',
             "    GroupOf <- CGroupOf",
             "    TermOf <- CTermOf",
+            "    ExpOf <- CExpOf",
+            "    HeartbeatInterval = 1",
+            f"    LeaseExtension = {self.lease_extension}",
+            f"    PeerTimeout = {self.peer_timeout}",
             f"    MaxDelay = {self.max_delay}",
             f"    MaxReadTime = {self.max_read_time}",
             f"    ClockDrift = {self.clock_drift}",
             "INIT Init",
             "NEXT ConfNext",
-            "INVARIANT TypeOK OneReadPerGroup NoReleaseUnderRead",
+            "INVARIANT TypeOK OneReadPerGroup NoReleaseUnderRead HbOnlyWhenReady",
             "",
         ])
 
 
 D_MODELS: Final[dict[str, DModel]] = {m.name: m for m in (
     DModel("group2", ("r1", "r2"), {"r1": "g", "r2": "g"}, {"r1": 3, "r2": 3},
-           doc="two siblings of one group: one is read, the other served locally"),
+           refusals=((), ("r1",)),
+           doc="two siblings of one group: one is read, the other served locally; "
+               "heartbeats, acks that grant or refuse r1, ack silence"),
+    DModel("group2_noack", ("r1", "r2"), {"r1": "g", "r2": "g"}, {"r1": 3, "r2": 3},
+           acks=False, doc="group2 without acks (heartbeats and ack silence only): small"),
+    DModel("solo", ("r1",), {"r1": None}, {"r1": 3},
+           doc="one request: heartbeats, every ack, ack silence: small"),
     DModel("mixed3", ("r1", "r2", "r3"), {"r1": "g", "r2": "g", "r3": None},
            {"r1": 3, "r2": 2, "r3": 1}, max_read_time=1,
            doc="a group of two and a request whose term is too short to read"),
@@ -209,6 +248,36 @@ class _DNode:
     c: Consumer
     now: int
     gone: dict[str, tuple[str, ...]]  # rid -> (state,) once it left the machine
+
+
+_CONSUMER_FIELDS: Final = frozenset({
+    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_lease_heap", "_next_hb",
+    "now", "heartbeat_chunk", "counters", "finished"})
+
+
+def clone_consumer(c: Consumer) -> Consumer:
+    """A copy of ``c`` that shares nothing mutable (as deepcopy, about 5x faster: the
+    BFS copies one machine per edge; trace validation keeps segment starts). Fails loudly when Consumer gains a field."""
+    extra = set(vars(c)) - _CONSUMER_FIELDS
+    if extra:
+        raise AssertionError(f"clone_consumer does not know Consumer fields {sorted(extra)}")
+    n = object.__new__(type(c))
+    n.__dict__.update(vars(c))
+    reqs: dict[int, _DReq] = {}
+    for r in c.reqs.values():
+        q = object.__new__(_DReq)
+        for k in _DReq.__slots__:
+            setattr(q, k, getattr(r, k))
+        reqs[id(r)] = q
+    n.reqs = {rid: reqs[id(r)] for rid, r in c.reqs.items()}
+    n.peers = {e: _Peer(p.state, p.seq, p.last_heard, OrderedDict(p.outstanding),
+                        {h: reqs[id(r)] for h, r in p.reqs.items()})
+               for e, p in c.peers.items()}
+    n._group_owner = dict(c._group_owner)
+    n._lease_heap = list(c._lease_heap)
+    n.counters = dict(c.counters)
+    n.finished = dict(c.finished)
+    return n
 
 
 def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
@@ -226,6 +295,8 @@ def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
             recs.append(mk_fn({"k": "finish", "r": e.request_id, "why": e.reason}))
         elif isinstance(e, DropPeer):
             recs.append(mk_fn({"k": "drop_peer", "r": "", "why": ""}))
+        elif isinstance(e, SendHeartbeat):
+            recs.append(mk_fn({"k": "heartbeat", "r": "", "why": ""}))
     return frozenset(recs)
 
 
@@ -243,8 +314,17 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
         pend[r] = c.abort_pending(r)
     groups = sorted({g for g in m.group_of.values() if g is not None})
     owner = {g: c.group_owner(ENGINE, g) or "none" for g in groups}
+    peer = c.peers.get(ENGINE)
+    ready = peer is not None and peer.state == "ready"
+    hbs = frozenset(
+        mk_fn({"seq": 0, "rs": frozenset(m.requests[h - 1] for h in sent.handles),
+               "age": int(n.now - sent.sent_at)})
+        for sent in (peer.outstanding.values() if peer is not None else ()))
+    heard = min(n.now - peer.last_heard, m.peer_timeout + 1) if peer is not None and ready else 0
+    hb_wait = max(0, c._next_hb - n.now)
     state = mk_fn({"dst": mk_fn(dst), "dlease": mk_fn(lease), "abortPending": mk_fn(pend),
-                   "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "eff": eff})
+                   "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "hbs": hbs,
+                   "hbWait": int(hb_wait), "heard": int(heard), "eff": eff})
     assert isinstance(state, Fn)
     return state
 
@@ -268,7 +348,11 @@ def _enabled(m: DModel, s: Fn, a: DAction) -> bool:
         return peer == "handshaking"
     if a.kind == "peer_lost":
         return peer != "unknown"
-    return True  # tick
+    if a.kind == "ack":
+        hbs = s["hbs"]
+        assert isinstance(hbs, frozenset)
+        return any(isinstance(h, Fn) and h["age"] == a.age for h in hbs)
+    return True  # tick, ack_unknown
 
 
 def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
@@ -292,6 +376,13 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
         out = c.handshake_result(ENGINE, False, now)
     elif a.kind == "peer_lost":
         out = c.peer_lost(ENGINE, now)
+    elif a.kind == "ack":
+        peer = c.peers[ENGINE]
+        seq = next(k for k, sent in peer.outstanding.items() if n.now - sent.sent_at == a.age)
+        out = c.ack(ENGINE, seq, float(m.lease_extension), tuple(m.handle(r) for r in a.refused),
+                    now)
+    elif a.kind == "ack_unknown":
+        out = c.ack(ENGINE, 0xFFFFFFFF, float(m.lease_extension), (), now)
     else:
         out = c.tick(now)
     for e in out:
@@ -316,7 +407,7 @@ def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
         for a in acts:
             if not _enabled(m, s, a):
                 continue
-            n: _DNode = copy.deepcopy(base)
+            n = _DNode(clone_consumer(base.c), base.now, dict(base.gone))
             t = _abstract(m, n, _effects(_apply(m, n, a)))
             if t not in g:
                 if g.number_of_nodes() >= max_states:

@@ -1,0 +1,384 @@
+"""TLC trace validation of one D rank's journal (``kvproto validate D_JOURNAL``).
+
+A D journal (``JournalWriter(..., reader=name).sink`` on a ``Consumer``) becomes TLA+
+traces checked by ``tla/conformance/TraceConsumer.tla`` over ``tla/KVConsumer.tla``: every
+step applies KVConsumer's operator for the event and the recorded effects must be the
+spec's. The traces run through the same batches and TLC runner as P journals
+(``kvproto.validate.check_batch``).
+
+Mapping (TraceConsumer.tla's header): each admission D created a machine for is a
+request ``q<k>``; a request id or handle that names no live admission names ``"-"``, a
+request never admitted (events on it are no-ops, effects naming it are the journal's
+own); times, terms and durations become integer units. Long journals are cut into
+segments chained through the journal replayed by the Python ``Consumer`` (the
+abstraction function of KVConsumer.tla's header), so TLC's time grows linearly.
+
+Assumptions (outside them the journal is refused as bad input): one P engine per
+journal (KVConsumer models one), and no more than ``MAX_OUTSTANDING_HEARTBEATS``
+heartbeats awaiting an ack (D forgets the oldest beyond, which the spec does not model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from kvproto.journal import decode_row, header_config, journal_lines, read_journal_objects
+from kvproto.lifecycle import (
+    MAX_OUTSTANDING_HEARTBEATS,
+    PEER_READY,
+    Admit,
+    Consumer,
+    DAbort,
+    DAck,
+    DEffect,
+    DEvent,
+    DropPeer,
+    DTick,
+    Finished,
+    HandshakeFailed,
+    HandshakeOk,
+    PeerLost,
+    PostRead,
+    ReadFailed,
+    ReadOk,
+    Schedule,
+    SendDone,
+    SendHeartbeat,
+    SendRelease,
+    StartHandshake,
+)
+from kvproto.validate import (
+    DEFAULT_SEGMENT_STEPS,
+    TLC_INT_MAX,
+    Trace,
+    TraceError,
+    choose_scale,
+)
+from kvproto.verify.dconformance import clone_consumer
+from kvproto.verify.tlc import render
+
+# KVConsumer's variables (the trace module works on a record of them).
+D_VARS: Final = ("dst", "dlease", "abortPending", "owner", "peer", "hbs", "hbWait", "heard",
+                 "eff")
+NOBODY: Final = "-"  # a request never admitted: what an unknown id or handle names
+
+
+def _s(x: str) -> str:
+    return render(x)
+
+
+def _set(xs: Iterable[str]) -> str:
+    return "{" + ", ".join(sorted(set(xs))) + "}"
+
+
+def _fn(items: Sequence[tuple[str, str]]) -> str:
+    """A function literal over exactly the keys of ``items`` (TLC's :> and @@)."""
+    if not items:
+        return "<<>>"
+    return "(" + " @@ ".join(f"{k} :> {v}" for k, v in items) + ")"
+
+
+@dataclass
+class _Adm:
+    """One admission: a request of the spec."""
+
+    name: str
+    rid: str
+    handle: int
+    group: str | None
+    term: float
+    expected: int
+
+
+class _Names:
+    """Request ids and handles -> the spec's request names, kept beside the replay."""
+
+    def __init__(self) -> None:
+        self.adm: dict[str, _Adm] = {}  # name -> admission
+        self.by_rid: dict[str, str] = {}  # rid -> latest name
+        self.by_handle: dict[int, str] = {}  # handle -> latest name
+        self.final: dict[str, str] = {}  # name -> state of its Finished effect
+
+    def live(self, c: Consumer, rid: str) -> str:
+        n = self.by_rid.get(rid)
+        return n if n is not None and rid in c.reqs and n not in self.final else NOBODY
+
+    def handle(self, h: int) -> str:
+        return self.by_handle.get(h, NOBODY)
+
+    def admit(self, c: Consumer, ev: Admit, engine: str) -> str:
+        """The name an admit event names: the live admission of its id or handle, or a
+        new one when Consumer will create a machine for it."""
+        if ev.request_id in c.reqs:
+            return self.live(c, ev.request_id)
+        peer = c.peers.get(engine)
+        if peer is not None and ev.params.handle in peer.reqs:
+            return self.by_rid.get(peer.reqs[ev.params.handle].rid, NOBODY)
+        name = f"q{len(self.adm) + 1}"
+        p = ev.params
+        self.adm[name] = _Adm(name, ev.request_id, p.handle, p.group, p.initial_term, p.expected)
+        self.by_rid[ev.request_id] = name
+        self.by_handle[p.handle] = name
+        return name
+
+
+def _engine_of(ev: DEvent) -> str | None:
+    if isinstance(ev, Admit):
+        return ev.params.engine
+    if isinstance(ev, (HandshakeOk, HandshakeFailed, DAck, PeerLost)):
+        return ev.engine
+    return None
+
+
+class _DTraceBuilder:
+    def __init__(self, path: str, header: dict[str, Any],
+                 rows: list[tuple[int, DEvent, list[DEffect]]], raw: dict[int, Any]) -> None:
+        self.path = path
+        self.cfg = header_config(header)
+        self.reader = str(header.get("reader"))
+        self.rows = rows
+        self.raw = raw
+        engines = {e for _, ev, _ in rows if (e := _engine_of(ev)) is not None}
+        if len(engines) > 1:
+            raise TraceError(f"the journal talks to {len(engines)} P engines "
+                             f"({', '.join(sorted(engines))}): KVConsumer models one")
+        self.engine = next(iter(engines), "P")
+        cfg = self.cfg
+        durations = [cfg.max_delay, cfg.max_read_time, cfg.clock_drift, cfg.heartbeat_interval,
+                     cfg.lease_extension, cfg.peer_timeout]
+        for _, ev, _ in rows:
+            if isinstance(ev, Admit):
+                durations.append(ev.params.initial_term)
+            elif isinstance(ev, DAck):
+                durations.append(ev.term)
+        self.scale = choose_scale(durations + [float(ev.now) for _, ev, _ in rows])
+        if any(abs(v) * self.scale > TLC_INT_MAX for v in durations):
+            raise TraceError("a duration or term overflows TLC's integers in time units")
+        groups = {ev.params.group for _, ev, _ in rows
+                  if isinstance(ev, Admit) and ev.params.group is not None}
+        self.no_group = "nogroup"
+        while self.no_group in groups:
+            self.no_group += "_"
+
+    def units(self, x: float) -> int:
+        return round(x * self.scale)
+
+    # -- the abstraction function of KVConsumer.tla's header ---------------------------
+    def record(self, c: Consumer, names: _Names, reqs: Sequence[str],
+               final: dict[str, str]) -> str:
+        now = c.now
+        cfg = self.cfg
+        dst: list[tuple[str, str]] = []
+        dlease: list[tuple[str, str]] = []
+        pend: list[tuple[str, str]] = []
+        for n in reqs:
+            a = names.adm.get(n)
+            st = "new"
+            le = 0
+            ap = False
+            if a is not None:
+                if n in final:
+                    st = final[n]
+                else:
+                    st = c.state(a.rid)
+                    end = c.lease_end(a.rid)
+                    if st in ("waiting", "handshaking") and end is not None:
+                        le = self.units(end) - self.units(now)
+                    ap = c.abort_pending(a.rid)
+            dst.append((_s(n), _s(st)))
+            dlease.append((_s(n), str(le)))
+            pend.append((_s(n), "TRUE" if ap else "FALSE"))
+        owners = []
+        for g in sorted({a.group for n in reqs if (a := names.adm.get(n)) is not None
+                         and a.group is not None}):
+            o = c.group_owner(self.engine, g)
+            owners.append((_s(g), _s(names.by_rid.get(o, NOBODY) if o is not None else "none")))
+        peer = c.peers.get(self.engine)
+        keep = set(reqs)
+        hbs: list[str] = []
+        heard = 0
+        if peer is not None:
+            for seq, sent in peer.outstanding.items():
+                rs = {names.handle(h) for h in sent.handles} & keep
+                hbs.append(f"[seq |-> {seq}, rs |-> {_set(_s(q) for q in rs)}, "
+                           f"age |-> {self.units(now) - self.units(sent.sent_at)}]")
+            if peer.state == PEER_READY:
+                pt = self.units(cfg.peer_timeout)
+                heard = pt + 1 if not math.isfinite(peer.last_heard) else \
+                    min(self.units(now) - self.units(peer.last_heard), pt + 1)
+        nhb = c._next_hb
+        hb_wait = 0 if not math.isfinite(nhb) else max(0, self.units(nhb) - self.units(now))
+        fields = {
+            "dst": _fn(dst), "dlease": _fn(dlease), "abortPending": _fn(pend),
+            "owner": _fn(owners) if owners else "[x \\in {} |-> \"none\"]",
+            "peer": _s(c.peer_state(self.engine)),
+            "hbs": "{" + ", ".join(hbs) + "}", "hbWait": str(hb_wait), "heard": str(heard),
+            "eff": "{}",
+        }
+        return "[" + ", ".join(f"{k} |-> {fields[k]}" for k in D_VARS) + "]"
+
+    # -- steps ---------------------------------------------------------------------------
+    def step(self, c: Consumer, names: _Names, ev: DEvent, effs: list[DEffect],
+             dt: int, late: int) -> tuple[str, list[str]]:
+        """The TLA+ step record and the names the event touches (before applying it)."""
+        f: dict[str, str] = {"type": "", "dt": str(dt), "late": str(late), "r": _s(NOBODY),
+                             "flag": "FALSE", "why": '""', "seq": "0", "term": "0",
+                             "ref": "{}", "pen": "{}"}
+        touched: list[str] = []
+        if isinstance(ev, Admit):
+            r = names.admit(c, ev, self.engine)
+            f.update(type='"admit"', r=_s(r))
+            touched.append(r)
+        elif isinstance(ev, HandshakeOk):
+            f.update(type='"handshake_ok"')
+        elif isinstance(ev, HandshakeFailed):
+            f.update(type='"handshake_failed"', why=_s(ev.reason))
+        elif isinstance(ev, (Schedule, ReadOk, ReadFailed, DAbort)):
+            typ = {Schedule: "schedule", ReadOk: "read_ok", ReadFailed: "read_failed",
+                   DAbort: "abort"}[type(ev)]
+            r = names.live(c, ev.request_id)
+            flag = ev.notif_attached if isinstance(ev, ReadOk) else \
+                ev.fenced if isinstance(ev, ReadFailed) else False
+            f.update(type=_s(typ), r=_s(r), flag="TRUE" if flag else "FALSE")
+        elif isinstance(ev, DAck):
+            f.update(type='"ack"', seq=str(ev.seq), term=str(self.units(ev.term)),
+                     ref=_set(_s(names.handle(h)) for h in ev.refused),
+                     pen=_set(_s(names.handle(h)) for h in ev.pending))
+        elif isinstance(ev, PeerLost):
+            f.update(type='"peer_lost"')
+        elif isinstance(ev, DTick):
+            f.update(type='"tick"')
+        else:  # pragma: no cover - decode_row only yields D events
+            raise TraceError(f"not a D event: {ev!r}")
+        eff: list[str] = []
+        fin: list[str] = []
+        hb: list[str] = []
+        new = touched[0] if touched else None
+
+        def who(rid: str) -> str:
+            n = names.live(c, rid)
+            if n == NOBODY and new is not None and names.adm[new].rid == rid:
+                return new
+            return n
+
+        for e in effs:
+            if isinstance(e, StartHandshake):
+                eff.append('[k |-> "handshake", r |-> "", why |-> ""]')
+            elif isinstance(e, PostRead):
+                eff.append(f'[k |-> "read", r |-> {_s(who(e.request_id))}, why |-> ""]')
+            elif isinstance(e, SendDone):
+                eff.append(f'[k |-> "done", r |-> {_s(who(e.request_id))}, why |-> ""]')
+            elif isinstance(e, SendRelease):
+                eff.append(f'[k |-> "release", r |-> {_s(who(e.request_id))}, why |-> ""]')
+            elif isinstance(e, Finished):
+                n = who(e.request_id)
+                eff.append(f'[k |-> "finish", r |-> {_s(n)}, why |-> {_s(e.reason)}]')
+                fin.append(f"[r |-> {_s(n)}, st |-> {_s(e.state)}]")
+            elif isinstance(e, SendHeartbeat):
+                eff.append('[k |-> "heartbeat", r |-> "", why |-> ""]')
+                rs = _set(_s(names.handle(h)) for h in e.handles)
+                hb.append(f"[seq |-> {e.seq}, rs |-> {rs}, e |-> {e.expected}]")
+            elif isinstance(e, DropPeer):
+                eff.append('[k |-> "drop_peer", r |-> "", why |-> ""]')
+        f["eff"] = "{" + ", ".join(sorted(set(eff))) + "}"
+        f["fin"] = "{" + ", ".join(sorted(set(fin))) + "}"
+        f["hb"] = "{" + ", ".join(sorted(set(hb))) + "}"
+        return "[" + ", ".join(f"{k} |-> {v}" for k, v in f.items()) + "]", touched
+
+    def traces(self, segment_steps: int) -> list[Trace]:
+        rows = self.rows
+        n = len(rows)
+        seg = n if segment_steps <= 0 else segment_steps
+        seg = max(seg, 1)
+        c = Consumer(self.reader, self.cfg)
+        names = _Names()
+        out: list[Trace] = []
+        prev: int | None = None
+        fixed = {
+            "NoGroup": _s(self.no_group),
+            "MaxDelay": str(self.units(self.cfg.max_delay)),
+            "MaxReadTime": str(self.units(self.cfg.max_read_time)),
+            "ClockDrift": str(self.units(self.cfg.clock_drift)),
+            "HeartbeatInterval": str(self.units(self.cfg.heartbeat_interval)),
+            "LeaseExtension": str(self.units(self.cfg.lease_extension)),
+            "PeerTimeout": str(self.units(self.cfg.peer_timeout)),
+        }
+        for lo in range(0, max(n, 1), seg):
+            hi = min(n, lo + seg)
+            live_at_start = [nm for rid in c.reqs if (nm := names.live(c, rid)) != NOBODY]
+            start_names = set(live_at_start)
+            # The states at the start, for every name the segment may meet, are taken
+            # after the fact (admissions are named as the segment runs): keep a copy.
+            snapshot = clone_consumer(c)
+            final_at_start = dict(names.final)
+            steps: list[str] = []
+            lines: list[int] = []
+            admitted: list[str] = []
+            for lineno, ev, effs in rows[lo:hi]:
+                t = self.units(float(ev.now))
+                if prev is None:
+                    dt, late, prev = 0, 0, t
+                elif t >= prev:
+                    dt, late, prev = t - prev, 0, t
+                else:
+                    dt, late = 0, prev - t
+                if dt > TLC_INT_MAX:
+                    raise TraceError(f"line {lineno}: time step of {dt} units overflows TLC "
+                                     "integers")
+                if isinstance(ev, DTick) and c.outstanding_heartbeats(self.engine) \
+                        >= MAX_OUTSTANDING_HEARTBEATS:
+                    raise TraceError(f"line {lineno}: more than {MAX_OUTSTANDING_HEARTBEATS} "
+                                     "heartbeats await an ack: outside the spec's assumptions")
+                text, touched = self.step(c, names, ev, effs, dt, late)
+                steps.append(text)
+                lines.append(lineno)
+                admitted += [t_ for t_ in touched if t_ not in start_names]
+                for e in c.apply(ev):
+                    if isinstance(e, Finished):
+                        gone = names.by_rid.get(e.request_id)
+                        if gone is not None:
+                            names.final[gone] = e.state
+            reqs = set(start_names) | set(admitted)
+            groups = {a.group for nm in reqs if (a := names.adm.get(nm)) and a.group}
+            # the other members of their groups: a finished owner decides sibling_local
+            reqs |= {nm for nm, a in names.adm.items() if a.group in groups}
+            reqs.add(NOBODY)
+            order = sorted(reqs, key=lambda x: (len(x), x))
+            start = self.record(snapshot, names, order, final_at_start)
+            end = self.record(c, names, order, names.final)
+            constants = {
+                **fixed,
+                "Requests": _set(_s(x) for x in order),
+                "GroupOf": _fn([(_s(x), _s(a.group if (a := names.adm.get(x)) and a.group
+                                            else self.no_group)) for x in order]),
+                "TermOf": _fn([(_s(x), str(self.units(a.term)) if (a := names.adm.get(x))
+                                else "0") for x in order]),
+                "ExpOf": _fn([(_s(x), str(a.expected) if (a := names.adm.get(x)) else "0")
+                              for x in order]),
+                "StartC": start,
+                "EndC": end,
+            }
+            out.append(Trace(self.path, self.scale, constants, steps, lines,
+                             [self.raw.get(k, {}) for k in lines], lo, module="TraceConsumer",
+                             spec_vars=D_VARS,
+                             files=("KVConsumer.tla", "conformance/TraceConsumer.tla")))
+        return out
+
+
+def d_journal_to_traces(path: str | Path,
+                        segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Trace]:
+    """Read a D journal and cut it into TraceConsumer traces of ``segment_steps`` steps
+    (0: one trace). Raises JournalError / TraceError."""
+    with open(path, "rb") as f:
+        header, objs = read_journal_objects(journal_lines(f))
+        raw: dict[int, Any] = {}
+        rows: list[tuple[int, DEvent, list[DEffect]]] = []
+        for lineno, d in objs:
+            raw[lineno] = d["event"]
+            ev, effs = decode_row(lineno, d, "D")
+            rows.append((lineno, ev, effs))
+    return _DTraceBuilder(str(path), header, rows, raw).traces(segment_steps)
