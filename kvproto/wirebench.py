@@ -8,7 +8,10 @@ both in the same run, on the same messages, so that their ratio is meaningful:
   second frees);
 * ``heartbeat``: decode per request id of a 512-id batch against ``Ledger.heartbeat``
   per id;
-* ``ack`` decode, and ``done``/``heartbeat``/``ack`` encoding (fast and reference).
+* ``done batch``: decode per request id of a 400-id done batch (what D's NIXL adapter
+  sends per P engine and step) against ``Ledger.done``;
+* ``ack`` decode, and ``done``/``done batch``/``heartbeat``/``ack`` encoding (fast and
+  reference).
 
 Each figure is the best of several repeats (microseconds per message or per id).
 Figures, not tests; the codec's equivalence with the reference is tested in
@@ -30,6 +33,7 @@ from kvproto.lifecycle import BlockPool, Config, Ledger
 
 EPOCH = 0x5EED
 BATCH = 512
+DONE_BATCH = 400  # the done batch of one step: bench transfer's 4 KiB round
 
 
 def _best(fn: Callable[[], float], repeat: int) -> float:
@@ -62,6 +66,8 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
     dones = [wire.encode_done(EPOCH, h, 2) for h in handles]
     hbs = [m for i in range(0, n, BATCH)
            for m in wire.encode_heartbeat(EPOCH, i, handles[i:i + BATCH], 2, 1 << 16)]
+    done_batches = [m for i in range(0, n, DONE_BATCH)
+                    for m in wire.encode_done_batch(EPOCH, handles[i:i + DONE_BATCH], 2, 4096)]
     acks = [m for i in range(n // 100)
             for m in wire.encode_ack(EPOCH, i, 20.0, (), 1 << 16)]
     decode, ref = wire.decode, wire.decode_reference
@@ -74,6 +80,11 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
     def dec_hb(f: Callable[..., wire.Message] = decode) -> int:
         for b in hbs:
             f(b, max_bytes=1 << 16, epoch=EPOCH)
+        return n
+
+    def dec_dones(f: Callable[..., wire.Message] = decode) -> int:
+        for b in done_batches:
+            f(b, max_bytes=4096, epoch=EPOCH)
         return n
 
     def dec_ack(f: Callable[..., wire.Message] = decode) -> int:
@@ -89,6 +100,11 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
     def enc_hb(f: Callable[..., list[bytes]] = wire.encode_heartbeat) -> int:
         for i in range(0, n, BATCH):
             f(EPOCH, i, handles[i:i + BATCH], 2, 1 << 16)
+        return n
+
+    def enc_dones(f: Callable[..., list[bytes]] = wire.encode_done_batch) -> int:
+        for i in range(0, n, DONE_BATCH):
+            f(EPOCH, handles[i:i + DONE_BATCH], 2, 4096)
         return n
 
     def enc_ack(f: Callable[..., list[bytes]] = wire.encode_ack) -> int:
@@ -122,6 +138,8 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
             "decode_done_us": _per_item(dec_done, repeat),
             "decode_done_reference_us": _per_item(lambda: dec_done(ref), repeat),
             "ledger_done_us": _best(ledger_done, repeat),
+            "decode_done_batch_us_per_id": _per_item(dec_dones, repeat),
+            "decode_done_batch_reference_us_per_id": _per_item(lambda: dec_dones(ref), repeat),
             "decode_heartbeat_us_per_id": _per_item(dec_hb, repeat),
             "decode_heartbeat_reference_us_per_id": _per_item(lambda: dec_hb(ref), repeat),
             "ledger_heartbeat_us_per_id": _best(ledger_hb, repeat),
@@ -130,6 +148,9 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
             "encode_done_us": _per_item(enc_done, repeat),
             "encode_done_reference_us": _per_item(
                 lambda: enc_done(wire.encode_done_reference), repeat),
+            "encode_done_batch_us_per_id": _per_item(enc_dones, repeat),
+            "encode_done_batch_reference_us_per_id": _per_item(
+                lambda: enc_dones(wire.encode_done_batch_reference), repeat),
             "encode_heartbeat_us_per_id": _per_item(enc_hb, repeat),
             "encode_heartbeat_reference_us_per_id": _per_item(
                 lambda: enc_hb(wire.encode_heartbeat_reference), repeat),
@@ -141,6 +162,8 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
         gc.enable()
     out: dict[str, Any] = {k: round(v, 3) for k, v in res.items()}
     out["done_decode_over_ledger"] = round(res["decode_done_us"] / res["ledger_done_us"], 3)
+    out["done_batch_decode_over_ledger"] = round(
+        res["decode_done_batch_us_per_id"] / res["ledger_done_us"], 3)
     out["heartbeat_decode_over_ledger"] = round(
         res["decode_heartbeat_us_per_id"] / res["ledger_heartbeat_us_per_id"], 3)
     out["done_decode_speedup_vs_reference"] = round(
@@ -170,12 +193,17 @@ def run(args: argparse.Namespace) -> int:
     print("                       decode   reference decoder   ledger handling   decode/ledger")
     print(f"  done            {r['decode_done_us']:>11.3f} {r['decode_done_reference_us']:>19.3f}"
           f" {r['ledger_done_us']:>17.3f} {r['done_decode_over_ledger']:>15.3f}")
+    print(f"  done batch (/id){r['decode_done_batch_us_per_id']:>11.3f}"
+          f" {r['decode_done_batch_reference_us_per_id']:>19.3f}"
+          f" {r['ledger_done_us']:>17.3f} {r['done_batch_decode_over_ledger']:>15.3f}")
     print(f"  heartbeat (/id) {r['decode_heartbeat_us_per_id']:>11.3f}"
           f" {r['decode_heartbeat_reference_us_per_id']:>19.3f}"
           f" {r['ledger_heartbeat_us_per_id']:>17.3f} {r['heartbeat_decode_over_ledger']:>15.3f}")
     print(f"  ack             {r['decode_ack_us']:>11.3f} {r['decode_ack_reference_us']:>19.3f}")
     print("                       encode   reference encoder")
     print(f"  done            {r['encode_done_us']:>11.3f} {r['encode_done_reference_us']:>19.3f}")
+    print(f"  done batch (/id){r['encode_done_batch_us_per_id']:>11.3f}"
+          f" {r['encode_done_batch_reference_us_per_id']:>19.3f}")
     print(f"  heartbeat (/id) {r['encode_heartbeat_us_per_id']:>11.3f}"
           f" {r['encode_heartbeat_reference_us_per_id']:>19.3f}")
     print(f"  ack             {r['encode_ack_us']:>11.3f} {r['encode_ack_reference_us']:>19.3f}")

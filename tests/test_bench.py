@@ -57,7 +57,8 @@ def test_bench_wire_json_puts_decode_and_ledger_side_by_side(
     for k in ("decode_done_us", "decode_done_reference_us", "ledger_done_us",
               "decode_heartbeat_us_per_id", "ledger_heartbeat_us_per_id",
               "done_decode_over_ledger", "heartbeat_decode_over_ledger",
-              "encode_done_us", "encode_done_reference_us"):
+              "encode_done_us", "encode_done_reference_us", "decode_done_batch_us_per_id",
+              "encode_done_batch_us_per_id", "done_batch_decode_over_ledger"):
         assert r[k] > 0, k
     assert r["done_decode_over_ledger"] == pytest.approx(r["decode_done_us"] / r["ledger_done_us"],
                                                          rel=0.05, abs=0.002)
