@@ -185,6 +185,26 @@ class _Read:
         self.warned = False
 
 
+def _chunks(rds: list[_Read], cap: int) -> list[list[_Read]]:
+    """``rds`` in order, cut into runs of at most ``cap`` blocks (a READ larger than
+    ``cap`` alone makes a run of its own)."""
+    if len(rds) == 1:
+        return [rds]
+    out: list[list[_Read]] = []
+    run: list[_Read] = []
+    n = 0
+    for rd in rds:
+        k = len(rd.local)
+        if run and n + k > cap:
+            out.append(run)
+            run, n = [], 0
+        run.append(rd)
+        n += k
+    if run:
+        out.append(run)
+    return out
+
+
 class _ReadBatch:
     """One data READ (one NIXL transfer) of several requests' blocks (same P engine)."""
 
@@ -726,24 +746,26 @@ class ConsumerAdapter:
             if self.phase_hook is not None:
                 for rd in rds:
                     self.phase_hook("before_post", rd.rid)
-            e = self.engines.get(engine)
-            if e is None or e.state != PEER_READY or e.region is None or e.remote_kv is None:
-                self._batch_failed(rds, "error:peer_gone", now)
+            e, rds = self._on_live_engine(engine, rds, now)
+            if e is None or e.region is None:
                 continue
-            if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
-                self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
-                                   "error:peer_gone", now)
-                rds = [rd for rd in rds if rd.params.epoch == e.epoch]
             segs = bool(self.region.segments or e.region.segments)
-            start = 0
-            while start < len(rds):
-                end = start + 1
-                ndesc = len(rds[start].local)
-                while end < len(rds) and ndesc + len(rds[end].local) <= MAX_READ_DESCS:
-                    ndesc += len(rds[end].local)
-                    end += 1
-                self._post_data_batch(e, rds[start:end], segs, now)
-                start = end
+            for part in _chunks(rds, MAX_READ_DESCS):
+                self._post_data_batch(e, part, segs, now)
+
+    def _on_live_engine(self, engine: str, rds: list[_Read], now: float
+                        ) -> tuple[_Engine | None, list[_Read]]:
+        """The READs of ``rds`` that may go to ``engine`` now (it is ready, and at their
+        params' epoch); the others fail (``peer_gone``: P was lost or restarted)."""
+        e = self.engines.get(engine)
+        if e is None or e.state != PEER_READY or e.remote_kv is None or e.remote_gen is None:
+            self._batch_failed(rds, "error:peer_gone", now)
+            return None, []
+        if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
+            self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
+                               "error:peer_gone", now)
+            rds = [rd for rd in rds if rd.params.epoch == e.epoch]
+        return e, rds
 
     def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: float) -> None:
         assert e.region is not None
@@ -835,23 +857,11 @@ class ConsumerAdapter:
     def _post_stamps(self, now: float) -> None:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
-            e = self.engines.get(engine)
-            if e is None or e.remote_gen is None or e.state != PEER_READY:
-                self._batch_failed(rds, "error:peer_gone", now)
+            e, rds = self._on_live_engine(engine, rds, now)
+            if e is None:
                 continue
-            if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
-                self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
-                                   "error:peer_gone", now)
-                rds = [rd for rd in rds if rd.params.epoch == e.epoch]
-            start = 0
-            while start < len(rds):
-                end = start + 1
-                ndesc = len(rds[start].local)
-                while end < len(rds) and ndesc + len(rds[end].local) <= MAX_STAMP_DESCS:
-                    ndesc += len(rds[end].local)
-                    end += 1
-                self._post_stamp_batch(e, rds[start:end], now)
-                start = end
+            for part in _chunks(rds, MAX_STAMP_DESCS):
+                self._post_stamp_batch(e, part, now)
 
     def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
         if len(rds) == 1:
