@@ -344,7 +344,7 @@ class ConsumerAdapter:
             now = self.clock()
             self._apply(machine.schedule(rid, now), now)
             st = machine.state(rid)
-        if st is WAITING or st is HANDSHAKING or st is D_NEW or st in _RETRY:
+        if st in _RETRY:
             # Retried by poll: after the handshake, or while a sibling's READ is in flight.
             self._want[rid] = None
 
@@ -493,13 +493,6 @@ class ConsumerAdapter:
                     self._lose(engine, self.clock(), "send failed: " + name)
                 return False
         return True
-
-    def _send_raw(self, engine: str, buf: bytes) -> None:
-        try:
-            self.agent.send_notif(engine, buf)
-        except Exception as ex:
-            self._count("send_error")
-            log.info("send to %s failed: %s", engine, error_name(ex))
 
     def _send_heartbeat(self, hb: SendHeartbeat, now: float = 0.0) -> None:
         e = self.engines.get(hb.engine)
