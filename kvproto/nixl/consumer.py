@@ -205,6 +205,13 @@ def _chunks(rds: list[_Read], cap: int) -> list[list[_Read]]:
     return out
 
 
+def _blocks(rds: list[_Read]) -> tuple[list[int], Sequence[int]]:
+    """The local and the remote blocks of ``rds``, in order (one transfer's pairs)."""
+    if len(rds) == 1:
+        return rds[0].local, rds[0].remote
+    return [b for rd in rds for b in rd.local], [b for rd in rds for b in rd.remote]
+
+
 class _ReadBatch:
     """One data READ (one NIXL transfer) of several requests' blocks (same P engine)."""
 
@@ -762,12 +769,7 @@ class ConsumerAdapter:
 
     def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: float) -> None:
         assert e.region is not None
-        if len(rds) == 1:
-            local: list[int] = rds[0].local
-            remote: Sequence[int] = rds[0].remote
-        else:
-            local = [b for rd in rds for b in rd.local]
-            remote = [b for rd in rds for b in rd.remote]
+        local, remote = _blocks(rds)
         if segs:  # engine caches: descriptor indices
             li: Sequence[int] = self.region.block_index(local)
             ri: Sequence[int] = e.region.block_index(remote)
@@ -857,12 +859,7 @@ class ConsumerAdapter:
                 self._post_stamp_batch(e, part, now)
 
     def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
-        if len(rds) == 1:
-            local: list[int] = rds[0].local
-            remote: Sequence[int] = rds[0].remote
-        else:
-            local = [b for rd in rds for b in rd.local]
-            remote = [b for rd in rds for b in rd.remote]
+        local, remote = _blocks(rds)
         x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote, b"", 0)
         if isinstance(x, str):
             self._batch_failed(rds, x, now)
