@@ -170,11 +170,8 @@ def choose_scale(values: Iterable[float]) -> int:
     vals = list(values)
     for k in range(7):
         scale = int(10**k)
-        # tolerance: float noise of decimal times (0.1 + 0.2), relative to the value (a
-        # float carries about 1e-16 of it; a time finer than the unit is off by far more,
-        # and must be refused: a machine comparing finer times than the spec's integers
-        # can decide a tie the other way)
-        if all(abs(v * scale - round(v * scale)) <= 1e-14 * max(1.0, abs(v * scale))
+        # tolerance: float noise of decimal times (0.1 + 0.2), relative to the value
+        if all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale))
                for v in vals):
             return scale
     raise TraceError("times are not multiples of a microsecond; cannot express them in "

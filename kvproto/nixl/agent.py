@@ -28,13 +28,6 @@ log = logging.getLogger(__name__)
 
 GEN_BYTES = 8  # int64 generation stamp per block
 
-# The adapters feed their machines (and so their journals) times in whole milliseconds:
-# ``kvproto validate`` maps every time to a TLA+ integer, and a machine comparing finer
-# times than that could take a decision (a heartbeat due, a lease run out) the integer
-# times would take differently; milliseconds also keep TLC's 32-bit integers from
-# overflowing for weeks of run time.
-TIME_DECIMALS = 3
-
 # Outcomes of post/poll.
 PROC = "proc"
 DONE = "done"

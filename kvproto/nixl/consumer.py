@@ -67,7 +67,6 @@ from kvproto.nixl.agent import (
     DONE,
     NOT_FOUND,
     PROC,
-    TIME_DECIMALS,
     KVRegion,
     RemoteRegion,
     Xfer,
@@ -323,11 +322,6 @@ class ConsumerAdapter:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def _now(self) -> float:
-        """The clock in whole milliseconds (``agent.TIME_DECIMALS``), as on P: the D
-        journal's times then map to TLA+ integers without changing any decision."""
-        return round(self.clock(), TIME_DECIMALS)
-
     # -- the engine's side ------------------------------------------------------------
     def add_engine(self, name: str, host: str, port: int) -> None:
         """Where P engine ``name`` answers handshakes (from the router / discovery)."""
@@ -338,7 +332,7 @@ class ConsumerAdapter:
             e.host, e.port = host, port
 
     def admit(self, rid: str, params: TransferParams) -> None:
-        now = self._now()
+        now = self.clock()
         if rid not in self.params and rid not in self.machine.reqs:
             self.params[rid] = params
         self._apply(self.machine.admit(rid, params, now), now)
@@ -354,7 +348,7 @@ class ConsumerAdapter:
         if local_blocks is not None and st != D_NEW:
             self._plans[rid] = list(local_blocks)
         if st == WAITING:
-            now = self._now()
+            now = self.clock()
             self._apply(machine.schedule(rid, now), now)
             st = machine.state(rid)
         if st in _RETRY:
@@ -362,7 +356,7 @@ class ConsumerAdapter:
             self._want[rid] = None
 
     def abort(self, rid: str) -> None:
-        now = self._now()
+        now = self.clock()
         self._want.pop(rid, None)
         self._apply(self.machine.abort(rid, now), now)
 
@@ -379,7 +373,7 @@ class ConsumerAdapter:
 
     # -- step loop ---------------------------------------------------------------------
     def poll(self) -> list[Completion]:
-        now = self._now()
+        now = self.clock()
         for e in list(self.engines.values()):
             if e.state == PEER_HANDSHAKING:
                 self._progress_handshake(e, now)
@@ -503,7 +497,7 @@ class ConsumerAdapter:
                 self._count("send_error")
                 log.info("%s to %s failed: %s", kind, engine, name)
                 if name in (NOT_FOUND, DISCONNECT):
-                    self._lose(engine, self._now(), "send failed: " + name)
+                    self._lose(engine, self.clock(), "send failed: " + name)
                 return False
         return True
 

@@ -41,13 +41,7 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
-from kvproto.nixl.agent import (
-    TIME_DECIMALS,
-    KVRegion,
-    error_name,
-    make_agent,
-    metadata_agent_name,
-)
+from kvproto.nixl.agent import KVRegion, error_name, make_agent, metadata_agent_name
 from kvproto.nixl.channel import ST_OK, Server, frame, refusal, secret_from_env
 from kvproto.port import p_receive
 from kvproto.wire import (
@@ -64,6 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
 
 Clock = Callable[[], float]
 # Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
@@ -142,7 +137,10 @@ class ProducerAdapter:
 
     # -- helpers ---------------------------------------------------------------------
     def _now(self) -> float:
-        """The clock in whole milliseconds (``agent.TIME_DECIMALS``)."""
+        """The clock in whole milliseconds: every time the ledger sees (and the journal
+        records) then maps to a TLA+ integer in ``kvproto validate``, which rejects times
+        finer than a microsecond; milliseconds keep TLC's 32-bit integers from
+        overflowing for weeks of run time."""
         return round(self.clock(), TIME_DECIMALS)
 
     def _count(self, name: str, n: int = 1) -> None:
