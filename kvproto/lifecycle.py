@@ -1839,6 +1839,25 @@ class Consumer:
         p = self.peers.get(engine)
         return 0 if p is None else len(p.outstanding)
 
+    def next_deadline(self) -> float:
+        """The earliest time at which ``tick`` can have something to do: the next
+        heartbeat, a lease that may no longer cover a READ, a peer that may have gone
+        silent. A tick before it changes nothing but the clock, so an adapter may tick
+        only once ``now >= next_deadline()`` (as P's adapter does with the ledger's):
+        its journal then holds the ticks that matter, and every journaled tick is one
+        the machine itself found due. O(peers)."""
+        t = self._next_hb
+        heap = self._lease_heap
+        if heap:
+            cfg = self.config
+            t = min(t, heap[0][0] - cfg.max_read_time - cfg.clock_drift)
+        pt = self.config.peer_timeout
+        for peer in self.peers.values():
+            if peer.state == PEER_READY and peer.outstanding:
+                first = next(iter(peer.outstanding.values())).sent_at
+                t = min(t, max(peer.last_heard, first) + pt)
+        return t
+
     # -- the step: one table row --------------------------------------------------------
     def _step(self, r: _DReq, event: str, guard: str, out: list[DEffect], *,
               reason: str = "", lease_end: float = -math.inf,

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from conftest import ENGINE, EPOCH, ConsumerFactory, finished, params, releases
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvproto import lifecycle, wire
 from kvproto.lifecycle import (
@@ -620,3 +622,41 @@ def test_peer_timeout_is_a_timing_rule() -> None:
     with pytest.raises(lifecycle.ConfigError, match="peer_timeout"):
         Config(peer_timeout=6.0).validate()  # <= heartbeat_interval + 2*max_delay = 7
     assert any("peer_timeout" in why for _, why in Config().timing_rules())
+
+
+@given(st.lists(st.tuples(st.sampled_from(["admit", "ack", "tick", "schedule"]),
+                          st.floats(0.0, 3.0)), min_size=1, max_size=40))
+def test_a_tick_before_next_deadline_changes_nothing(steps: list[tuple[str, float]]) -> None:
+    """``next_deadline`` is a lower bound of the tick's work: a tick earlier than it
+    returns no effect and leaves every request, peer and deadline as they were (so an
+    adapter may skip it, and its journal holds only the ticks that matter); a tick at it
+    is what sends the next heartbeat."""
+    c = Consumer("d0", Config(initial_lease=6.0, lease_extension=6.0, heartbeat_interval=1.0,
+                              max_delay=0.5, max_read_time=1.0, clock_drift=0.25,
+                              peer_timeout=3.0, abort_grace=6.0))
+    c.handshake_result(ENGINE, True, 0.0)
+    now, h = 0.0, 0
+    for kind, dt in steps:
+        now += dt
+        if kind == "admit":
+            h += 1
+            c.admit(f"r{h}", params(h, term=6.0), now)
+        elif kind == "schedule" and h:
+            c.schedule(f"r{h}", now)
+        elif kind == "ack" and c.outstanding_heartbeats(ENGINE):
+            c.ack(ENGINE, c.peers[ENGINE].seq, 6.0, (), now)
+        due = c.next_deadline()
+        probe = min(now, due - 1e-6) if due > now else None
+        if probe is not None and probe >= c.now:
+            before = (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
+                      c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE), due)
+            assert c.tick(probe) == []
+            assert (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
+                    c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE),
+                    c.next_deadline()) == before
+        if kind == "tick":
+            c.tick(max(now, c.now))
+    # The heartbeat is due at next_deadline at the latest: a tick there sends it.
+    if any(c.state(r) == "waiting" for r in c.reqs) and c.peer_state(ENGINE) == "ready":
+        t = max(c.next_deadline(), c.now)
+        assert t <= c.now + 1.0

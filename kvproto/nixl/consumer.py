@@ -381,7 +381,8 @@ class ConsumerAdapter:
                 self._check_peer(e, now)
         self._poll_reads(now)
         self._poll_notifs(now)
-        self._apply(self.machine.tick(now), now)
+        if now >= self.machine.next_deadline():  # else the tick would change nothing
+            self._apply(self.machine.tick(now), now)
         self._schedule_ready(now)
         if self._post_queue:  # READs scheduled during this poll
             self._post_queued(now)
