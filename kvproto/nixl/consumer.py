@@ -84,7 +84,6 @@ from kvproto.wire import (
     check_layouts,
     decode,
     decode_handshake,
-    encode_done,
     encode_done_batch,
     encode_heartbeat,
     encode_release,
@@ -424,22 +423,20 @@ class ConsumerAdapter:
         finally:
             self._draining = False
 
-    def _x_release(self, eff: SendRelease, now: float) -> None:
+    def _batch(self, into: dict[tuple[str, int, int], list[int]],
+               eff: SendRelease | SendDone) -> None:
+        """Collect a release or done for its (engine, epoch, expected) batch."""
         p = self.params.get(eff.request_id)
         epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-        self._releases.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
+        into.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
+
+    def _x_release(self, eff: SendRelease, now: float) -> None:
+        self._batch(self._releases, eff)
 
     def _x_done(self, eff: SendDone, now: float) -> None:
         """Batched: every SendDone of one step goes out in one done batch per P engine
         (``_flush_dones``, right after the stamps that verified them)."""
-        p = self.params.get(eff.request_id)
-        epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-        key = (eff.engine, epoch, eff.expected)
-        hs = self._dones.get(key)
-        if hs is None:
-            self._dones[key] = [eff.handle]
-        else:
-            hs.append(eff.handle)
+        self._batch(self._dones, eff)
 
     def _flush_dones(self) -> None:
         if not self._dones:
@@ -447,10 +444,7 @@ class ConsumerAdapter:
         pending, self._dones = self._dones, {}
         mb = self.config.max_message_bytes
         for (engine, epoch, expected), handles in pending.items():
-            if len(handles) == 1:
-                self._send("done", engine, encode_done(epoch, handles[0], expected))
-                continue
-            for m in encode_done_batch(epoch, handles, expected, mb):
+            for m in encode_done_batch(epoch, handles, expected, mb):  # one: a plain done
                 if not self._send("done", engine, m):
                     break
 
