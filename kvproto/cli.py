@@ -33,19 +33,19 @@ EXIT_INTERNAL = 4
 
 # name -> (module, help). "bench" has its own sub-subcommands.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("kvproto.sim", "run a seeded fault-injection simulation of P and D ranks"),
-    "replay": ("kvproto.journal", "replay an event journal through a fresh machine"),
-    "check": ("kvproto.check", "model-check the TLA+ spec (TLC), or a user's lease config"),
-    "validate": ("kvproto.validate", "check that a journal is a behaviour the TLA+ spec allows"),
-    "fuzz": ("kvproto.fuzz", "long stateful fuzzing run (hypothesis) of P, D and the network"),
+    "simulate": ("kvproto.testing.sim", "run a seeded fault-injection simulation of P and D ranks"),
+    "replay": ("kvproto.verify.replay", "replay an event journal through a fresh machine"),
+    "check": ("kvproto.verify.check", "model-check the TLA+ spec (TLC), or a user's lease config"),
+    "validate": ("kvproto.verify.validate", "check that a journal is a behaviour the TLA+ spec allows"),
+    "fuzz": ("kvproto.testing.fuzz", "long stateful fuzzing run (hypothesis) of P, D and the network"),
     "demo": ("kvproto.nixl.demo", "multi-process NIXL demo with real transfers and faults"),
     "diagram": ("kvproto.diagram", "print the state diagrams generated from the tables"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "ledger": ("kvproto.bench", "lifecycle hot path vs a scanning reference"),
-    "transfer": ("kvproto.nixl.bench", "raw NIXL READs vs the kvproto-managed path"),
-    "wire": ("kvproto.wirebench", "wire decode/encode vs the ledger's handling, same run"),
-    "vllm": ("kvproto.vllm.bench", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
+    "ledger": ("kvproto.bench.ledger", "lifecycle hot path vs a scanning reference"),
+    "transfer": ("kvproto.bench.transfer", "raw NIXL READs vs the kvproto-managed path"),
+    "wire": ("kvproto.bench.wire", "wire decode/encode vs the ledger's handling, same run"),
+    "vllm": ("kvproto.bench.vllm", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
 }
 
 

@@ -10,11 +10,52 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvproto.lifecycle import D_TRANSITIONS, P_TRANSITIONS, markdown_table, mermaid
+from kvproto.lifecycle import (
+    D_DONE,
+    D_FAILED,
+    D_NEW,
+    D_TRANSITIONS,
+    EXPIRED,
+    FREED,
+    P_TRANSITIONS,
+    UNREGISTERED,
+    Transition,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def mermaid(transitions: Sequence[Transition] = P_TRANSITIONS, *, title: str = "") -> str:
+    """Render a transition table as a Mermaid state diagram (generated, never drawn)."""
+    lines = ["stateDiagram-v2"]
+    if title:
+        lines.insert(0, f"%% {title}")
+    seen: set[tuple[str, str, str]] = set()
+    for t in transitions:
+        if t.src == t.dst and t.free is None and not t.renew:
+            continue  # self-loops that only count are documented in the table, not drawn
+        label = f"{t.event} [{t.guard}]" + (f" / {t.effect}" if t.effect else "")
+        key = (t.src, t.dst, label)
+        if key in seen:
+            continue
+        seen.add(key)
+        src = "[*]" if t.src in (UNREGISTERED, D_NEW) else t.src
+        lines.append(f"    {src} --> {t.dst}: {label}")
+    for term in (EXPIRED, FREED, D_DONE, D_FAILED):
+        if any(t.dst == term for t in transitions):
+            lines.append(f"    {term} --> [*]")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(transitions: Sequence[Transition]) -> str:
+    rows = ["| state | event | guard | next state | effect | note |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for t in transitions:
+        rows.append(f"| {t.src} | {t.event} | {t.guard} | {t.dst} | {t.effect or '-'} | {t.doc} |")
+    return "\n".join(rows) + "\n"
 
 
 def render(side: str, fmt: str) -> str:

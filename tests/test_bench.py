@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvproto import cli
-from kvproto.bench import (
+from kvproto.bench.ledger import (
     ScanReference,
     bench_churn,
     bench_heartbeat_bytes,

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import check
 from kvproto.cli import main
 from kvproto.lifecycle import Config
-from kvproto.verify import tlc
+from kvproto.verify import check, tlc
 
 # ---------------------------------------------------------------------------
 # Lease numbers -> model time units.

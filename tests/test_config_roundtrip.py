@@ -29,7 +29,7 @@ from kvproto.lifecycle import (
     Config,
     ConfigError,
 )
-from kvproto.sim import Simulator
+from kvproto.testing.sim import Simulator
 
 DURATION = st.one_of(
     st.floats(MIN_DURATION, 0.01),

@@ -537,7 +537,7 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
         pops += 1
         return real_pop(heap)
 
-    monkeypatch.setattr(lifecycle, "heapq", types.SimpleNamespace(
+    monkeypatch.setattr(lifecycle.consumer, "heapq", types.SimpleNamespace(
         heappop=counting_pop, heappush=heapq.heappush))
     for t in (1.0, 2.0, 4.9):
         assert consumer.tick(t) == []

@@ -16,7 +16,6 @@ from typing import Any
 import networkx as nx
 import pytest
 
-from kvproto import validate as va
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
     ACK,
@@ -30,9 +29,10 @@ from kvproto.lifecycle import (
     Consumer,
     Fx,
 )
-from kvproto.sim import Faults, Simulator
+from kvproto.testing.sim import Faults, Simulator
 from kvproto.verify import dconformance as dc
 from kvproto.verify import dtrace
+from kvproto.verify import validate as va
 from kvproto.verify.dconformance import check_d_journal, is_d_journal
 from kvproto.verify.tlc import MissingDependency as TLCMissing
 

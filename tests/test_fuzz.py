@@ -1,6 +1,6 @@
 """Stateful fuzzing of P, D and the network with hypothesis (issue 4, part 1).
 
-* The CI-profile run of ``kvproto.fuzz.LifecycleMachine`` over the real ``Ledger`` finds
+* The CI-profile run of ``kvproto.testing.fuzz.LifecycleMachine`` over the real ``Ledger`` finds
   nothing: every rule (register with shared blocks, several readers and sibling groups;
   admit/handshake/read/done/heartbeat/release; aborts on P and D; ticks; loss,
   duplication, reordering, delay; D crashes; malformed bytes) runs, the invariants hold
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import fuzz
 from kvproto.cli import main
 from kvproto.lifecycle import (
     ABORT,
@@ -38,6 +37,7 @@ from kvproto.lifecycle import (
     Effect,
     Ledger,
 )
+from kvproto.testing import fuzz
 
 # ---------------------------------------------------------------------------
 # The CI profile over the real ledger

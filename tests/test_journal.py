@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from kvproto.cli import main
-from kvproto.journal import JournalError, JournalWriter, read_journal, replay, to_json
+from kvproto.journal import JournalError, JournalWriter, read_journal, to_json
 from kvproto.lifecycle import BlockPool, Config, Free, Ledger
+from kvproto.verify.replay import replay
 
 
 @pytest.fixture(scope="module")

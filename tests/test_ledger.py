@@ -753,7 +753,7 @@ def test_tick_does_no_heap_work_when_nothing_is_due(make_ledger: LedgerFactory,
         ledger.register(h, f"r{h}", (h - 1,), 0.0)
     ledger.heartbeat("d0", 1, tuple(range(1, 10_001)), 1, 15.0)  # renew all (lazily)
     counting = _CountingHeapq()
-    monkeypatch.setattr(lifecycle, "heapq", types.SimpleNamespace(
+    monkeypatch.setattr(lifecycle.producer, "heapq", types.SimpleNamespace(
         heappop=counting.heappop, heappush=counting.heappush))
     for t in (1.0, 10.0, 20.0, 29.9):
         assert ledger.tick(t) == []
@@ -766,7 +766,7 @@ def test_tick_work_is_proportional_to_due_entries(make_ledger: LedgerFactory,
     for h in range(1, 10_001):
         ledger.register(h, f"r{h}", (h - 1,), 0.0 if h <= 3 else 10.0)
     counting = _CountingHeapq()
-    monkeypatch.setattr(lifecycle, "heapq", types.SimpleNamespace(
+    monkeypatch.setattr(lifecycle.producer, "heapq", types.SimpleNamespace(
         heappop=counting.heappop, heappush=counting.heappush))
     assert [h for h, _ in frees(ledger.tick(30.0))] == [1, 2, 3]
     assert counting.pops == 3

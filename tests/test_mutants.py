@@ -1,5 +1,5 @@
 """The stateful fuzzer finds bugs (issue 4, part 1): every known upstream lifecycle bug,
-re-introduced into the P machine by table rows or documented hooks (``kvproto.mutants``), is caught within the CI
+re-introduced into the P machine by table rows or documented hooks (``kvproto.testing.mutants``), is caught within the CI
 budget by one of the invariants the mutant lists in ``caught_by``.
 
 The runs are derandomized, so each result is reproducible. Each test can fail: the real
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import pytest
 from hypothesis import Phase, settings
 
-from kvproto import fuzz
 from kvproto.lifecycle import P_TABLE, Ledger
-from kvproto.mutants import MUTANTS, Mutant
+from kvproto.testing import fuzz
+from kvproto.testing.mutants import MUTANTS, Mutant
 
 
 def mutant_budget() -> settings:

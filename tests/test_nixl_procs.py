@@ -23,8 +23,8 @@ pytest.importorskip("nixl._api")
 
 from kvproto.nixl.consumer import Completion, ConsumerAdapter
 from kvproto.nixl.procs import consumer_main, mp_context, producer_main
-from kvproto.validate import validate
 from kvproto.verify.tlc import MissingDependency as TLCMissing
+from kvproto.verify.validate import validate
 
 pytestmark = pytest.mark.nixl
 
@@ -334,7 +334,7 @@ def test_bench_transfer_json_has_the_issue_keys(capsys: pytest.CaptureFixture[st
     import argparse
     import math
 
-    from kvproto.nixl import bench
+    from kvproto.bench import transfer as bench
 
     args = argparse.Namespace(block_kib=16, blocks_per_request=2, requests=2, rounds=1,
                               small_requests=10, in_flight=100, json=True, device="cpu")
@@ -489,7 +489,8 @@ def test_silent_p_is_lost_after_peer_timeout_and_the_d_journal_replays(
     D's machine declares it lost after Config.peer_timeout and fails the queued request
     without a release. The D journal of this real NIXL run replays clean and TLC
     validates it (``kvproto validate``)."""
-    from kvproto.journal import JournalWriter, replay
+    from kvproto.journal import JournalWriter
+    from kvproto.verify.replay import replay
 
     pname = uniq("P")
     cfg = replace(CFG, initial_lease=5.0, lease_extension=5.0, abort_grace=5.0, peer_timeout=1.0)

@@ -13,7 +13,7 @@ import pytest
 
 from kvproto.cli import main
 from kvproto.lifecycle import FREE_REASONS, Effect, Free
-from kvproto.sim import Faults, Simulator, simulate_many
+from kvproto.testing.sim import Faults, Simulator, simulate_many
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from kvproto import validate as va
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import BlockPool, Config, Ledger
-from kvproto.sim import Faults, Simulator
+from kvproto.testing.sim import Faults, Simulator
+from kvproto.verify import ptrace, trace
+from kvproto.verify import validate as va
 from kvproto.verify.tlc import MissingDependency as TLCMissing
 
 log = logging.getLogger(__name__)
@@ -115,16 +116,16 @@ def frees_of(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_choose_scale() -> None:
-    assert va.choose_scale([30.0, 20.0, 0.0]) == 1
-    assert va.choose_scale([30.0, 0.1, 12.3]) == 10
-    assert va.choose_scale([0.25]) == 100
+    assert trace.choose_scale([30.0, 20.0, 0.0]) == 1
+    assert trace.choose_scale([30.0, 0.1, 12.3]) == 10
+    assert trace.choose_scale([0.25]) == 100
     with pytest.raises(va.TraceError):
-        va.choose_scale([1e-7])
-    assert va.choose_scale([0.1 + 0.2, 1234.5]) == 10
+        trace.choose_scale([1e-7])
+    assert trace.choose_scale([0.1 + 0.2, 1234.5]) == 10
 
 
 def test_trace_mapping(tmp_path: Path) -> None:
-    tr = va.journal_to_trace(scripted_journal(tmp_path / "s.jsonl"))
+    tr = ptrace.journal_to_trace(scripted_journal(tmp_path / "s.jsonl"))
     assert tr.scale == 10
     assert tr.constants["InitialLease"] == "100" and tr.constants["LeaseExtension"] == "80"
     assert '"h1"' in tr.constants["Requests"] and '"h9"' not in tr.constants["Requests"]
@@ -160,8 +161,8 @@ def run_validate(paths: list[Path], segment_steps: int = va.DEFAULT_SEGMENT_STEP
 
 def test_segments_cover_the_journal_and_restrict_requests(tmp_path: Path) -> None:
     p = sim_journal(tmp_path / "sim.jsonl", 1, 6.0)
-    whole = va.journal_to_trace(p)
-    segs = va.journal_to_traces(p, 40)
+    whole = ptrace.journal_to_trace(p)
+    segs = ptrace.journal_to_traces(p, 40)
     assert len(segs) == -(-len(whole.steps) // 40) > 2
     assert [s for t in segs for s in t.steps] == whole.steps
     assert [t.offset for t in segs] == list(range(0, len(whole.steps), 40))
@@ -270,7 +271,7 @@ def test_rejects_tampered_journals(tmp_path: Path, segment_steps: int) -> None:
 def test_segment_must_end_in_the_replayed_state(tmp_path: Path) -> None:
     """The chaining check: a segment whose spec state at its end is not the replayed
     ledger's (here: the end state of another segment) is rejected at its last line."""
-    segs = va.journal_to_traces(scripted_journal(tmp_path / "s.jsonl"), 6)
+    segs = ptrace.journal_to_traces(scripted_journal(tmp_path / "s.jsonl"), 6)
     assert len(segs) >= 3
     good, bad = segs[1], va.Trace(**{**segs[1].__dict__})
     bad.constants = {**good.constants, "EndL": good.constants["InitL"]}

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvproto import cli
-from kvproto.vllm.bench import ConnectorRun, build_report, format_report
+from kvproto.bench.vllm import ConnectorRun, build_report, format_report
 
 
 def _run(wrong: int, late_wrong: int, tok_s: list[float], cpu: float = 1.0) -> ConnectorRun:

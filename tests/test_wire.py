@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproto import wire
-from kvproto.sim import Faults, Network, Simulator
+from kvproto.testing.sim import Faults, Network, Simulator
 from kvproto.wire import (
     HEADER,
     KIND_ACK,

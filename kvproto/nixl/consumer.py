@@ -16,8 +16,7 @@ Effects and what they become:
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
   batched per step; heartbeats chunked by the machine so that every message fits
   ``max_message_bytes``);
-* ``Finished``       -> a ``Completion`` for the engine.
-
+* ``Finished``       -> a ``Completion`` for the engine;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed.
 

@@ -26,44 +26,40 @@ a stuttering self-loop (a stale ``done``, a duplicate ``abort``...).
 from __future__ import annotations
 
 import argparse
-import io
 import logging
-import pickle
 import re
 import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias
 
 import networkx as nx
 
-from kvproto import lifecycle
 from kvproto.lifecycle import (
-    DONE,
-    HEARTBEAT,
-    RELEASE,
-    BlockPool,
-    Config,
-    Effect,
-    Free,
     Ledger,
 )
-from kvproto.verify.models import GRAPH_MODELS, Action, GraphModel
+from kvproto.verify.abstraction import (
+    LedgerFactory,
+    PyNode,
+    abstract,
+    apply_action,
+    describe,
+    freeze,
+    initial_node,
+    thaw,
+)
+from kvproto.verify.models import GRAPH_MODELS, GraphModel
 from kvproto.verify.oracle import refused
 from kvproto.verify.tlc import (
-    Fn,
     MissingDependency,
     ParseError,
     State,
-    Value,
     conformance_dir,
-    mk_fn,
     parse_state,
-    render,
     require_ok,
     run_tlc,
     spec_dir,
@@ -124,135 +120,6 @@ def read_dot(path: str | Path) -> nx.MultiDiGraph:
 # ---------------------------------------------------------------------------
 # The Python side: abstraction function and BFS.
 # ---------------------------------------------------------------------------
-
-
-LedgerFactory: TypeAlias = Callable[[Config, BlockPool], Ledger]
-
-
-@dataclass
-class PyNode:
-    """A concrete Python ledger at model time ``now``, plus the ghost free counts."""
-
-    ledger: Ledger
-    now: int
-    nfree: dict[str, int]
-
-    def clone(self) -> PyNode:
-        return PyNode(thaw(freeze(self.ledger)), self.now, dict(self.nfree))
-
-
-_CANON: Final[dict[str, str]] = {s: s for s in (*lifecycle.P_STATES, *lifecycle.P_EVENTS)}
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles the lifecycle's state/event names by reference. Ledger.heartbeat compares
-    states by identity (``st is REGISTERED``) and unpickled strings are new objects, so a
-    plain pickle round trip yields a ledger that refuses every heartbeat."""
-
-    def persistent_id(self, obj: Any) -> str | None:
-        if type(obj) is str and _CANON.get(obj) is obj:
-            return obj
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        return _CANON[pid]
-
-
-def freeze(ledger: Ledger) -> bytes:
-    """A snapshot of a ledger, cheap to :func:`thaw` many times."""
-    buf = io.BytesIO()
-    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(ledger)
-    return buf.getvalue()
-
-
-def thaw(blob: bytes) -> Ledger:
-    L: Ledger = _Unpickler(io.BytesIO(blob)).load()
-    return L
-
-
-def abstract(model: Model, node: PyNode) -> State:
-    """The abstraction function (KVLedger.tla's header): Python ledger -> TLA+ state.
-
-    pstate[r] = Ledger.state(h); expected/finished/released from snapshot() (0/{}/FALSE
-    when not live); deadline[r] = snapshot deadline - now (relative); reports[r] =
-    |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = list(_staged) as names;
-    staged[r] = _staged[h].msgs as [kind, reader, exp, age] (age = now - arrival for
-    heartbeats, 0 otherwise); stagedAge[r] = now - _staged[h].since; groupsDone =
-    set(_groups_done); nfree[r] = the ghost count of Free effects for r."""
-    L, now = node.ledger, node.now
-    snap = L.snapshot()
-    staged_all = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
-    cols: dict[str, list[tuple[Value, Value]]] = {
-        v: [] for v in ("pstate", "expected", "finished", "released", "deadline", "reports",
-                        "staged", "stagedAge", "nfree")}
-    for r in sorted(model.requests):
-        h = model.handle(r)
-        cols["pstate"].append((r, L.state(h)))
-        s = snap.get(h)
-        if s is not None:
-            _st, exp, fin, rel, dl = s
-            d = dl - now
-            if d != int(d):
-                raise ValueError(f"non-integral relative deadline {d} for {r}")
-            vals: tuple[Value, ...] = (exp, fin, rel, int(d), len(fin))
-        else:
-            vals = (0, frozenset(), False, 0, 0)
-        for var, v in zip(("expected", "finished", "released", "deadline", "reports"), vals,
-                          strict=True):
-            cols[var].append((r, v))
-        stg = staged_all.get(h)
-        if stg is None:
-            cols["staged"].append((r, ()))
-            cols["stagedAge"].append((r, 0))
-        else:
-            cols["staged"].append((r, tuple(
-                Fn((("age", int(now - t) if k == HEARTBEAT else 0), ("exp", e), ("kind", k),
-                    ("reader", d_)))
-                for k, d_, e, t in stg[1])))
-            cols["stagedAge"].append((r, int(now - stg[0])))
-        cols["nfree"].append((r, node.nfree[r]))
-    name_of = {model.handle(r): r for r in model.requests}
-    state: dict[str, Value] = {var: Fn(tuple(items)) for var, items in cols.items()}
-    state["rc"] = tuple(L.pool.refcount(b) for b in range(model.capacity))
-    state["stagedQ"] = tuple(name_of[h] for h in staged_all)
-    state["groupsDone"] = frozenset(L.groups_done())
-    return Fn(tuple(sorted(state.items())))
-
-
-def initial_node(model: Model, factory: LedgerFactory = Ledger) -> PyNode:
-    ledger = factory(model.config(), BlockPool(model.capacity, strict=False))
-    ledger.max_staged_msgs = model.max_staged_msgs
-    return PyNode(ledger, 0, dict.fromkeys(model.requests, 0))
-
-
-def apply_action(model: Model, node: PyNode, a: Action) -> list[Effect]:
-    """Feed one input to the (already cloned) node's ledger; update time and ghost."""
-    L, now = node.ledger, float(node.now)
-    h = model.handle(a.request) if a.request else 0
-    if a.kind == "register":
-        g = model.group_of[a.request]
-        out = L.register(h, a.request, tuple(b - 1 for b in model.blocks_of[a.request]), now,
-                         group=g, expected=model.reg_expected[a.request])
-    elif a.kind == DONE:
-        out = L.done(a.reader, h, a.expected, now)
-    elif a.kind == HEARTBEAT:
-        out = L.heartbeat(a.reader, 0, (h,), a.expected, now)
-    elif a.kind == RELEASE:
-        out = L.release(a.reader, (h,), a.expected, now)
-    elif a.kind == "abort":
-        out = L.abort(a.request, now)
-    elif a.kind == "tick":
-        node.now += 1
-        out = L.tick(float(node.now))
-    else:  # pragma: no cover
-        raise ValueError(a.kind)
-    names = {model.handle(r): r for r in model.requests}
-    for e in out:
-        if isinstance(e, Free):
-            node.nfree[names[e.handle]] += 1
-    return out
 
 
 @dataclass
@@ -345,23 +212,6 @@ def explore_tlc_cached(model: Model) -> TLCGraph:
 
 def edge_set(g: nx.MultiDiGraph) -> set[tuple[State, str, State]]:
     return {(a, k, b) for a, b, k in g.edges(keys=True)}
-
-
-def describe(state: State, base: State | None = None) -> str:
-    """Render a state as TLA+ conjuncts; with ``base``, only the variables that differ."""
-    out = []
-    for var, val in state.items:
-        if base is not None and base.get(var) == val:
-            continue
-        shown = val
-        if isinstance(val, Fn) and base is not None and isinstance(base.get(var), Fn):
-            other = base.get(var)
-            assert isinstance(other, Fn)
-            shown = mk_fn([(k, v) for k, v in val.items if other.get(k) != v])
-            out.append(f"/\\ {var} = ... {render(shown)} ...")
-            continue
-        out.append(f"/\\ {var} = {render(shown)}")
-    return "\n".join(out) if out else "(no difference)"
 
 
 def _path_to(parent: Mapping[State, tuple[State, str]], s: State) -> list[str]:

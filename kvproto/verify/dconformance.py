@@ -37,7 +37,6 @@ from kvproto.journal import (
     journal_side,
     parse_line,
     read_journal_objects,
-    replay,
 )
 from kvproto.lifecycle import (
     Config,
@@ -51,10 +50,10 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
     TransferParams,
-    _DReq,
-    _Peer,
 )
+from kvproto.lifecycle.consumer import _DReq, _Peer
 from kvproto.verify.conformance import read_dot
+from kvproto.verify.replay import replay
 from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
 
 

@@ -4,7 +4,7 @@ A D journal (``JournalWriter(..., reader=name).sink`` on a ``Consumer``) becomes
 traces checked by ``tla/conformance/TraceConsumer.tla`` over ``tla/KVConsumer.tla``: every
 step applies KVConsumer's operator for the event and the recorded effects must be the
 spec's. The traces run through the same batches and TLC runner as P journals
-(``kvproto.validate.check_batch``).
+(``kvproto.verify.validate.check_batch``).
 
 Mapping (TraceConsumer.tla's header): each admission D created a machine for is a
 request ``q<k>``; a request id or handle that names no live admission names ``"-"``, a
@@ -51,15 +51,15 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
 )
-from kvproto.validate import (
+from kvproto.verify.dconformance import clone_consumer
+from kvproto.verify.tlc import render
+from kvproto.verify.trace import (
     DEFAULT_SEGMENT_STEPS,
     TLC_INT_MAX,
     Trace,
     TraceError,
     choose_scale,
 )
-from kvproto.verify.dconformance import clone_consumer
-from kvproto.verify.tlc import render
 
 # KVConsumer's variables (the trace module works on a record of them).
 D_VARS: Final = ("dst", "dlease", "abortPending", "owner", "peer", "hbs", "hbWait", "heard",

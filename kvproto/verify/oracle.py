@@ -21,7 +21,7 @@ expected behaviour comes from two sources:
 
 Who feeds it: :class:`ObservedLedger` (in front of any ledger class, the real one or a
 mutant) hands every public event to the oracle; the stateful fuzzer and its simulator
-(``kvproto.fuzz``) and the mutant tests use it that way. :func:`run` drives a fresh
+(``kvproto.testing.fuzz``) and the mutant tests use it that way. :func:`run` drives a fresh
 ledger through a sequence of graph-model inputs and checks both sources at each step
 (the hypothesis conformance tests, ``tests/test_conformance.py``).
 
@@ -30,7 +30,7 @@ ledger through a sequence of graph-model inputs and checks both sources at each 
 *LedgerInvariants*) are written; the simulator and the fuzzer both call it.
 
 The table path needs only the standard library (``kvproto fuzz`` runs without
-networkx); the graph path imports :mod:`kvproto.verify.conformance` when it is used.
+networkx); the graph path imports :mod:`kvproto.verify.abstraction` when it is used.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from kvproto.lifecycle import (
 if TYPE_CHECKING:
     import networkx as nx
 
-    from kvproto.verify.conformance import LedgerFactory
+    from kvproto.verify.abstraction import LedgerFactory
     from kvproto.verify.models import Action, GraphModel
     from kvproto.verify.tlc import State
 
@@ -158,7 +158,7 @@ class Step:
     handles the event names (register: the one handle; abort: the request's handle if
     P knows it). ``label``, ``before`` and ``after`` are the graph path's: the model
     action's TLA+ label and the abstract states around the step (KVLedger's abstraction
-    function, :func:`kvproto.verify.conformance.abstract`); without them, or without a
+    function, :func:`kvproto.verify.abstraction.abstract`); without them, or without a
     graph, only the table is consulted."""
 
     event: str  # register | done | release | heartbeat | abort | tick | reject
@@ -297,7 +297,7 @@ class Oracle:
 
     # -- the graph ----------------------------------------------------------------------
     def _check_spec(self, step: Step) -> None:
-        from kvproto.verify.conformance import describe
+        from kvproto.verify.abstraction import describe
 
         before, after, label = step.before, step.after, cast(str, step.label)
         if before is None or after is None:
@@ -645,7 +645,7 @@ def run(model: GraphModel, oracle: Oracle, labels: Sequence[str],
     graph when ``oracle`` has one), then the ledger's own invariants; return the first
     violation, or None. ``stats`` counts steps that changed the abstract state, left it
     unchanged, or were refused (Rejected)."""
-    from kvproto.verify.conformance import abstract, apply_action, initial_node
+    from kvproto.verify.abstraction import abstract, apply_action, initial_node
 
     o = oracle.fresh()
     acts = {a.label: a for a in model.actions()}

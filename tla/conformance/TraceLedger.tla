@@ -1,7 +1,7 @@
 ---------------------------- MODULE TraceLedger ----------------------------
 (***************************************************************************)
 (* Trace validation of a recorded P journal against KVLedger (issue 4).    *)
-(* `kvproto validate` (kvproto/validate.py) turns a journal into the       *)
+(* `kvproto validate` (kvproto/verify/validate.py) turns a journal into the       *)
 (* constant Trace and instantiates this module once per journal; TLC then  *)
 (* walks the trace: every step applies KVLedger's own transition operators *)
 (* (RegisterOp, DoneOp, ReleaseOp, HeartbeatOp, AbortOp, TickOp) to the    *)
@@ -10,7 +10,7 @@
 (* ones the spec's step implies. The first step where they differ is the   *)
 (* first step the spec does not allow; it is printed with PrintT.          *)
 (*                                                                         *)
-(* Mapping (journal -> constants), done by kvproto/validate.py:            *)
+(* Mapping (journal -> constants), done by kvproto/verify/validate.py:            *)
 (*  - handles -> request names "h<handle>"; readers -> their names;        *)
 (*    blocks -> the same ints; groups -> their names, None -> NoGroup;     *)
 (*  - BlocksOf/GroupOf/RegExpected: from the handle's first valid register;*)
@@ -42,7 +42,7 @@ CONSTANTS
 (* SEGMENTS. A journal is validated in segments of a few hundred steps, each one
    instance of this module over only the requests the segment can touch: those live or
    staged at its start and those its events name (a step costs O(those), so TLC's time
-   grows linearly with the journal). kvproto/validate.py replays the journal through
+   grows linearly with the journal). kvproto/verify/validate.py replays the journal through
    the Python ledger to get InitL (the abstraction function of KVLedger's header,
    restricted to Requests; time relative to the previous event) and EndL (the same at
    the segment's end). A segment is allowed when every step is and the spec's ledger

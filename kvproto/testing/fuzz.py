@@ -14,7 +14,7 @@ and by ``kvproto fuzz``:
   its lease on blocks whose generation changed since P handed them out (freed meanwhile).
 * the oracle -- ``kvproto.verify.oracle.Oracle``, the one oracle of the project, fed
   by ``observed_ledger_class`` (any ``Ledger`` class: the real one, or a mutant from
-  ``kvproto.mutants``): around every P event, each request's state change must be a row
+  ``kvproto.testing.mutants``): around every P event, each request's state change must be a row
   of ``P_TRANSITIONS`` for that event (with the matching ``free:`` effect), plus
   *PromptFree* and *ExpiredFreed* (see that module). The names are re-exported here.
 * ``LifecycleMachine`` -- the hypothesis ``RuleBasedStateMachine``: rules for every
@@ -71,7 +71,7 @@ from kvproto.lifecycle import (
     StartHandshake,
     TransferParams,
 )
-from kvproto.sim import P_NAME, Faults, Msg, Network, Read, Simulator
+from kvproto.testing.sim import P_NAME, Faults, Msg, Network, Read, Simulator
 from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
 from kvproto.verify.oracle import (
     InvariantViolation,
@@ -840,7 +840,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", choices=sorted(CONFIGS),
                    help="fuzz only under this config (repeatable; default: all)")
     p.add_argument("--mutant", default=None,
-                   help="fuzz a mutant ledger from kvproto.mutants instead of the real one")
+                   help="fuzz a mutant ledger from kvproto.testing.mutants instead of the real one")
     p.add_argument("--out", default="fuzz-failures",
                    help="directory for the example database and failing journals")
     p.add_argument("--no-shrink", action="store_true", help="report the first failure unshrunk")
@@ -875,7 +875,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ledger_cls: type[Ledger] = Ledger
     if args.mutant:
-        from kvproto import mutants
+        from kvproto.testing import mutants
 
         found = mutants.MUTANTS.get(args.mutant)
         if found is None:

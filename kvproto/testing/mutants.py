@@ -3,7 +3,7 @@
 Each mutant is a ``Ledger`` subclass that either replaces rows of the transition table
 (``Ledger.with_rows``) or overrides one documented hook (``_tally``, ``_sweep``); none
 copies the ledger's internals, and ``kvproto.lifecycle`` is never modified.
-``tests/test_mutants.py`` shows that the stateful fuzzer (``kvproto.fuzz``) catches every
+``tests/test_mutants.py`` shows that the stateful fuzzer (``kvproto.testing.fuzz``) catches every
 one of them within the CI budget, with the invariant named in ``Mutant.caught_by``;
 ``kvproto fuzz --mutant NAME`` fuzzes one by hand.
 
@@ -39,8 +39,8 @@ from kvproto.lifecycle import (
     Effect,
     Fx,
     Ledger,
-    _Req,
 )
+from kvproto.lifecycle.producer import _Req
 
 _HELD_LIVE = ("registered", "leased", "notified")
 

@@ -1,0 +1,147 @@
+"""``Config``: the timing assumptions and caps both machines run under, validated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Final
+
+# Configuration and timing assumptions.
+# ---------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. The message says which rule failed and why."""
+
+
+# What the wire and the adapters can carry (spec/PROTOCOL.md, "Configuration"): the
+# adapters feed the ledger whole milliseconds, and a granted term travels in an ack as a
+# u32 of milliseconds, so every duration is at least 1 ms (or 0 where 0 is allowed) and
+# at most 2**32-1 ms (about 49.7 days).
+MIN_DURATION: Final = 0.001
+MAX_DURATION: Final = 0xFFFFFFFF / 1000
+# Caps on the integer knobs: each sizes a tracking structure, so each has a ceiling.
+MAX_CAP: Final = 1 << 24
+MIN_MESSAGE_BYTES: Final = 64  # room for the largest header and prefix plus one handle
+MAX_MESSAGE_BYTES: Final = 1 << 20
+_DURATIONS: Final = ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
+                     "max_delay", "max_read_time", "clock_drift", "max_staged_age")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Timing assumptions (seconds) and caps. See spec/PROTOCOL.md, "Configuration".
+
+    The lease terms are durations; no timestamp from another host's clock is ever used.
+    """
+
+    initial_lease: float = 30.0  # term granted at register
+    lease_extension: float = 20.0  # a heartbeat extends the deadline to max(deadline, now + this)
+    heartbeat_interval: float = 5.0  # D heartbeats every request it still intends to pull
+    abort_grace: float = 30.0  # after abort on P: free no later than now + this (>= lease horizon)
+    max_delay: float = 1.0  # bound on message delivery delay (notifications, transfer params)
+    max_read_time: float = 5.0  # bound on one READ, post to completion
+    clock_drift: float = 0.5  # bound on clock-rate disagreement accumulated over one lease term
+    max_staged: int = 4096  # early-message staging entries (handles); oldest dropped at the cap
+    max_staged_age: float = 30.0  # staged entries older than this are dropped on tick
+    max_tombstones: int = 65536  # freed handles remembered to classify late messages as stale
+    max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
+    max_groups_remembered: int = 65536  # transferred sibling groups remembered for late members
+    max_tick_work: int = 512  # deadline-heap entries one tick may process; the rest carry over
+    peer_timeout: float = 20.0  # D: a P engine that leaves heartbeats unanswered this long is lost
+
+    @property
+    def lease_horizon(self) -> float:
+        """The longest a deadline can lie in the future: max(initial, extension)."""
+        return max(self.initial_lease, self.lease_extension)
+
+    def timing_rules(self) -> list[tuple[bool, str]]:
+        """The timing argument's rules (spec/PROTOCOL.md §5), in order: (holds, why it
+        must). ``validate`` raises the first that fails; ``kvproto check`` compares them
+        before and after turning seconds into model time units."""
+        renew_need = self.heartbeat_interval + self.max_delay + self.clock_drift
+        read_need = self.max_read_time + 2 * self.max_delay + self.clock_drift
+        init_need = self.max_read_time + self.max_delay + self.clock_drift
+        first_hb = self.heartbeat_interval + 2 * self.max_delay + self.clock_drift
+        peer_need = self.heartbeat_interval + 2 * self.max_delay
+        return [
+            (self.lease_extension > renew_need,
+             f"lease_extension ({self.lease_extension}) must exceed heartbeat_interval + "
+             f"max_delay + clock_drift ({renew_need}): otherwise a lease can run out between "
+             "two heartbeats that both arrive on time"),
+            (self.lease_extension > read_need,
+             f"lease_extension ({self.lease_extension}) must exceed max_read_time + "
+             f"2*max_delay + clock_drift ({read_need}): otherwise no renewed lease can cover a READ"),
+            (self.initial_lease > init_need,
+             f"initial_lease ({self.initial_lease}) must exceed max_read_time + max_delay + "
+             f"clock_drift ({init_need}): otherwise D can never READ on the initial term"),
+            (self.initial_lease > first_hb,
+             f"initial_lease ({self.initial_lease}) must exceed heartbeat_interval + "
+             f"2*max_delay + clock_drift ({first_hb}): otherwise a request D admitted just "
+             "after a heartbeat expires on P before its first renewal arrives"),
+            (self.peer_timeout > peer_need,
+             f"peer_timeout ({self.peer_timeout}) must exceed heartbeat_interval + "
+             f"2*max_delay ({peer_need}): otherwise D declares a P engine that answers every "
+             "heartbeat on time lost (and fails its requests)"),
+            (self.abort_grace >= self.lease_horizon,
+             f"abort_grace ({self.abort_grace}) must be >= max(initial_lease, lease_extension) "
+             f"({self.lease_horizon}): a shorter grace can free blocks under a READ that D "
+             "started within its lease (see spec/PROTOCOL.md, 'Abort after finish')"),
+        ]
+
+    def validate(self) -> Config:
+        """Raise ConfigError naming the first violated rule; return self when valid."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{f.name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be finite, got {v!r}")
+            if f.type in ("int",) and int(v) != v:
+                raise ConfigError(f"{f.name} must be an integer, got {v!r}")
+        for name in ("initial_lease", "lease_extension", "heartbeat_interval", "max_read_time",
+                     "max_staged_age", "peer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_delay", "clock_drift", "abort_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in _DURATIONS:
+            v = getattr(self, name)
+            if v and not MIN_DURATION <= v <= MAX_DURATION:
+                raise ConfigError(
+                    f"{name} must be within [{MIN_DURATION}, {MAX_DURATION}] s (or 0 where 0 is "
+                    f"allowed), got {v}: the adapters count whole milliseconds and a term "
+                    "travels as a u32 of milliseconds")
+        for ok, why in self.timing_rules():
+            if not ok:
+                raise ConfigError(why)
+        for name in ("max_staged", "max_tombstones", "max_groups_remembered", "max_tick_work"):
+            v = getattr(self, name)
+            if not 1 <= v <= MAX_CAP:
+                raise ConfigError(f"{name} must be within [1, {MAX_CAP}], got {v}")
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_message_bytes must be within [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}], "
+                f"got {self.max_message_bytes}")
+        return self
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build and validate a config; unknown keys are an error, not silently ignored."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)} (known: {', '.join(known)})")
+        kwargs: dict[str, Any] = {}
+        for k, v in data.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{k} must be a number, got {v!r}")
+            kwargs[k] = int(v) if known[k].type == "int" and float(v).is_integer() else v
+        return cls(**kwargs).validate()

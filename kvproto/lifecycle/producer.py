@@ -1,0 +1,888 @@
+"""P's machine: the ledger's events and effects, and ``Ledger``, which runs ``P_TABLE``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, NamedTuple
+
+from kvproto.lifecycle.config import (
+    Config,
+)
+from kvproto.lifecycle.pool import (
+    BlockPool,
+)
+from kvproto.lifecycle.table import (
+    ABORT,
+    ABORTED,
+    DONE,
+    EXPIRED,
+    FREE_REASONS,
+    HEARTBEAT,
+    HELD_STATES,
+    NOTIFIED,
+    P_TABLE,
+    REGISTER,
+    RELEASE,
+    SIBLING,
+    TICK,
+    UNREGISTERED,
+    Fx,
+    Table,
+    Transition,
+    with_rows,
+)
+
+# ---------------------------------------------------------------------------
+# Events (inputs) and effects (outputs) of the producer ledger.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    handle: int
+    request_id: str
+    blocks: tuple[int, ...]
+    now: float
+    group: str | None = None
+    expected: int = 0  # expected readers; 0 = not known yet (announced by D)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    reader: str
+    handle: int
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    reader: str
+    seq: int
+    handles: tuple[int, ...]
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    reader: str
+    handles: tuple[int, ...]
+    expected: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Bad input rejected by the adapter before it became an event (malformed bytes,
+    unknown peer, oversized message...). Journaled and counted, changes nothing."""
+
+    reason: str
+    peer: str
+    detail: str
+    now: float
+
+
+Event = Register | Done | Heartbeat | Release | Abort | Tick | Reject
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Effect: the request no longer holds its blocks. ``reclaimed`` are the blocks
+    whose reference count reached zero: bump their generation, then reuse them."""
+
+    handle: int
+    request_id: str
+    reason: str
+    blocks: tuple[int, ...]
+    reclaimed: tuple[int, ...]
+    deadline: float  # the lease deadline at the time of the free
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Effect: answer a heartbeat. Every handle of the batch in neither ``refused`` nor
+    ``pending`` was renewed to at least receive-time + ``term``. ``pending`` handles are
+    not registered yet (staged): D must keep its previous lease estimate for them."""
+
+    reader: str
+    seq: int
+    term: float
+    refused: tuple[int, ...]
+    pending: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Effect: counted, logged rejection of bad or stale input."""
+
+    reason: str
+    peer: str
+    handle: int | None
+    detail: str
+
+
+Effect = Free | Ack | Rejected
+
+
+class _Req:
+    """A held request. Kept small: memory per held request is a measured figure."""
+
+    __slots__ = ("blocks", "deadline", "expected", "finished", "group", "handle", "released",
+                 "rid", "state")
+
+    def __init__(self, handle: int, rid: str, blocks: tuple[int, ...], deadline: float,
+                 group: str | None, expected: int) -> None:
+        self.handle = handle
+        self.rid = rid
+        self.blocks = blocks
+        self.deadline = deadline
+        self.group = group
+        self.expected = expected
+        self.state: str = UNREGISTERED  # the register step moves it
+        self.finished: set[str] | None = None  # distinct readers that reported done/release
+        self.released = False  # some reader released (never pulled)
+
+
+class _Staged:
+    __slots__ = ("msgs", "since")
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.msgs: list[tuple[str, str, int, float]] = []  # (kind, reader, expected, arrival)
+
+
+MAX_STAGED_MSGS_PER_HANDLE: Final = 64
+# The deadline heap is rebuilt from the live requests once it holds more than twice as
+# many entries as there are live requests (dead entries of requests freed outside a
+# tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
+# than max(2 * live, HEAP_SLACK) entries.
+HEAP_SLACK: Final = 64
+_INF: Final = math.inf
+# A machine's clock before its first event: the lowest finite float, so that the hot
+# paths' one check ``self.now <= now < inf`` also refuses -inf (and NaN, which compares
+# false).
+CLOCK_START: Final = -sys.float_info.max
+
+
+# ---------------------------------------------------------------------------
+# The producer ledger.
+# ---------------------------------------------------------------------------
+
+
+class HeldView(NamedTuple):
+    """A read-only view of one held request (``Ledger.held``)."""
+
+    handle: int
+    request_id: str
+    state: str
+    blocks: tuple[int, ...]
+    deadline: float
+    group: str | None
+    expected: int
+    finished: frozenset[str]
+    released: bool
+
+
+class StagedView(NamedTuple):
+    """A read-only view of one staged handle (``Ledger.staged``): messages that arrived
+    before register, as (kind, reader, expected, arrival time), oldest first."""
+
+    handle: int
+    since: float
+    msgs: tuple[tuple[str, str, int, float], ...]
+
+
+# Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
+# (unpickling finds it again). Mutants and tests only; cleared beyond the cap.
+_LEDGER_CLASSES: dict[tuple[type, tuple[Transition, ...], str], type] = {}
+MAX_LEDGER_CLASSES: Final = 256
+
+
+def _ledger_class(base: type[Ledger], rows: tuple[Transition, ...], name: str) -> type[Ledger]:
+    key = (base, rows, name)
+    cls = _LEDGER_CLASSES.get(key)
+    if cls is None:
+        if len(_LEDGER_CLASSES) >= MAX_LEDGER_CLASSES:
+            _LEDGER_CLASSES.clear()
+        cls = _LEDGER_CLASSES[key] = type(name, (base,), {
+            "TABLE": with_rows(base.TABLE, *rows), "_ROWS": rows, "__module__": base.__module__})
+    assert issubclass(cls, Ledger)
+    return cls
+
+
+def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) -> Ledger:
+    cls = _ledger_class(base, rows, name)
+    obj: Ledger = cls.__new__(cls)
+    return obj
+
+
+class Ledger:
+    """P's lifecycle machine for one P rank: every block hold and free goes through it.
+
+    The machine runs ``TABLE`` (``P_TRANSITIONS`` by default): every event computes a
+    named guard, looks up (state, event, guard) and runs the row (``_step``): its
+    effects, then its destination. A subclass may replace rows (``with_rows``); the
+    derived per-state views the hot paths use are rebuilt for each subclass.
+
+    Costs (n = held requests): done/heartbeat/release/abort O(1) per request; register
+    O(blocks); tick O(1) when nothing is due, O(k log n) for k due entries, and at most
+    ``max_tick_work`` entries per call: the rest carries over (``next_deadline`` then
+    reports a time already past, so adapters tick again at once); an expiry may be late,
+    never early. Caps: staging ``max_staged`` handles, tombstones ``max_tombstones``,
+    sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
+    ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
+
+    Time: a non-finite ``now`` is refused (a ``Rejected("bad_time")`` effect, counted,
+    nothing changes); a ``now`` before the ledger's clock is clamped to it (counted
+    ``clock_regression``): the event is real, and applying it later than it happened is
+    the same as a slower delivery, which never frees anything early.
+
+    Documented hooks (overridden by ``kvproto.testing.mutants`` to re-introduce known bugs):
+    ``_tally`` (how a reader's report counts) and ``_sweep`` (which requests a tick
+    finds due).
+    """
+
+    TABLE: ClassVar[Table] = P_TABLE
+    _ROWS: ClassVar[tuple[Transition, ...]] = ()  # rows replaced by with_rows (pickling)
+    # state -> destination, for heartbeat rows that only renew (the hot path), and
+    # state -> row for the others; derived from TABLE per class.
+    _HB_FAST: ClassVar[dict[str, str]]
+    _HB_ROW: ClassVar[dict[str, Transition]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._derive()
+
+    @classmethod
+    def _derive(cls) -> None:
+        t = cls.TABLE
+        rows = {s: t[(s, HEARTBEAT, "refuse" if s == ABORTED else "renew")] for s in HELD_STATES}
+        cls._HB_ROW = rows
+        cls._HB_FAST = {s: r.dst for s, r in rows.items() if r.effects == (Fx("renew"),)}
+
+    @classmethod
+    def with_rows(cls, *rows: Transition, name: str | None = None) -> type[Ledger]:
+        """A subclass whose table has ``rows`` in place of the rows with the same key
+        (mutants and mutation tests). Instances pickle like any ledger."""
+        return _ledger_class(cls, tuple(rows), name or f"{cls.__name__}WithRows")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        cls = type(self)
+        if "_ROWS" in cls.__dict__ and cls._ROWS:
+            return (_remake_ledger, (cls.__bases__[0], cls._ROWS, cls.__name__),
+                    self.__dict__)
+        return super().__reduce_ex__(protocol)
+
+    def __init__(self, config: Config, pool: BlockPool, *,
+                 sink: Callable[[Event, list[Effect]], None] | None = None) -> None:
+        self.config = config.validate()
+        self.pool = pool
+        self.sink = sink  # journal hook: called with every event and its effects
+        self._live: dict[int, _Req] = {}
+        self._by_rid: dict[str, int] = {}
+        self._heap: list[tuple[float, int]] = []  # (deadline or earlier, handle); lazy
+        self._staged: OrderedDict[int, _Staged] = OrderedDict()
+        # handle -> (terminal state, request id); request id -> handle, both capped together
+        self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._tomb_rid: dict[str, int] = {}
+        self._groups: dict[str, set[int]] = {}  # live members per sibling group
+        self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
+        self._next_handle = 1
+        self.now = CLOCK_START
+        self.counters: dict[str, int] = {}
+        self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
+        # Messages staged per early handle (MAX_STAGED_MSGS_PER_HANDLE; the conformance
+        # models set their MaxStagedMsgs here instead of changing the constant).
+        self.max_staged_msgs = MAX_STAGED_MSGS_PER_HANDLE
+
+    # -- queries (read-only views) -------------------------------------------------------
+    def new_handle(self) -> int:
+        """Mint a fresh handle (monotone, never reused within this ledger)."""
+        h = self._next_handle
+        self._next_handle = h + 1
+        return h
+
+    def state(self, handle: int) -> str:
+        r = self._live.get(handle)
+        if r is not None:
+            return r.state
+        t = self._tomb.get(handle)
+        return t[0] if t is not None else UNREGISTERED
+
+    def deadline(self, handle: int) -> float | None:
+        r = self._live.get(handle)
+        return None if r is None else r.deadline
+
+    def handle_of(self, request_id: str) -> int | None:
+        return self._by_rid.get(request_id)
+
+    def held(self, handle: int) -> HeldView | None:
+        """The held request ``handle`` (None when not held)."""
+        r = self._live.get(handle)
+        if r is None:
+            return None
+        return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
+                        frozenset(r.finished or ()), r.released)
+
+    def staged(self) -> list[StagedView]:
+        """Staged handles, oldest first (O(staged))."""
+        return [StagedView(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
+
+    def groups_transferred(self) -> tuple[str, ...]:
+        """Sibling groups remembered as transferred, oldest first (O(groups))."""
+        return tuple(self._groups_done)
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._live)
+
+    @property
+    def staged_count(self) -> int:
+        return len(self._staged)
+
+    @property
+    def tombstone_count(self) -> int:
+        return len(self._tomb)
+
+    def live_handles(self) -> list[int]:
+        return list(self._live)
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
+        return len(self._heap)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a tick can change anything (for adapters' sleep). After a tick
+        that ran out of its work budget this is a time already past: tick again soon."""
+        nxt = self._heap[0][0] if self._heap else None
+        if self._staged:
+            s = next(iter(self._staged.values())).since + self.config.max_staged_age
+            nxt = s if nxt is None else min(nxt, s)
+        return nxt
+
+    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, float]]:
+        """Abstract state of live requests (for conformance checks and tests)."""
+        return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
+                for h, r in self._live.items()}
+
+    # -- read-only views (issue 10, branch plumbing): verification and adapters use these
+    # instead of private fields. O(1) unless stated.
+    def request_id(self, handle: int) -> str | None:
+        """The request id of a live or tombstoned handle; None when unknown."""
+        r = self._live.get(handle)
+        if r is not None:
+            return r.rid
+        t = self._tomb.get(handle)
+        return t[1] if t is not None else None
+
+    def staged_entries(self) -> list[tuple[int, float, tuple[tuple[str, str, int, float], ...]]]:
+        """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
+        message ``(kind, reader, expected, arrival)``. O(staged messages)."""
+        return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
+
+    def blocks_of(self, handle: int) -> tuple[int, ...] | None:
+        """The blocks a live request holds; None when it is not live."""
+        r = self._live.get(handle)
+        return None if r is None else r.blocks
+
+    def groups_done(self) -> tuple[str, ...]:
+        """The remembered transferred sibling groups, oldest first. O(groups)."""
+        return tuple(self._groups_done)
+    # -- end of read-only views (plumbing) -----------------------------------------------
+
+    # -- generic entry point -------------------------------------------------------
+    def apply(self, ev: Event) -> list[Effect]:
+        """Feed one event, return its effects."""
+        if isinstance(ev, Heartbeat):
+            return self.heartbeat(ev.reader, ev.seq, ev.handles, ev.expected, ev.now)
+        if isinstance(ev, Done):
+            return self.done(ev.reader, ev.handle, ev.expected, ev.now)
+        if isinstance(ev, Tick):
+            return self.tick(ev.now)
+        if isinstance(ev, Register):
+            return self.register(ev.handle, ev.request_id, ev.blocks, ev.now,
+                                 group=ev.group, expected=ev.expected)
+        if isinstance(ev, Release):
+            return self.release(ev.reader, ev.handles, ev.expected, ev.now)
+        if isinstance(ev, Abort):
+            return self.abort(ev.request_id, ev.now)
+        if isinstance(ev, Reject):
+            return self.reject(ev.reason, ev.peer, ev.detail, ev.now)
+        raise TypeError(f"not a ledger event: {ev!r}")
+
+    # -- the step: one table row --------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _clock(self, now: float) -> float | None:
+        """The event's time: ``now``, or the ledger's clock when ``now`` is before it
+        (clamped, counted); None when ``now`` is not a finite number (refused)."""
+        if self.now <= now < _INF:
+            self.now = now
+            return now
+        if not math.isfinite(now):
+            return None
+        # Time never runs backwards inside the machine: a stale clock reading is clamped.
+        self._count("clock_regression")
+        return self.now
+
+    def _bad_time(self, event: str, now: float) -> list[Effect]:
+        """Refuse an event whose time is not finite: counted, journaled as a rejection at
+        the ledger's own clock, nothing else changes."""
+        t = self.now if self.now != CLOCK_START else 0.0
+        return self.reject("bad_time", "", f"{event} at time {now!r}", t)
+
+    def _maybe_compact(self) -> None:
+        """Rebuild the deadline heap once dead entries outnumber live ones (amortized O(1)
+        per free: a rebuild costs O(held) and follows at least max(held, HEAP_SLACK) frees or
+        aborts since the last one)."""
+        n = len(self._heap)
+        if n > 2 * len(self._live) and n > HEAP_SLACK:
+            self._heap[:] = [(r.deadline, h) for h, r in self._live.items()]  # in place
+            heapq.heapify(self._heap)
+            self._count("heap_rebuilt")
+
+    def _emit(self, ev: Event, out: list[Effect]) -> list[Effect]:
+        if self.sink is not None:
+            self.sink(ev, out)
+        return out
+
+    def _step(self, r: _Req, event: str, guard: str, now: float,
+              out: list[Effect]) -> Transition:
+        """Run the row (r.state, event, guard) on held (or registering) request ``r``:
+        its effects in order, then its destination. Effects that only shape the reply
+        (``refuse``, ``stage``, ``reject``) are read from the returned row by the caller."""
+        row = self.TABLE[(r.state, event, guard)]
+        if row.counter is not None:
+            c = self.counters
+            c[row.counter] = c.get(row.counter, 0) + 1
+        if row.hold:
+            self._hold(r)
+        if row.grace:
+            dl = now + self.config.abort_grace
+            if dl < r.deadline:  # only when abort_grace is below the lease horizon
+                r.deadline = dl
+                heapq.heappush(self._heap, (dl, r.handle))
+        if row.renew:
+            dl = now + self.config.lease_extension
+            if dl > r.deadline:
+                r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
+        if row.free is not None:
+            group = r.group
+            self._free(r, row, out)
+            if row.cascade and group is not None:
+                self._group_transferred(group, out)
+        else:
+            r.state = row.dst
+        return row
+
+    def _step_absent(self, state: str, event: str, guard: str, reader: str, handle: int,
+                     expected: int, now: float) -> Transition:
+        """Run the row for a message about a request that is not held (unregistered,
+        expired or freed): count it, or stage it."""
+        row = self.TABLE[(state, event, guard)]
+        if row.counter is not None:
+            self._count(row.counter)
+        if row.stage:
+            self._stage(event, reader, handle, expected, now)
+        return row
+
+    def _hold(self, r: _Req) -> None:
+        self.pool._hold(r.blocks)
+        self._live[r.handle] = r
+        self._by_rid[r.rid] = r.handle
+        if r.group is not None:
+            self._groups.setdefault(r.group, set()).add(r.handle)
+        heapq.heappush(self._heap, (r.deadline, r.handle))
+
+    def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
+        """The only place blocks are freed. Moves ``r`` to its terminal state."""
+        reason = row.free
+        assert reason is not None
+        r.state = row.dst
+        del self._live[r.handle]
+        if self._by_rid.get(r.rid) == r.handle:
+            del self._by_rid[r.rid]
+        if r.group is not None:
+            members = self._groups.get(r.group)
+            if members is not None:
+                members.discard(r.handle)
+                if not members:
+                    del self._groups[r.group]
+        tomb = self._tomb
+        tomb[r.handle] = (row.dst, r.rid)
+        self._tomb_rid[r.rid] = r.handle
+        if len(tomb) > self.config.max_tombstones:
+            old, (_, old_rid) = tomb.popitem(last=False)
+            self._count("tombstone_evicted")
+            if self._tomb_rid.get(old_rid) == old:
+                del self._tomb_rid[old_rid]
+        reclaimed = self.pool._drop(r.blocks)
+        self.frees[reason] = self.frees.get(reason, 0) + 1
+        out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
+
+    def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
+        st = self._staged.get(handle)
+        if st is None:
+            if len(self._staged) >= self.config.max_staged:
+                self._staged.popitem(last=False)
+                self._count("staged_dropped")
+            st = self._staged[handle] = _Staged(now)
+        if len(st.msgs) >= self.max_staged_msgs:
+            self._count("staged_dropped")
+            return
+        st.msgs.append((kind, reader, expected, now))
+        self._count("staged")
+
+    def _announce(self, r: _Req, expected: int) -> None:
+        if expected > r.expected:
+            if r.expected:
+                self._count("expected_raised")
+            r.expected = expected
+        elif expected and expected < r.expected:
+            self._count("expected_conflict")
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _tally(self, r: _Req, event: str, reader: str) -> int:
+        """Hook: ``reader`` finished ``r`` (done or release). Return how many readers
+        count as finished now, or -1 when this reader had already finished."""
+        fin = r.finished
+        if fin is None:
+            fin = r.finished = set()
+        if reader in fin:
+            return -1
+        fin.add(reader)
+        if event == RELEASE:
+            r.released = True
+        return len(fin)
+
+    def _sweep(self, now: float, out: list[Effect]) -> None:
+        """Hook: run TICK/deadline_passed for every held request whose deadline is <=
+        ``now``. Called by ``tick`` only when the earliest heap entry is due."""
+        heap = self._heap
+        live = self._live
+        budget = self.config.max_tick_work
+        while heap and heap[0][0] <= now:
+            if budget <= 0:
+                # The rest carries over: next_deadline() reports a time already past.
+                self._count("tick_budget_exhausted")
+                break
+            budget -= 1
+            _, h = heapq.heappop(heap)
+            r = live.get(h)
+            if r is None:
+                continue  # freed already: drop the stale entry
+            if r.deadline > now:
+                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                continue
+            self._step(r, TICK, "deadline_passed", now, out)
+
+    def _expire(self, handle: int, now: float, out: list[Effect]) -> None:
+        """Run TICK/deadline_passed for the held request ``handle`` (for ``_sweep``
+        overrides)."""
+        self._step(self._live[handle], TICK, "deadline_passed", now, out)
+
+    # -- the machine's internal events ----------------------------------------------------
+    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
+                out: list[Effect]) -> None:
+        """A reader finished (done or release). Mirrors TLA+ Done / Release."""
+        if expected != r.expected:
+            self._announce(r, expected)
+        n = self._tally(r, event, reader)
+        if n < 0:
+            guard = "duplicate_reader"
+        elif r.expected and n >= r.expected:
+            guard = "all_finished" if r.released else "all_done"
+        else:
+            guard = "more_readers"
+        self._step(r, event, guard, now, out)
+
+    def _group_transferred(self, group: str, out: list[Effect]) -> None:
+        gd = self._groups_done
+        if group not in gd:
+            gd[group] = None
+            if len(gd) > self.config.max_groups_remembered:
+                gd.popitem(last=False)
+                self._count("group_memory_evicted")
+        members = self._groups.get(group)
+        if not members:
+            return
+        for h in sorted(members):
+            r = self._live.get(h)
+            if r is None:
+                continue  # freed by an earlier member's cascade
+            guard = "reader_active" if r.state == NOTIFIED else "group_transferred"
+            self._step(r, SIBLING, guard, self.now, out)
+
+    def _not_live(self, event: str, reader: str, handle: int, expected: int,
+                  now: float) -> Transition:
+        t = self._tomb.get(handle)
+        if t is None:
+            return self._step_absent(UNREGISTERED, event, "early", reader, handle, expected, now)
+        st = t[0]
+        return self._step_absent(st, event, "late" if st == EXPIRED else "stale", reader,
+                                 handle, expected, now)
+
+    # -- events ------------------------------------------------------------------------
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+                 group: str | None = None, expected: int = 0) -> list[Effect]:
+        """Prefill finished: hold ``blocks`` for remote decode. Mirrors TLA+ ``Register``."""
+        blocks = tuple(blocks)
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(REGISTER, now)
+        now = clk
+        ev = Register(handle, request_id, blocks, now, group, expected)
+        out: list[Effect] = []
+        err = None
+        if not isinstance(handle, int) or isinstance(handle, bool) or handle < 0:
+            err = f"handle must be a non-negative int, got {handle!r}"
+        elif not isinstance(expected, int) or not 0 <= expected <= 0xFFFF:
+            err = f"expected readers must be within [0, 65535], got {expected!r}"
+        else:
+            err = self.pool.check_blocks(blocks)
+        if err is not None:
+            self._count("invalid_register")
+            out.append(Rejected("invalid_register", "", handle if isinstance(handle, int) else None, err))
+            return self._emit(ev, out)
+        if handle in self._live or handle in self._tomb or request_id in self._by_rid:
+            st = self.state(handle)
+            if st == UNREGISTERED:  # request id reused while its first holder is live
+                st = self._live[self._by_rid[request_id]].state
+            row = self._step_absent(st, REGISTER, "duplicate", "", handle, expected, now)
+            if row.reject is not None:
+                out.append(Rejected(row.reject, "", handle,
+                                    f"handle {handle} / request id {request_id!r} already known ({st})"))
+            return self._emit(ev, out)
+        if handle >= self._next_handle:
+            self._next_handle = handle + 1
+        r = _Req(handle, request_id, blocks, now + self.config.initial_lease, group, expected)
+        guard = "group_transferred" if group is not None and group in self._groups_done \
+            else "fresh"
+        self._step(r, REGISTER, guard, now, out)
+        staged = self._staged.pop(handle, None)
+        if staged is not None:
+            if r.state not in HELD_STATES:
+                return self._emit(ev, out)  # freed at once (group transferred): dropped
+            self._count("staged_applied", len(staged.msgs))
+            for kind, reader, exp, t in staged.msgs:
+                if r.state not in HELD_STATES:
+                    self._count("stale")
+                    continue
+                if kind == HEARTBEAT:
+                    if exp > r.expected:
+                        self._announce(r, exp)
+                    self._step(r, HEARTBEAT, "refuse" if r.state == ABORTED else "renew", t, out)
+                else:
+                    self._finish(r, kind, reader, exp, now, out)
+            if out:
+                self._maybe_compact()
+        return self._emit(ev, out)
+
+    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
+        """One reader's READ completed. Mirrors TLA+ ``Done``."""
+        if self.now <= now < _INF:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return self._bad_time(DONE, now)
+            now = clk
+        out: list[Effect] = []
+        r = self._live.get(handle)
+        if r is not None:
+            self._finish(r, DONE, reader, expected, now, out)
+            if out and len(self._heap) > 2 * len(self._live):
+                self._maybe_compact()
+        else:
+            self._not_live(DONE, reader, handle, expected, now)
+        return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
+
+    def release(self, reader: str, handles: Sequence[int], expected: int,
+                now: float) -> list[Effect]:
+        """A reader will never pull these requests. Mirrors TLA+ ``Release``."""
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(RELEASE, now)
+        now = clk
+        out: list[Effect] = []
+        for h in handles:
+            r = self._live.get(h)
+            if r is not None:
+                self._finish(r, RELEASE, reader, expected, now, out)
+            else:
+                self._not_live(RELEASE, reader, h, expected, now)
+        if out:
+            self._maybe_compact()
+        return self._emit(Release(reader, tuple(handles), expected, now), out) if self.sink else out
+
+    def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
+                  now: float) -> list[Effect]:
+        """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle.
+
+        Per handle, the row's effects decide the ack: ``refuse`` refuses it, else
+        ``renew`` grants it, else (staged: not registered yet) it is listed as pending."""
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(HEARTBEAT, now)
+        now = clk
+        ext_dl = now + self.config.lease_extension
+        live = self._live
+        fast = self._HB_FAST.get
+        refused: list[int] | None = None
+        pending: list[int] | None = None
+        for h in handles:
+            r = live.get(h)
+            if r is not None:
+                dst = fast(r.state)
+                if dst is not None:  # a row whose only effect is renew: inlined
+                    if expected > r.expected:
+                        self._announce(r, expected)
+                    if ext_dl > r.deadline:
+                        r.deadline = ext_dl
+                    r.state = dst
+                    continue
+                row = self._HB_ROW[r.state]
+                if row.renew and expected > r.expected:
+                    self._announce(r, expected)
+                self._step(r, HEARTBEAT, row.guard, now, [])
+            else:
+                row = self._not_live(HEARTBEAT, reader, h, expected, now)
+            if row.refuse:
+                if refused is None:
+                    refused = []
+                refused.append(h)
+            elif not row.renew:
+                # Staged: not renewed yet. It may also be a long-freed handle whose
+                # tombstone was evicted, so it must not count as granted.
+                if pending is None:
+                    pending = []
+                pending.append(h)
+        out: list[Effect] = [Ack(reader, seq, self.config.lease_extension,
+                                 tuple(refused) if refused else (),
+                                 tuple(pending) if pending else ())]
+        return self._emit(Heartbeat(reader, seq, tuple(handles), expected, now), out) \
+            if self.sink else out
+
+    def abort(self, request_id: str, now: float) -> list[Effect]:
+        """Client or router abort on P. Mirrors TLA+ ``Abort``. Never frees at once."""
+        clk = self._clock(now)
+        if clk is None:
+            return self._bad_time(ABORT, now)
+        now = clk
+        out: list[Effect] = []
+        h = self._by_rid.get(request_id)
+        r = self._live.get(h) if h is not None else None
+        if r is None:
+            th = self._tomb_rid.get(request_id)
+            t = self._tomb.get(th) if th is not None else None
+            if t is not None:
+                self._step_absent(t[0], ABORT, "stale", "", -1, 0, now)
+            else:
+                self._step_absent(UNREGISTERED, ABORT, "unknown", "", -1, 0, now)
+            return self._emit(Abort(request_id, now), out)
+        self._step(r, ABORT, "again" if r.state == ABORTED else "hold", now, out)
+        self._maybe_compact()
+        return self._emit(Abort(request_id, now), out)
+
+    def tick(self, now: float) -> list[Effect]:
+        """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due.
+
+        Processes at most ``config.max_tick_work`` due heap entries (expiries, dead
+        entries, lazy re-inserts), earliest deadline first; the rest stays due and
+        ``next_deadline()`` reports it (a time already past). Staging entries past
+        ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
+        Mirrors the spec's Tick with some due requests left for later (``ExpiryMayLag``):
+        an expiry may be late, never early."""
+        if self.now <= now < _INF:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return self._bad_time(TICK, now)
+            now = clk
+        out: list[Effect] = []
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            self._sweep(now, out)
+        staged = self._staged
+        if staged:
+            limit = now - self.config.max_staged_age
+            while staged:  # never late: at most max_staged entries, O(1) each
+                st = next(iter(staged.values()))
+                if st.since > limit:
+                    break
+                staged.popitem(last=False)
+                self._count("staged_expired")
+        if self.sink is not None:
+            self.sink(Tick(now), out)
+        return out
+
+    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
+        """Record an adapter-level rejection (malformed bytes, unknown peer...). A
+        non-finite ``now`` is recorded at the ledger's clock (0 before any event)."""
+        clk = self._clock(now)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0.0)
+        self._count("rejected:" + reason)
+        return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
+
+    # -- invariants (O(n); tests, replay and simulators) ----------------------------------
+    def check_invariants(self) -> list[str]:
+        """Return violated invariants (empty when all hold)."""
+        errs: list[str] = []
+        pool = self.pool
+        held, free = pool.recount()
+        if held != pool.held_count or free != pool.free_count or held + free != pool.capacity:
+            errs.append(f"Conservation: held {pool.held_count}/{held} + free {pool.free_count}/{free}"
+                        f" != capacity {pool.capacity}")
+        if pool.violations:
+            errs.append(f"NoDoubleFree: {pool.violations} double free(s)")
+        expect = [0] * pool.capacity
+        for r in self._live.values():
+            if r.state not in HELD_STATES:
+                errs.append(f"TypeOK: live request {r.handle} in non-held state {r.state}")
+            for b in r.blocks:
+                expect[b] += 1
+        for b in range(pool.capacity):
+            if expect[b] != pool.refcount(b):
+                errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
+                break
+        heap_handles = {h for _, h in self._heap}
+        missing = [h for h in self._live if h not in heap_handles]
+        if missing:
+            errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
+        if len(self._staged) > self.config.max_staged:
+            errs.append("StagingBounded: staging above max_staged")
+        if len(self._tomb) > self.config.max_tombstones:
+            errs.append("TombstonesBounded: tombstones above max_tombstones")
+        for h in self._live:
+            if h in self._tomb:
+                errs.append(f"TypeOK: handle {h} both live and tombstoned")
+        return errs
+
+
+Ledger._derive()
+
+
+# ---------------------------------------------------------------------------
+# The decode side.
+# ---------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""``kvproto replay``: feed a journal's events to a fresh machine of its side (a ledger, or
+a Consumer), compare the effects line by line, and check the safety invariants after every
+step. Verification code: the production path (:mod:`kvproto.journal`) only writes journals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from typing import IO, Any
+
+from kvproto.journal import (
+    JournalError,
+    header_capacity,
+    header_config,
+    journal_lines,
+    journal_side,
+    read_journal,
+    to_json,
+)
+from kvproto.lifecycle import (
+    R_ABORTED,
+    R_EXPIRED,
+    BlockPool,
+    Config,
+    Consumer,
+    Finished,
+    Free,
+    Ledger,
+    ReadFailed,
+    ReadOk,
+    SendRelease,
+)
+from kvproto.verify.oracle import safety_violations
+
+
+class ReplayResult:
+    def __init__(self) -> None:
+        self.events = 0
+        self.divergences: list[str] = []
+        self.violations: list[str] = []
+        self.frees: dict[str, int] = {}  # P: frees per reason; D: finishes per state:reason
+        self.side = "P"
+
+    @property
+    def ok(self) -> bool:
+        return not self.divergences and not self.violations
+
+
+def _replay_step(machine: Any, lineno: int, ev: Any, recorded: list[Any], res: ReplayResult,
+                 out: IO[str] | None, max_reports: int) -> list[Any] | None:
+    """Feed one journaled event to ``machine`` (a Ledger or a Consumer), write and compare
+    its effects; None when the machine raised (recorded as a violation)."""
+    try:
+        got: list[Any] = machine.apply(ev)
+    except Exception as e:
+        res.violations.append(f"line {lineno}: machine raised {type(e).__name__}: {e}")
+        return None
+    res.events += 1
+    if out is not None:
+        for eff in got:
+            out.write(json.dumps(to_json(eff), separators=(",", ":")) + "\n")
+    if got != recorded and len(res.divergences) < max_reports:
+        res.divergences.append(
+            f"line {lineno}: {to_json(ev)['type']} effects differ\n"
+            f"    recorded: {[to_json(e) for e in recorded]}\n"
+            f"    replayed: {[to_json(e) for e in got]}")
+    return got
+
+
+def replay(source: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes],
+           out: IO[str] | None = None, *,
+           full_check_every: int = 1000, max_reports: int = 10) -> ReplayResult:
+    """Replay a journal through a fresh machine of its side (a ledger, or a Consumer).
+    Raises JournalError on unreadable input."""
+    header, body = read_journal(source)
+    config = header_config(header)
+    if journal_side(header) == "D":
+        return _replay_d(header, config, body, out, max_reports)
+    capacity = header_capacity(header)
+    pool = BlockPool(capacity, strict=False)
+    ledger = Ledger(config, pool)
+    res = ReplayResult()
+    for lineno, ev, recorded in body:
+        got = _replay_step(ledger, lineno, ev, recorded, res, out, max_reports)
+        if got is None:
+            break
+        for eff in got:
+            if isinstance(eff, Free):
+                res.frees[eff.reason] = res.frees.get(eff.reason, 0) + 1
+        for who, effs in (("replayed", got), ("recorded", recorded)):
+            for eff in effs:
+                if isinstance(eff, Free) and eff.reason in (R_EXPIRED, R_ABORTED) \
+                        and eff.deadline > ev.now:
+                    res.violations.append(
+                        f"line {lineno}: NoFreeUnderRead: {who} free of handle {eff.handle} "
+                        f"({eff.reason}) at {ev.now} before its lease deadline {eff.deadline}")
+        bad = safety_violations(pool, ledger, recount=False, ledger_invariants=False)
+        if bad:
+            res.violations.extend(f"line {lineno}: {v}" for v in bad)
+            break
+        if full_check_every and res.events % full_check_every == 0:
+            errs = ledger.check_invariants()
+            if errs:
+                res.violations.extend(f"line {lineno}: {e}" for e in errs)
+                break
+    if not res.violations:
+        res.violations.extend(f"end: {e}" for e in ledger.check_invariants())
+    return res
+
+
+def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, Any, list[Any]]],
+              out: IO[str] | None, max_reports: int) -> ReplayResult:
+    """Replay one D rank's journal. Besides the effects, checks what D promises P: no
+    release for a request whose READ is in flight, and at most one READ posted per
+    sibling group (per P engine) unless the previous one failed."""
+    machine = Consumer(str(header["reader"]), config)
+    res = ReplayResult()
+    res.side = "D"
+    for lineno, ev, recorded in body:
+        before = {rid: machine.state(rid) for rid in machine.reqs}
+        got = _replay_step(machine, lineno, ev, recorded, res, out, max_reports)
+        if got is None:
+            break
+        for eff in got:
+            if isinstance(eff, Finished):
+                key = f"{eff.state}:{eff.reason}"
+                res.frees[key] = res.frees.get(key, 0) + 1
+            if isinstance(eff, SendRelease) and before.get(eff.request_id) == "reading" \
+                    and not isinstance(ev, (ReadFailed, ReadOk)):
+                res.violations.append(f"line {lineno}: NoReleaseUnderRead: release of "
+                                      f"{eff.request_id} while its READ was in flight")
+    return res
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("journal", help="journal file (JSON Lines), or - for stdin")
+    p.add_argument("--no-effects", action="store_true",
+                   help="do not print the replayed effects, only the verdict")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.journal
+    try:
+        f: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")
+    except OSError as e:
+        print(f"kvproto replay: cannot open {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    try:
+        res = replay(journal_lines(f), None if args.no_effects else sys.stdout)
+    except JournalError as e:
+        print(f"kvproto replay: {path}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a directory, or a read error
+        print(f"kvproto replay: cannot read {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        if path != "-":
+            f.close()
+    for d in res.divergences:
+        print(f"kvproto replay: DIVERGED {d}", file=sys.stderr)
+    for v in res.violations:
+        print(f"kvproto replay: VIOLATION {v}", file=sys.stderr)
+    verdict = "ok" if res.ok else "FAILED"
+    what = "finished" if res.side == "D" else "frees"
+    print(f"kvproto replay: {res.events} events replayed, {what} {res.frees}, {verdict}",
+          file=sys.stderr)
+    return 0 if res.ok else 1
