@@ -41,6 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write the actual outputs of the interaction scripts "
                           "(tests/testdata/*/*.txt) in place of their expected outputs")
 
+
 ENGINE = "P0"
 EPOCH = 7
 
