@@ -86,6 +86,13 @@ D (decode engine)
   * D's n>1 children carry the same params (one handle): the first pulls, the others are
     ended before a load and prefill locally (or hit D's prefix cache).
 
+Model identity: ``register_kv_caches`` (after vLLM loaded the weights) computes this
+worker's identity once (``kvproto.vllm.identity``: architecture, configuration, weights
+fingerprint or ``model_revision``, dtype, KV geometry and layout, cache groups, parallel
+layout, speculative decoding, versions); P's and D's adapters send it in the handshake and
+refuse a peer whose identity differs in any field before any READ (``model_mismatch``,
+counted and logged with the fields). Its requests then end like any failed handshake.
+
 Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
 holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
 before a load order is capped (``MAX_ENDED``); per-step buffers are emptied every step.
