@@ -261,3 +261,99 @@ def test_shared_kvproto_metrics_registry() -> None:
         assert v("kvproto_frees_total", reason="expired") == 1
     finally:
         pr.close()
+
+
+def _connector_over(dw: _DWorker) -> Any:
+    """A KVProtoConnector whose worker side is ``dw`` (D only), without a vLLM config:
+    enough for the worker hooks that report to vLLM."""
+    from kvproto.vllm.connector import KVProtoConnector
+
+    c = object.__new__(KVProtoConnector)
+    c.pw, c.dw = None, dw
+    c._stamps, c._invalid, c._failed, c._ended = {}, set(), set(), []
+    return c
+
+
+def test_rejected_register_bumps_stamps_so_its_params_never_match() -> None:
+    """P's ledger rejects a register after the scheduler already handed D the params:
+    vLLM frees and reuses the blocks, and D's READ with those params must be fenced
+    (the rejected register bumped the stamps, and the mirror learned them)."""
+    from dataclasses import replace
+
+    pr = Pair()
+    try:
+        params = pr.prefill("rj", [4, 6], 8)
+        (order,) = pr.ps._orders
+        pr.ps._orders = [replace(order, expected=0x10000)]  # out of range: rejected
+        pr.step()
+        assert "rj" in pr.sent, "a rejected register returns the blocks to vLLM"
+        assert pr.p.adapter.counters.get("register_rejected") == 1
+        assert [pr.ps.mirror[b] for b in (4, 6)] == [1, 1]  # bumped, and reported
+        for t in pr.pk:  # vLLM reuses the blocks for another prompt
+            t[4].fill_(7.0)
+            t[6].fill_(7.0)
+        pr.ds.new_request("rj", params)
+        pr.step()
+        assert pr.ds.matched_tokens("rj", 8, 0) == (8, True)
+        pr.ds.allocated("rj", [1, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "rj" in pr.recv)
+        assert pr.invalid == {1, 2}, "D served blocks that P had already reused"
+        assert pr.d.counters()["reads_ok"] == 0
+        # Params minted after the bump snapshot the new stamps and pull normally.
+        params2 = pr.prefill("ok", [4, 6], 8)
+        pr.ds.new_request("ok", params2)
+        pr.step()
+        pr.ds.matched_tokens("ok", 8, 0)
+        pr.ds.allocated("ok", [3, 5], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "ok" in pr.recv and "ok" in pr.sent)
+        assert pr.invalid == {1, 2} and torch.equal(pr.dk[0][3], pr.pk[0][4])
+    finally:
+        pr.close()
+
+
+def test_load_with_no_local_blocks_is_reported_failed() -> None:
+    """vLLM parked a request for a load, but no block the READ could land in was
+    allocated: the load must be reported failed (failed_recving), so that vLLM never
+    computes on blocks nothing was written to."""
+    pr = Pair()
+    try:
+        params = pr.prefill("nb", [1, 2], 8)
+        pr.ds.new_request("nb", params)
+        pr.step()
+        assert pr.ds.matched_tokens("nb", 8, 0) == (8, True)
+        pr.ds.allocated("nb", [], local_prefix_blocks=0, num_external_tokens=8)
+        orders = pr.ds.drain()
+        assert [ld.local_blocks for ld in orders.loads] == [()]
+        pr.d.apply(orders)
+        c = _connector_over(pr.d)
+        res = c.get_transfer_results(set())
+        assert res.finished_recving == {"nb"} and res.failed_recving == {"nb"}
+        assert c.get_block_ids_with_load_errors() == set()  # nothing to name by block
+        # An ordinary fenced load is reported by request as well as by block.
+        pr.d.apply(Orders(loads=[LoadOrder("ghost", (3,))]))
+        res = c.get_transfer_results(set())
+        assert (res.finished_recving, res.failed_recving) == ({"ghost"}, {"ghost"})
+        assert c.get_block_ids_with_load_errors() == {3}
+    finally:
+        pr.close()
+
+
+def test_duplicate_detection_keys_on_the_epoch() -> None:
+    """Handles restart at 1 when P restarts (new epoch): the same (engine, handle) under
+    another epoch is another transfer and is admitted; the same triple twice (n>1
+    children sharing params) is pulled once."""
+    import copy
+
+    pr = Pair()
+    try:
+        params = pr.prefill("a", [1], 4)
+        restarted = copy.deepcopy(params)
+        restarted["kvproto"]["epoch"] = params["kvproto"]["epoch"] + 1
+        pr.ds.new_request("a", params)
+        pr.ds.new_request("b", restarted)
+        pr.ds.new_request("c", copy.deepcopy(params))
+        pr.d.apply(pr.ds.drain())
+        assert set(pr.d.admitted) == {"a", "b"}
+        assert list(pr.d.ended) == ["c"]
+    finally:
+        pr.close()

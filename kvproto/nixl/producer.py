@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +48,7 @@ from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
     WireError,
-    check_layouts,
+    check_peer,
     decode_handshake,
     encode_ack,
 )
@@ -80,14 +80,18 @@ class ProducerAdapter:
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None,
+                 identity: Mapping[str, str] | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (registered in place, see
         ``KVRegion``) and so is the block allocator: reclaimed blocks get their stamps
         bumped, and the engine learns of each ``Free`` through ``observer`` (called after
         the bump) instead of this adapter's free list.
         ``handshake_secret``: require authenticated handshakes (HMAC-SHA256 under this
-        shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none."""
+        shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none.
+        ``identity``: the model identity (``kvproto.vllm.identity``) sent in the handshake;
+        a D whose identity differs in any field is refused (``model_mismatch``)."""
         self.name = name
+        self.identity = dict(identity or {})
         self.config = config.validate()
         self.clock = clock
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
@@ -155,7 +159,8 @@ class ProducerAdapter:
         return Handshake(engine=self.name, epoch=self.epoch,
                          layout=self.region.layout(self.tp_rank, self.tp_size),
                          agent_metadata=self._metadata, role="producer",
-                         extra=self.region.extra(), version=self.handshake_version)
+                         extra=self.region.extra(), version=self.handshake_version,
+                         identity=self.identity)
 
     # -- the engine's side: allocate, fill, register, abort -----------------------------
     def allocate(self, n: int) -> list[int] | None:
@@ -199,12 +204,32 @@ class ProducerAdapter:
         rejected = any(isinstance(e, Rejected) for e in effects)
         if not rejected:  # the ledger's hold replaces the engine's pins
             self.pool.unpin([b for b in blocks if self.pool.pinned(b)])
+        else:
+            # The engine may reuse these blocks now, and transfer params for them may
+            # already exist (an engine's scheduler snapshots stamps before the register
+            # reaches the ledger): bump their stamps so that no such params ever match.
+            cap = self.pool.capacity
+            self.fence([b for b in blocks if isinstance(b, int) and 0 <= b < cap])
         if rejected or any(isinstance(e, Free) for e in effects):
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.initial_lease,
                               expected=max(1, expected), group=group, generations=gens)
+
+    def fence(self, blocks: Sequence[int]) -> None:
+        """Bump the generation stamps of ``blocks``: every READ whose params carry the old
+        stamps fails its stamp check from now on (fail closed)."""
+        if not blocks:
+            return
+        gv = self._gen_view
+        if gv is not None:
+            for b in blocks:
+                gv[b] += 1
+        else:  # pragma: no cover - VRAM only
+            idx = torch.tensor(list(blocks), dtype=torch.int64, device=self.region.gen.device)
+            self.region.gen[idx] += 1
+            torch.cuda.synchronize(self.region.gen.device)
 
     def abort(self, request_id: str) -> None:
         now = self._now()
@@ -320,11 +345,10 @@ class ProducerAdapter:
         now = self._now()
         try:
             hs = decode_handshake(payload)
-            if hs.role != "consumer":
-                raise WireError("malformed_handshake", f"role {hs.role!r}, expected consumer")
             if self.handshake_version != HANDSHAKE_VERSION:  # test hook
                 raise WireError("version", f"this side speaks {self.handshake_version}")
-            check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
+            layout = self.region.layout(self.tp_rank, self.tp_size)
+            check_peer(hs, "consumer", layout, self.identity)  # role, layout, model identity
         except WireError as e:
             return self._refuse_handshake(e.reason, "", e.detail, now), ""
         if self.handshake_secret is not None and not authed:

@@ -71,10 +71,12 @@ D (decode engine)
     of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
-  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also
-    reports the request's local blocks from ``get_block_ids_with_load_errors``; with
-    ``kv_load_failure_policy="recompute"`` (vLLM's default) vLLM recomputes them, with
-    "fail" the request fails with an error. The bad data is never computed on.
+  * Every ordered load ends in ``finished_recving``. A failed or fenced READ (or a load
+    order with no local block to read into) is also reported by request in
+    ``failed_recving`` (``get_transfer_results``) and by its local blocks from
+    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
+    vLLM recomputes the request, with "fail" it fails with an error. The bad data, or
+    blocks nothing was written to, are never computed on.
   * Requests the machine ends before a load (lease lost while queued, handshake failed,
     P lost) are reported as worker metadata; ``get_num_new_matched_tokens`` then answers
     0 and vLLM prefills locally. P dead: the handshake fails, the channel closes or acks
@@ -83,6 +85,13 @@ D (decode engine)
     in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
   * D's n>1 children carry the same params (one handle): the first pulls, the others are
     ended before a load and prefill locally (or hit D's prefix cache).
+
+Model identity: ``register_kv_caches`` (after vLLM loaded the weights) computes this
+worker's identity once (``kvproto.vllm.identity``: architecture, configuration, weights
+fingerprint or ``model_revision``, dtype, KV geometry and layout, cache groups, parallel
+layout, speculative decoding, versions); P's and D's adapters send it in the handshake and
+refuse a peer whose identity differs in any field before any READ (``model_mismatch``,
+counted and logged with the fields). Its requests then end like any failed handshake.
 
 Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
 holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
@@ -108,6 +117,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -192,8 +202,8 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 # ---------------------------------------------------------------------------
 
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
-# recomputed_blocks, handshake_failures, rejected_params, rejected_messages, reads_ok,
-# reads_failed, stale_stamp_snapshots.
+# recomputed_blocks, handshake_failures, model_mismatches, rejected_params,
+# rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
 
 
 @dataclass
@@ -245,6 +255,8 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
         "fenced_reads": ("kvproto:fenced_reads", "D: READs whose stamps changed (never served)"),
         "recomputed_blocks": ("kvproto:recomputed_blocks", "D: blocks reported as load errors"),
         "handshake_failures": ("kvproto:handshake_failures", "D: handshakes that failed"),
+        "model_mismatches": ("kvproto:model_mismatches",
+                             "handshakes refused: the peer's model identity differs"),
         "rejected": ("kvproto:rejected", "bad input rejected (params, messages)"),
     }
 
@@ -286,7 +298,8 @@ class _PWorker:
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, port: int, metrics: Metrics | None = None) -> None:
+                 num_blocks: int, port: int, metrics: Metrics | None = None,
+                 identity: dict[str, str] | None = None) -> None:
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -305,7 +318,7 @@ class _PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics)
+            metrics=metrics, identity=identity)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -326,9 +339,14 @@ class _PWorker:
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
                             handle=o.handle)
             if a.ledger.state(o.handle) == UNREGISTERED:
-                # Rejected: the ledger holds nothing, so vLLM may free the blocks now.
+                # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
+                # adapter bumped their stamps (D may already hold params for them); the
+                # mirror learns the new stamps before vLLM frees the blocks.
                 a._count("register_rejected")
                 log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
+                valid = [b for b in o.blocks if 0 <= b < len(self._gen)]
+                for b, g in zip(valid, self._gen[valid].tolist(), strict=True):
+                    self.stamps[b] = int(g)
                 self.finished_sending.add(o.request_id)
                 continue
             self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
@@ -356,6 +374,7 @@ class _PWorker:
         ac = self.adapter.counters
         c["handshake_failures"] = float(ac.get("handshake_refused", 0)
                                         + ac.get("handshake_metadata_error", 0))
+        c["model_mismatches"] = float(ac.get("rejected:handshake_model_mismatch", 0))
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
         return c
@@ -370,7 +389,8 @@ class _DWorker:
     """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, metrics: Metrics | None = None) -> None:
+                 num_blocks: int, metrics: Metrics | None = None,
+                 identity: dict[str, str] | None = None) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
@@ -395,16 +415,21 @@ class _DWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
-            metrics=metrics, sink=self.writer.sink if self.writer is not None else None)
+            metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
+            identity=identity)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
-        # Admitted and not finished: request id -> (P engine, handle), and those keys.
-        self.admitted: dict[str, tuple[str, int]] = {}
-        self.handles: set[tuple[str, int]] = set()
+        # Admitted and not finished: request id -> (P engine, epoch, handle), and those
+        # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
+        self.admitted: dict[str, tuple[str, int, int]] = {}
+        self.handles: set[tuple[str, int, int]] = set()
         self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
         self.ended_before_load = 0
         self.finished_recving: set[str] = set()
+        # Failed loads, also reported per request (vLLM's failed_recving): a failed load
+        # with no local block to name as a load error must still never be computed on.
+        self.failed_recving: set[str] = set()
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0}
@@ -412,7 +437,7 @@ class _DWorker:
     def apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
-            key = (ad.params.engine, ad.params.handle)
+            key = (ad.params.engine, ad.params.epoch, ad.params.handle)
             if ad.request_id in self.admitted or key in self.handles:
                 # The same handle twice (e.g. D's n>1 children share P's params): one
                 # pulls, the others prefill locally.
@@ -482,12 +507,19 @@ class _DWorker:
             self.stats["reads_failed"] += 1
             self.stats["recomputed_blocks"] += len(local)
             self.invalid.update(local)
+            self.failed_recving.add(rid)
 
     def take(self) -> tuple[set[str], set[int], list[str]]:
         fr, self.finished_recving = self.finished_recving, set()
         inv, self.invalid = self.invalid, set()
         er, self.ended_report = self.ended_report, []
         return fr, inv, er
+
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed since the last call (each is also, in the same or
+        an earlier ``take``, in ``finished_recving``)."""
+        out, self.failed_recving = self.failed_recving, set()
+        return out
 
     def counters(self) -> dict[str, float]:
         c = dict(self.stats)
@@ -498,6 +530,7 @@ class _DWorker:
         c["peer_lost"] = float(ac.get("peer_lost", 0))
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
+        c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))
         for k, n in ac.items():
             if k.startswith("rejected:"):
                 c["rejected_" + k[9:]] = c.get("rejected_" + k[9:], 0.0) + n
@@ -540,6 +573,7 @@ class KVProtoConnector(KVConnectorBase_V1):
         # Worker: this step's outputs, handed to vLLM by the hooks below.
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
+        self._failed: set[str] = set()
         self._ended: list[str] = []
         if role == KVConnectorRole.SCHEDULER:
             if self.opts.producer:
@@ -564,15 +598,36 @@ class KVProtoConnector(KVConnectorBase_V1):
             from kvproto.metrics import Metrics, serve
 
             metrics = Metrics(labels={"engine": self.engine_id})
+        identity = self._identity(tensors, num_blocks)
         if self.opts.producer:
             self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
-                               self.opts.handshake_port, metrics)
+                               self.opts.handshake_port, metrics, identity)
         if self.opts.consumer:
             self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
-                               metrics)
+                               metrics, identity)
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
+
+    def _identity(self, tensors: list[torch.Tensor], num_blocks: int) -> dict[str, str]:
+        """This worker's model identity, computed once here: register_kv_caches runs after
+        vLLM loaded the weights, so the fingerprint is of the files this engine loaded (a
+        checkpoint replaced in place afterwards does not change it)."""
+        from kvproto.vllm.identity import FingerprintError, model_identity
+
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no distributed state (a bare worker): one rank
+            rank = 0
+        try:
+            ident = model_identity(self._vllm_config, self._kv_cache_config, tensors,
+                                   num_blocks, tp_rank=rank, pinned=self.opts.model_revision)
+        except FingerprintError as e:
+            raise ValueError(f"kvproto: cannot identify the model's weights ({e})") from None
+        log.info("kvproto: model identity %s", ident)
+        return ident
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.pw is None:
@@ -615,9 +670,20 @@ class KVProtoConnector(KVConnectorBase_V1):
             self.dw.poll()
             r, inv, ended = self.dw.take()
             self._invalid |= inv
+            self._failed |= self.dw.take_failed()
             self._ended += ended
             recving = r or None
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` plus the failed loads by request: vLLM then recomputes them
+        from scratch or fails them (``kv_load_failure_policy``), even when no local block
+        could be named in ``get_block_ids_with_load_errors``."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

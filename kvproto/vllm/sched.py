@@ -51,6 +51,9 @@ EXTRA_KEYS: dict[str, str] = {
                     "127.0.0.1:<port> from the worker (0: any free port; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
+    "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
+                      "the start-up fingerprint of the weight files in the handshake's model "
+                      "identity (default: fingerprint)",
     "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
                          "the stamp READ (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
@@ -74,6 +77,7 @@ class ConnectorOptions:
     group_siblings: bool = True
     progress_thread: bool = True
     metrics_port: int | None = None
+    model_revision: str | None = None
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
 
@@ -122,6 +126,11 @@ class ConnectorOptions:
         prog = extra.get("progress_thread", True)
         if not isinstance(prog, bool):
             raise ValueError(f"kvproto: progress_thread must be true or false, got {prog!r}")
+        revision = extra.get("model_revision")
+        if revision is not None and (not isinstance(revision, str) or not revision
+                                     or len(revision) > MAX_NAME):
+            raise ValueError(f"kvproto: model_revision must be a non-empty string of at most "
+                             f"{MAX_NAME} characters, got {str(revision)[:40]!r}")
         return cls(role=role, config=config, handshake_host=host,
                    handshake_port=num("handshake_port", 0, 0, 65535, True),
                    expected_readers=num("expected_readers", 1, 1, 0xFFFF, True),
@@ -132,6 +141,7 @@ class ConnectorOptions:
                    group_siblings=group, progress_thread=prog,
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
+                   model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
 
