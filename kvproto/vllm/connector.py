@@ -108,6 +108,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -305,7 +306,7 @@ class _PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics)
+            metrics=metrics, handshake_thread=True)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -370,10 +371,12 @@ class _DWorker:
     """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, metrics: Metrics | None = None) -> None:
+                 num_blocks: int, metrics: Metrics | None = None, fail: bool = False) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
+        self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
+            else "prefilling locally"
         hook = None
         if opts.test_read_stall_s > 0:
             stall = opts.test_read_stall_s
@@ -405,6 +408,7 @@ class _DWorker:
         self.ended_report: list[str] = []
         self.ended_before_load = 0
         self.finished_recving: set[str] = set()
+        self.failed: set[str] = set()  # of finished_recving: the loads that failed
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0}
@@ -424,7 +428,7 @@ class _DWorker:
             a.admit(ad.request_id, ad.params)
         for ld in orders.loads:
             rid = ld.request_id
-            if rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
+            if ld.fail or rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
                 self.ended.pop(rid, None)
                 a.abort(rid)  # releases to P if the machine still holds it
                 a.free_local(rid)
@@ -466,6 +470,9 @@ class _DWorker:
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
+                if c.reason != "aborted":
+                    log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
+                                c.request_id, c.state, c.reason, self.outcome)
                 self._ended(c.request_id)
                 continue
             self._complete(c.request_id, local, ok=c.state == D_DONE and c.reason == "pulled")
@@ -479,6 +486,7 @@ class _DWorker:
         if ok:
             self.stats["reads_ok"] += 1
         else:
+            self.failed.add(rid)
             self.stats["reads_failed"] += 1
             self.stats["recomputed_blocks"] += len(local)
             self.invalid.update(local)
@@ -488,6 +496,11 @@ class _DWorker:
         inv, self.invalid = self.invalid, set()
         er, self.ended_report = self.ended_report, []
         return fr, inv, er
+
+    def take_failed(self) -> set[str]:
+        """The failed loads among the requests ``take`` reported (taken together)."""
+        out, self.failed = self.failed, set()
+        return out
 
     def counters(self) -> dict[str, float]:
         c = dict(self.stats)
@@ -522,8 +535,13 @@ class KVProtoConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
         ktc = vllm_config.kv_transfer_config
-        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role)
-        tp = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        # Each data-parallel rank is an engine of its own: fixed ports become port + rank.
+        self.dp_rank = int(getattr(pc, "data_parallel_index", 0) or 0)
+        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role
+                                           ).for_dp_rank(self.dp_rank)
+        self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+        tp = pc.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"kvproto: tensor_parallel_size {tp} is not supported by this "
                              "version of KVProtoConnector (use 1)")
@@ -541,13 +559,15 @@ class KVProtoConnector(KVConnectorBase_V1):
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
         self._ended: list[str] = []
+        self._failed: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             if self.opts.producer:
                 self.psched = PScheduler(self.opts, self.num_blocks)
             if self.opts.consumer:
-                self.dsched = DScheduler(self.block_size)
-        log.info("kvproto connector (%s, %s) for engine %s", role.name.lower(), self.opts.role,
-                 self.engine_id)
+                self.dsched = DScheduler(self.block_size, self.load_failure_policy)
+        log.info("kvproto connector (%s, %s) for engine %s, data-parallel rank %d, "
+                 "kv_load_failure_policy %s", role.name.lower(), self.opts.role,
+                 self.engine_id, self.dp_rank, self.load_failure_policy)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -569,7 +589,7 @@ class KVProtoConnector(KVConnectorBase_V1):
                                self.opts.handshake_port, metrics)
         if self.opts.consumer:
             self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
-                               metrics)
+                               metrics, fail=self.load_failure_policy == "fail")
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
@@ -616,8 +636,18 @@ class KVProtoConnector(KVConnectorBase_V1):
             r, inv, ended = self.dw.take()
             self._invalid |= inv
             self._ended += ended
+            self._failed |= self.dw.take_failed()
             recving = r or None
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed load is also named as a failed receive, so that vLLM applies
+        # kv_load_failure_policy to the request whatever its blocks.
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -750,4 +780,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self.psched is not None and self.psched.held)
+        # False: a held request's blocks come back when D pulls them or the lease ends,
+        # at D's pace, not soon; waiting for them would stall P's running prefills for up
+        # to a lease, where preempting one (vLLM's answer to a full cache) lets the others
+        # go on. Preemption never touches held blocks: held requests are finished.
+        return False
