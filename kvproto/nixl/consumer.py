@@ -14,11 +14,8 @@ Effects and what they become:
   one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
   hears ``done`` only after the data and the stamps landed;
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
-  batched per step; heartbeats chunked by the machine so that every message fits
-  ``max_message_bytes``). A release for a P engine whose handshake is still running (a
-  client abort while queued, params refused) waits for it and leaves once it completes;
-  with no handshake to wait for (failed, or P lost) there is nobody to tell, and P
-  frees by lease expiry;
+  batched per step, held while their P engine's handshake runs: one handle per request,
+  for a bounded time; heartbeats chunked so that each fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed.
@@ -108,9 +105,6 @@ MAX_STAMP_DESCS = 4096
 # Descriptors of one coalesced data READ at most: READs queued for one P engine are posted
 # as transfers of up to this many descriptors (a request with more gets its own).
 MAX_READ_DESCS = 4096
-# Release handles waiting for their P engine's handshake, at most (beyond: dropped and
-# counted; P then frees by lease expiry). A handshake ends within its bounded attempts.
-MAX_HELD_RELEASES = 65536
 
 _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
 # Machine states in which a schedule intent is kept and retried by ``poll``.
@@ -516,24 +510,14 @@ class ConsumerAdapter:
             self.metrics.heartbeat(len(hb.handles))
 
     def _flush_releases(self) -> None:
-        if not self._releases:
-            return
         pending, self._releases = self._releases, {}
-        held = 0
-        for key, handles in pending.items():
-            engine, epoch, expected = key
+        for (engine, epoch, expected), handles in pending.items():
             e = self.engines.get(engine)
-            if e is not None and e.state == PEER_HANDSHAKING:
-                if held + len(handles) <= MAX_HELD_RELEASES:
-                    held += len(handles)
-                    self._releases[key] = handles  # sent once the handshake completes
-                else:
-                    self._count("release_dropped", len(handles))
-                continue
-            if e is None or e.state != PEER_READY:
-                continue  # nobody to tell (no handshake, or P lost): P frees on expiry
-            for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
-                self._send("release", engine, m)
+            if e is not None and e.state == PEER_HANDSHAKING:  # sent once it completes
+                self._releases[(engine, epoch, expected)] = handles
+            elif e is not None and e.state == PEER_READY:  # else nobody to tell: P expires
+                for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
+                    self._send("release", engine, m)
 
     # -- handshakes ----------------------------------------------------------------------
     def _payload(self) -> bytes:

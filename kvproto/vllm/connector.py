@@ -44,6 +44,12 @@ P (prefill engine)
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
     the worker (``kv_connector_no_forward``), which polls the adapter (handshakes,
     notifications, acks, expiry ticks).
+  * The handshake listener answers from a thread of its own, so a long forward pass does
+    not outlast D's handshake budget; the handshakes take effect on the engine thread at
+    its next poll (``ProducerAdapter(handshake_thread=True)``).
+  * ``has_pending_block_frees`` is false: held blocks come back at D's pace (a read or
+    the lease's end), so vLLM preempts a running request rather than wait for them.
+  * Data-parallel rank r binds a fixed ``handshake_port``/``metrics_port`` as port + r.
 
 Why P is fail-closed. Claim: if D's stamp READ (posted after its data READ completed)
 returns the generations of the transfer params, the data D read is the data the request
@@ -62,7 +68,7 @@ epoch differs from the one P's handshake announced.
 
 D (decode engine)
   * ``on_new_request`` validates the client's ``kv_transfer_params`` (bad ones are a
-    counted, logged rejection: the request prefills locally) and orders an admit; the
+    counted, logged rejection) and orders an admit; the
     worker's ``Consumer`` admits it on the next step, so heartbeats start while the
     request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
     per P engine), so one dead P never delays another.
@@ -71,18 +77,23 @@ D (decode engine)
     of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
-  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also
-    reports the request's local blocks from ``get_block_ids_with_load_errors``; with
-    ``kv_load_failure_policy="recompute"`` (vLLM's default) vLLM recomputes them, with
-    "fail" the request fails with an error. The bad data is never computed on.
-  * Requests the machine ends before a load (lease lost while queued, handshake failed,
-    P lost) are reported as worker metadata; ``get_num_new_matched_tokens`` then answers
-    0 and vLLM prefills locally. P dead: the handshake fails, the channel closes or acks
-    stop, so every request ends within the handshake/lease bounds.
+  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also names
+    the request in ``failed_recving`` and its local blocks in
+    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
+    recomputes it, with "fail" (vLLM 0.32's default) the request fails with an error.
+    The bad data is never computed on.
+  * Requests whose KV cannot be loaded before any load order (params rejected, P's
+    tokens not the prompt's, or ended by the machine: lease lost while queued, handshake
+    failed, P lost; the worker reports those as metadata) follow the same policy: under
+    "recompute" ``get_num_new_matched_tokens`` answers 0 and vLLM prefills locally;
+    under "fail" it answers an asynchronous load that fails at once. P dead: the
+    handshake fails, the channel closes or acks stop, so every request ends within the
+    handshake/lease bounds.
   * A client abort (``request_finished`` on D) orders an abort: release when no READ is
-    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
-  * D's n>1 children carry the same params (one handle): the first pulls, the others are
-    ended before a load and prefill locally (or hit D's prefix cache).
+    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``). A
+    release decided while D's handshake with P still runs is sent once it completes.
+  * D's n>1 children carry the same params (one handle): the first pulls, the others
+    prefill locally (or hit D's prefix cache), under either policy.
 
 Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
 holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
