@@ -14,8 +14,8 @@ Effects and what they become:
   one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
   hears ``done`` only after the data and the stamps landed;
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
-  batched per step; heartbeats chunked by the machine so that every message fits
-  ``max_message_bytes``);
+  batched per step, held while their P engine's handshake runs: one handle per request,
+  for a bounded time; heartbeats chunked so that each fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed.
@@ -511,15 +511,14 @@ class ConsumerAdapter:
             self.metrics.heartbeat(len(hb.handles))
 
     def _flush_releases(self) -> None:
-        if not self._releases:
-            return
         pending, self._releases = self._releases, {}
         for (engine, epoch, expected), handles in pending.items():
             e = self.engines.get(engine)
-            if e is None or e.state != PEER_READY:
-                continue  # nobody to tell: P frees on expiry
-            for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
-                self._send("release", engine, m)
+            if e is not None and e.state == PEER_HANDSHAKING:  # sent once it completes
+                self._releases[(engine, epoch, expected)] = handles
+            elif e is not None and e.state == PEER_READY:  # else nobody to tell: P expires
+                for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
+                    self._send("release", engine, m)
 
     # -- handshakes ----------------------------------------------------------------------
     def _payload(self) -> bytes:

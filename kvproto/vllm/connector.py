@@ -44,6 +44,12 @@ P (prefill engine)
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
     the worker (``kv_connector_no_forward``), which polls the adapter (handshakes,
     notifications, acks, expiry ticks).
+  * The handshake listener answers from a thread of its own, so a long forward pass does
+    not outlast D's handshake budget; the handshakes take effect on the engine thread at
+    its next poll (``ProducerAdapter(handshake_thread=True)``).
+  * ``has_pending_block_frees`` is false: held blocks come back at D's pace (a read or
+    the lease's end), so vLLM preempts a running request rather than wait for them.
+  * Data-parallel rank r binds a fixed ``handshake_port``/``metrics_port`` as port + r.
 
 Why P is fail-closed. Claim: if D's stamp READ (posted after its data READ completed)
 returns the generations of the transfer params, the data D read is the data the request
@@ -62,7 +68,7 @@ epoch differs from the one P's handshake announced.
 
 D (decode engine)
   * ``on_new_request`` validates the client's ``kv_transfer_params`` (bad ones are a
-    counted, logged rejection: the request prefills locally) and orders an admit; the
+    counted, logged rejection) and orders an admit; the
     worker's ``Consumer`` admits it on the next step, so heartbeats start while the
     request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
     per P engine), so one dead P never delays another.
@@ -71,20 +77,23 @@ D (decode engine)
     of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
-  * Every ordered load ends in ``finished_recving``. A failed or fenced READ (or a load
-    order with no local block to read into) is also reported by request in
-    ``failed_recving`` (``get_transfer_results``) and by its local blocks from
-    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
-    vLLM recomputes the request, with "fail" it fails with an error. The bad data, or
-    blocks nothing was written to, are never computed on.
-  * Requests the machine ends before a load (lease lost while queued, handshake failed,
-    P lost) are reported as worker metadata; ``get_num_new_matched_tokens`` then answers
-    0 and vLLM prefills locally. P dead: the handshake fails, the channel closes or acks
-    stop, so every request ends within the handshake/lease bounds.
+  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also names
+    the request in ``failed_recving`` and its local blocks in
+    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
+    recomputes it, with "fail" (vLLM 0.32's default) the request fails with an error.
+    The bad data is never computed on.
+  * Requests whose KV cannot be loaded before any load order (params rejected, P's
+    tokens not the prompt's, or ended by the machine: lease lost while queued, handshake
+    failed, P lost; the worker reports those as metadata) follow the same policy: under
+    "recompute" ``get_num_new_matched_tokens`` answers 0 and vLLM prefills locally;
+    under "fail" it answers an asynchronous load that fails at once. P dead: the
+    handshake fails, the channel closes or acks stop, so every request ends within the
+    handshake/lease bounds.
   * A client abort (``request_finished`` on D) orders an abort: release when no READ is
-    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
-  * D's n>1 children carry the same params (one handle): the first pulls, the others are
-    ended before a load and prefill locally (or hit D's prefix cache).
+    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``). A
+    release decided while D's handshake with P still runs is sent once it completes.
+  * D's n>1 children carry the same params (one handle): the first pulls, the others
+    prefill locally (or hit D's prefix cache), under either policy.
 
 Model identity: ``register_kv_caches`` (after vLLM loaded the weights) computes this
 worker's identity once (``kvproto.vllm.identity``: architecture, configuration, weights
@@ -318,7 +327,7 @@ class _PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics, identity=identity)
+            metrics=metrics, identity=identity, handshake_thread=True)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -390,10 +399,12 @@ class _DWorker:
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None) -> None:
+                 identity: dict[str, str] | None = None, fail: bool = False) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
+        self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
+            else "prefilling locally"
         hook = None
         if opts.test_read_stall_s > 0:
             stall = opts.test_read_stall_s
@@ -427,9 +438,7 @@ class _DWorker:
         self.ended_report: list[str] = []
         self.ended_before_load = 0
         self.finished_recving: set[str] = set()
-        # Failed loads, also reported per request (vLLM's failed_recving): a failed load
-        # with no local block to name as a load error must still never be computed on.
-        self.failed_recving: set[str] = set()
+        self.failed: set[str] = set()  # of finished_recving: the loads that failed
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0}
@@ -449,7 +458,7 @@ class _DWorker:
             a.admit(ad.request_id, ad.params)
         for ld in orders.loads:
             rid = ld.request_id
-            if rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
+            if ld.fail or rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
                 self.ended.pop(rid, None)
                 a.abort(rid)  # releases to P if the machine still holds it
                 a.free_local(rid)
@@ -491,6 +500,9 @@ class _DWorker:
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
+                if c.reason != "aborted":
+                    log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
+                                c.request_id, c.state, c.reason, self.outcome)
                 self._ended(c.request_id)
                 continue
             self._complete(c.request_id, local, ok=c.state == D_DONE and c.reason == "pulled")
@@ -504,10 +516,10 @@ class _DWorker:
         if ok:
             self.stats["reads_ok"] += 1
         else:
+            self.failed.add(rid)
             self.stats["reads_failed"] += 1
             self.stats["recomputed_blocks"] += len(local)
             self.invalid.update(local)
-            self.failed_recving.add(rid)
 
     def take(self) -> tuple[set[str], set[int], list[str]]:
         fr, self.finished_recving = self.finished_recving, set()
@@ -516,9 +528,8 @@ class _DWorker:
         return fr, inv, er
 
     def take_failed(self) -> set[str]:
-        """Requests whose load failed since the last call (each is also, in the same or
-        an earlier ``take``, in ``finished_recving``)."""
-        out, self.failed_recving = self.failed_recving, set()
+        """The failed loads among the requests ``take`` reported (taken together)."""
+        out, self.failed = self.failed, set()
         return out
 
     def counters(self) -> dict[str, float]:
@@ -555,8 +566,13 @@ class KVProtoConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
         ktc = vllm_config.kv_transfer_config
-        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role)
-        tp = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        # Each data-parallel rank is an engine of its own: fixed ports become port + rank.
+        self.dp_rank = int(getattr(pc, "data_parallel_index", 0) or 0)
+        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role
+                                           ).for_dp_rank(self.dp_rank)
+        self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+        tp = pc.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"kvproto: tensor_parallel_size {tp} is not supported by this "
                              "version of KVProtoConnector (use 1)")
@@ -579,9 +595,10 @@ class KVProtoConnector(KVConnectorBase_V1):
             if self.opts.producer:
                 self.psched = PScheduler(self.opts, self.num_blocks)
             if self.opts.consumer:
-                self.dsched = DScheduler(self.block_size)
-        log.info("kvproto connector (%s, %s) for engine %s", role.name.lower(), self.opts.role,
-                 self.engine_id)
+                self.dsched = DScheduler(self.block_size, self.load_failure_policy)
+        log.info("kvproto connector (%s, %s) for engine %s, data-parallel rank %d, "
+                 "kv_load_failure_policy %s", role.name.lower(), self.opts.role,
+                 self.engine_id, self.dp_rank, self.load_failure_policy)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -604,7 +621,7 @@ class KVProtoConnector(KVConnectorBase_V1):
                                self.opts.handshake_port, metrics, identity)
         if self.opts.consumer:
             self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
-                               metrics, identity)
+                               metrics, identity, fail=self.load_failure_policy == "fail")
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
@@ -677,8 +694,7 @@ class KVProtoConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished`` plus the failed loads by request: vLLM then recomputes them
-        from scratch or fails them (``kv_load_failure_policy``), even when no local block
-        could be named in ``get_block_ids_with_load_errors``."""
+        from scratch or fails them (``kv_load_failure_policy``), whatever their blocks."""
         sending, recving = self.get_finished(finished_req_ids)
         failed, self._failed = self._failed, set()
         return KVConnectorTransferResults(finished_sending=set(sending or ()),
@@ -816,4 +832,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self.psched is not None and self.psched.held)
+        # False: a held request's blocks come back when D pulls them or the lease ends,
+        # at D's pace, not soon; waiting for them would stall P's running prefills for up
+        # to a lease, where preempting one (vLLM's answer to a full cache) lets the others
+        # go on. Preemption never touches held blocks: held requests are finished.
+        return False
