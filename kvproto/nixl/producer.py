@@ -313,7 +313,7 @@ class ProducerAdapter:
 
     def _on_handshake(self, conn: int, payload: bytes, authed: bool = False
                       ) -> tuple[bytes, str]:
-        """Check the claim completely before changing any state (issue 11): nothing is
+        """Check the claim completely before changing any state: nothing is
         loaded or unloaded for a handshake that is malformed, unauthenticated (when a
         secret is set), names another agent in its metadata than it claims, or claims
         the name of a live peer without proof."""

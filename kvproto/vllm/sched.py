@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class ConnectorOptions:
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
 
 
-class ParamsError(ValueError):
+class ParamsError(RemoteInputError, ValueError):
     """Malformed ``kv_transfer_params`` from a client: a counted, logged rejection."""
 
     def __init__(self, reason: str, detail: str) -> None:
