@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from kvproto.errors import KVProtoError
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -95,7 +97,7 @@ EXTRA_OF: dict[str, str] = {
 }
 
 
-class MissingExtra(ImportError):
+class MissingExtra(KVProtoError, ImportError):
     """A command needs a module that one of kvproto's extras installs."""
 
 

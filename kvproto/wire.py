@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Any, Final, NamedTuple
 
+from kvproto.errors import RemoteInputError
+
 MAGIC: Final = b"KV"
 VERSION: Final = 1
 HEADER: Final = struct.Struct(">2sBBI")
@@ -40,7 +42,7 @@ MAX_SEQ: Final = 0xFFFFFFFF
 MAX_VARINT_BYTES: Final = 10
 
 
-class WireError(ValueError):
+class WireError(RemoteInputError, ValueError):
     """A message that cannot be decoded. ``reason`` is a stable counter name."""
 
     def __init__(self, reason: str, detail: str) -> None:

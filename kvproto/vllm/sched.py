@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 from typing import Any
 
+from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class ConnectorOptions:
                        metrics_port=shifted("metrics_port", self.metrics_port), journal=journal)
 
 
-class ParamsError(ValueError):
+class ParamsError(RemoteInputError, ValueError):
     """Malformed ``kv_transfer_params`` from a client: a counted, logged rejection."""
 
     def __init__(self, reason: str, detail: str) -> None:
