@@ -2,6 +2,7 @@
 
 Default config: initial term 30 s aged by max_delay 1 s, max_read_time 5 s, clock_drift
 0.5 s, heartbeat every 5 s. A READ may start at ``now`` iff ``now + 5.5 <= lease_end``.
+Times are ints of milliseconds (the durations above are the Config's seconds).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from kvproto.lifecycle import (
 )
 
 
-def ready(c: Consumer, engine: str = ENGINE, now: float = 0.0) -> None:
+def ready(c: Consumer, engine: str = ENGINE, now: int = 0) -> None:
     """Complete the handshake with ``engine`` so admitted requests go straight to waiting."""
     assert c.handshake_result(engine, True, now) == []
 
@@ -60,63 +61,63 @@ def consumer(make_consumer: ConsumerFactory) -> Consumer:
 
 
 def test_admit_with_unknown_engine_starts_one_handshake(consumer: Consumer) -> None:
-    assert consumer.admit("r1", params(1), 0.0) == [StartHandshake(ENGINE)]
-    assert consumer.admit("r2", params(2), 0.1) == []  # joins the handshake in progress
+    assert consumer.admit("r1", params(1), 0) == [StartHandshake(ENGINE)]
+    assert consumer.admit("r2", params(2), 100) == []  # joins the handshake in progress
     assert consumer.state("r1") == consumer.state("r2") == HANDSHAKING
-    assert consumer.handshake_result(ENGINE, True, 0.2) == []
+    assert consumer.handshake_result(ENGINE, True, 200) == []
     assert consumer.state("r1") == consumer.state("r2") == WAITING
 
 
 def test_admit_with_known_engine_goes_to_waiting(consumer: Consumer) -> None:
     ready(consumer)
-    assert consumer.admit("r1", params(1), 0.0) == []
+    assert consumer.admit("r1", params(1), 0) == []
     assert consumer.state("r1") == WAITING
 
 
 def test_pull_lifecycle_waiting_reading_done(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1, blocks=(4, 5), expected=2), 0.0)
-    assert consumer.schedule("r1", 1.0) == [PostRead("r1", ENGINE, 1, (4, 5), 2)]
+    consumer.admit("r1", params(1, blocks=(4, 5), expected=2), 0)
+    assert consumer.schedule("r1", 1000) == [PostRead("r1", ENGINE, 1, (4, 5), 2)]
     assert consumer.state("r1") == READING
     # the done notification travels with the READ (NIXL notif_msg): nothing else to send
-    assert consumer.read_result("r1", True, 2.0) == [Finished("r1", D_DONE, "pulled")]
+    assert consumer.read_result("r1", True, 2000) == [Finished("r1", D_DONE, "pulled")]
     assert consumer.state("r1") == D_NEW  # left the machine
     assert consumer.finished == {"done:pulled": 1}
 
 
 def test_done_is_sent_only_after_the_read_completed(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    effects = consumer.schedule("r1", 1.0)
+    consumer.admit("r1", params(1), 0)
+    effects = consumer.schedule("r1", 1000)
     assert not any(isinstance(e, SendDone) for e in effects)
-    assert consumer.read_result("r1", True, 2.0, notif_attached=False) == [
+    assert consumer.read_result("r1", True, 2000, notif_attached=False) == [
         SendDone("r1", ENGINE, 1, 1), Finished("r1", D_DONE, "pulled")]
 
 
 @pytest.mark.parametrize(("fenced", "reason"), [(False, "transfer_error"), (True, "fenced")])
 def test_failed_read_fails_and_releases(consumer: Consumer, fenced: bool, reason: str) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    assert consumer.read_result("r1", False, 2.0, fenced=fenced) == [
+    consumer.admit("r1", params(1), 0)
+    consumer.schedule("r1", 1000)
+    assert consumer.read_result("r1", False, 2000, fenced=fenced) == [
         SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, reason)]
 
 
 def test_duplicate_admit_is_counted_and_ignored(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert consumer.admit("r1", params(2), 0.1) == []
-    assert consumer.admit("r2", params(1), 0.1) == []  # same handle from the same engine
+    consumer.admit("r1", params(1), 0)
+    assert consumer.admit("r1", params(2), 100) == []
+    assert consumer.admit("r2", params(1), 100) == []  # same handle from the same engine
     assert consumer.counters["duplicate_admit"] == 2
     assert consumer.state("r2") == D_NEW
-    assert consumer.lease_end("r1") == 29.0
+    assert consumer.lease_end("r1") == 29_000
 
 
 def test_events_for_unknown_requests_are_counted(consumer: Consumer) -> None:
-    assert consumer.schedule("nope", 0.0) == []
-    assert consumer.read_result("nope", True, 0.0) == []
-    assert consumer.abort("nope", 0.0) == []
-    assert consumer.ack(ENGINE, 1, 20.0, (), 0.0) == []
+    assert consumer.schedule("nope", 0) == []
+    assert consumer.read_result("nope", True, 0) == []
+    assert consumer.abort("nope", 0) == []
+    assert consumer.ack(ENGINE, 1, 20_000, (), 0) == []
     assert consumer.counters == {"schedule_not_waiting": 1, "read_result_not_reading": 1,
                                  "abort_unknown": 1, "ack_unknown": 1}
 
@@ -128,26 +129,26 @@ def test_events_for_unknown_requests_are_counted(consumer: Consumer) -> None:
 
 def test_initial_term_is_aged_by_max_delay(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1, term=30.0), 10.0)
-    assert consumer.lease_end("r1") == 39.0  # 10 + 30 - max_delay 1
+    consumer.admit("r1", params(1, term=30_000), 10_000)
+    assert consumer.lease_end("r1") == 39_000  # 10 s + 30 s - max_delay 1 s
 
 
 def test_read_starts_when_lease_less_read_time_and_drift_covers_it(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29
-    assert consumer.schedule("r1", 23.5) == [PostRead("r1", ENGINE, 1, (0, 1), 1)]
+    consumer.admit("r1", params(1), 0)  # lease end 29
+    assert consumer.schedule("r1", 23_500) == [PostRead("r1", ENGINE, 1, (0, 1), 1)]
 
 
 def test_read_refused_when_lease_too_short_fails_and_releases(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29; 23.6 + 5 + 0.5 > 29
-    assert consumer.schedule("r1", 23.6) == [
+    consumer.admit("r1", params(1), 0)  # lease end 29; 23.6 + 5 + 0.5 > 29
+    assert consumer.schedule("r1", 23_600) == [
         SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "lease_short")]
 
 
 def test_admit_with_too_little_lease_left_fails_and_releases(consumer: Consumer) -> None:
     ready(consumer)
-    assert consumer.admit("r1", params(1, term=6.0), 0.0) == [
+    assert consumer.admit("r1", params(1, term=6000), 0) == [
         SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "lease_short")]
 
 
@@ -155,19 +156,19 @@ def test_tick_fails_and_releases_a_queued_request_whose_lease_ran_short(
         make_consumer: ConsumerFactory) -> None:
     consumer = make_consumer(peer_timeout=60.0)  # P silent, but not yet declared lost
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.tick(0.0)  # heartbeat sent, never acknowledged
-    assert finished(consumer.tick(23.5)) == []
-    assert consumer.tick(23.6) == [SendRelease("r1", ENGINE, 1, 1),
+    consumer.admit("r1", params(1), 0)
+    consumer.tick(0)  # heartbeat sent, never acknowledged
+    assert finished(consumer.tick(23_500)) == []
+    assert consumer.tick(23_600) == [SendRelease("r1", ENGINE, 1, 1),
                                    Finished("r1", D_FAILED, "lease_lost")]
 
 
 def test_tick_keeps_a_renewed_request(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(20.0))
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 20.4)
-    assert finished(consumer.tick(23.6)) == []
+    consumer.admit("r1", params(1), 0)
+    (hb,) = heartbeats(consumer.tick(20_000))
+    consumer.ack(ENGINE, hb.seq, 20_000, (), 20_400)
+    assert finished(consumer.tick(23_600)) == []
     assert consumer.state("r1") == WAITING
 
 
@@ -178,52 +179,52 @@ def test_tick_keeps_a_renewed_request(consumer: Consumer) -> None:
 
 def test_lease_updated_from_ack_send_time_plus_term_less_drift(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29
-    (hb,) = heartbeats(consumer.tick(10.0))
+    consumer.admit("r1", params(1), 0)  # lease end 29
+    (hb,) = heartbeats(consumer.tick(10_000))
     assert hb == SendHeartbeat(ENGINE, hb.seq, (1,), 1)
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 12.0) == []
-    assert consumer.lease_end("r1") == 29.5  # sent at 10 (not received at 12) + 20 - 0.5
+    assert consumer.ack(ENGINE, hb.seq, 20_000, (), 12_000) == []
+    assert consumer.lease_end("r1") == 29_500  # sent at 10 s (not received at 12) + 20 - 0.5
 
 
 def test_ack_never_shortens_the_lease(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(1.0))
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 1.5)
-    assert consumer.lease_end("r1") == 29.0
+    consumer.admit("r1", params(1), 0)
+    (hb,) = heartbeats(consumer.tick(1000))
+    consumer.ack(ENGINE, hb.seq, 20_000, (), 1500)
+    assert consumer.lease_end("r1") == 29_000
 
 
 def test_ack_of_unknown_sequence_is_counted(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
-    assert consumer.ack(ENGINE, hb.seq + 1, 20.0, (), 11.0) == []
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 11.0)
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 11.0) == []  # acked twice
+    consumer.admit("r1", params(1), 0)
+    (hb,) = heartbeats(consumer.tick(10_000))
+    assert consumer.ack(ENGINE, hb.seq + 1, 20_000, (), 11_000) == []
+    consumer.ack(ENGINE, hb.seq, 20_000, (), 11_000)
+    assert consumer.ack(ENGINE, hb.seq, 20_000, (), 11_000) == []  # acked twice
     assert consumer.counters["ack_unknown"] == 2
 
 
 def test_refused_in_ack_fails_a_waiting_request(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.admit("r2", params(2), 0.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
+    consumer.admit("r1", params(1), 0)
+    consumer.admit("r2", params(2), 0)
+    (hb,) = heartbeats(consumer.tick(10_000))
     # P refused (aborted, expired or freed): release, so an aborted request frees now
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (1,), 10.5) == [
+    assert consumer.ack(ENGINE, hb.seq, 20_000, (1,), 10_500) == [
         SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "revoked")]
     assert consumer.state("r2") == WAITING
-    assert consumer.lease_end("r2") == 29.5
+    assert consumer.lease_end("r2") == 29_500
 
 
 def test_refused_in_ack_lets_an_in_flight_read_finish(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
+    consumer.admit("r1", params(1), 0)
+    consumer.schedule("r1", 1000)
+    (hb,) = heartbeats(consumer.tick(10_000))
     assert hb.handles == (1,)  # reading requests are renewed too
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (1,), 10.5) == []
+    assert consumer.ack(ENGINE, hb.seq, 20_000, (1,), 10_500) == []
     assert consumer.state("r1") == READING
-    assert consumer.read_result("r1", True, 11.0) == [Finished("r1", D_DONE, "pulled")]
+    assert consumer.read_result("r1", True, 11_000) == [Finished("r1", D_DONE, "pulled")]
 
 
 # ---------------------------------------------------------------------------
@@ -235,30 +236,30 @@ def test_refused_in_ack_lets_an_in_flight_read_finish(consumer: Consumer) -> Non
 def test_abort_before_read_releases_at_once(consumer: Consumer, handshaken: bool) -> None:
     if handshaken:
         ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert consumer.abort("r1", 1.0) == [SendRelease("r1", ENGINE, 1, 1),
+    consumer.admit("r1", params(1), 0)
+    assert consumer.abort("r1", 1000) == [SendRelease("r1", ENGINE, 1, 1),
                                          Finished("r1", D_FAILED, "aborted")]
 
 
 def test_abort_during_read_never_releases_until_the_read_finishes(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    assert consumer.abort("r1", 1.5) == []
+    consumer.admit("r1", params(1), 0)
+    consumer.schedule("r1", 1000)
+    assert consumer.abort("r1", 1500) == []
     assert consumer.state("r1") == READING
-    assert releases(consumer.tick(2.0)) == []
-    assert consumer.peer_lost(ENGINE, 2.5) == []  # the READ reports its own failure
+    assert releases(consumer.tick(2000)) == []
+    assert consumer.peer_lost(ENGINE, 2500) == []  # the READ reports its own failure
     assert consumer.state("r1") == READING
     # the READ landed: its done notification went with it; no release is ever sent
-    assert consumer.read_result("r1", True, 3.0) == [Finished("r1", D_FAILED, "aborted")]
+    assert consumer.read_result("r1", True, 3000) == [Finished("r1", D_FAILED, "aborted")]
 
 
 def test_abort_during_read_releases_after_the_read_failed(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    consumer.abort("r1", 1.5)
-    assert consumer.read_result("r1", False, 3.0) == [
+    consumer.admit("r1", params(1), 0)
+    consumer.schedule("r1", 1000)
+    consumer.abort("r1", 1500)
+    assert consumer.read_result("r1", False, 3000) == [
         SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "transfer_error")]
 
 
@@ -270,39 +271,39 @@ def test_abort_during_read_releases_after_the_read_failed(consumer: Consumer) ->
 def test_heartbeat_includes_queued_and_reading_requests(consumer: Consumer) -> None:
     ready(consumer)
     for h in (3, 1, 2):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    consumer.schedule("r2", 0.5)  # reading; r1 and r3 still queued behind the scheduler
-    assert heartbeats(consumer.tick(1.0)) == [SendHeartbeat(ENGINE, 1, (1, 2, 3), 1)]
+        consumer.admit(f"r{h}", params(h), 0)
+    consumer.schedule("r2", 500)  # reading; r1 and r3 still queued behind the scheduler
+    assert heartbeats(consumer.tick(1000)) == [SendHeartbeat(ENGINE, 1, (1, 2, 3), 1)]
 
 
 def test_heartbeat_skips_requests_still_handshaking(consumer: Consumer) -> None:
-    consumer.admit("r1", params(1), 0.0)
-    assert heartbeats(consumer.tick(1.0)) == []
+    consumer.admit("r1", params(1), 0)
+    assert heartbeats(consumer.tick(1000)) == []
 
 
 def test_heartbeat_is_sent_once_per_interval(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert len(heartbeats(consumer.tick(1.0))) == 1
-    assert heartbeats(consumer.tick(5.9)) == []
-    assert [hb.seq for hb in heartbeats(consumer.tick(6.0))] == [2]
+    consumer.admit("r1", params(1), 0)
+    assert len(heartbeats(consumer.tick(1000))) == 1
+    assert heartbeats(consumer.tick(5900)) == []
+    assert [hb.seq for hb in heartbeats(consumer.tick(6000))] == [2]
 
 
 def test_heartbeats_are_batched_per_engine(consumer: Consumer) -> None:
     ready(consumer, "P0")
     ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
+    consumer.admit("a", params(1, engine="P0"), 0)
+    consumer.admit("b", params(2, engine="P0"), 0)
+    consumer.admit("c", params(1, engine="P1"), 0)
+    hbs = heartbeats(consumer.tick(1000))
     assert sorted((hb.engine, hb.handles) for hb in hbs) == [("P0", (1, 2)), ("P1", (1,))]
 
 
 def test_heartbeats_are_batched_per_expected_reader_count(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("a", params(1, expected=1), 0.0)
-    consumer.admit("b", params(2, expected=2), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
+    consumer.admit("a", params(1, expected=1), 0)
+    consumer.admit("b", params(2, expected=2), 0)
+    hbs = heartbeats(consumer.tick(1000))
     assert sorted((hb.expected, hb.handles) for hb in hbs) == [(1, (1,)), (2, (2,))]
 
 
@@ -310,13 +311,14 @@ def test_heartbeats_are_chunked_by_the_caller(make_consumer: ConsumerFactory) ->
     consumer = make_consumer(heartbeat_chunk=2)
     ready(consumer)
     for h in range(1, 6):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
+        consumer.admit(f"r{h}", params(h), 0)
+    hbs = heartbeats(consumer.tick(1000))
     assert [(hb.seq, hb.handles) for hb in hbs] == [(1, (1, 2)), (2, (3, 4)), (3, (5,))]
     # each chunk is acknowledged on its own
-    consumer.ack(ENGINE, 2, 40.0, (), 1.5)
-    assert [consumer.lease_end(f"r{h}") for h in range(1, 6)] == [29.0, 29.0, 40.5, 40.5, 29.0]
-    consumer.ack(ENGINE, 2, 40.0, (), 1.5)
+    consumer.ack(ENGINE, 2, 40_000, (), 1500)
+    assert [consumer.lease_end(f"r{h}") for h in range(1, 6)] == [29_000, 29_000, 40_500,
+                                                                  40_500, 29_000]
+    consumer.ack(ENGINE, 2, 40_000, (), 1500)
     assert consumer.counters["ack_unknown"] == 1
 
 
@@ -327,8 +329,8 @@ def test_every_heartbeat_fits_one_wire_message(make_consumer: ConsumerFactory) -
     ready(consumer)
     handles = [1000 + 200 * i for i in range(30)]  # two varint bytes per delta
     for h in handles:
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(0.0))
+        consumer.admit(f"r{h}", params(h), 0)
+    hbs = heartbeats(consumer.tick(0))
     assert len(hbs) >= 2
     assert [hb.seq for hb in hbs] == list(range(1, len(hbs) + 1))
     assert sorted(h for hb in hbs for h in hb.handles) == handles
@@ -349,17 +351,17 @@ def test_lost_heartbeat_message_never_lets_d_believe_an_unrenewed_lease(
     ready(consumer)
     handles = [1000 + 200 * i for i in range(30)]
     for i, h in enumerate(handles):
-        ledger.register(h, f"r{h}", (i,), 0.0, expected=1)
-        consumer.admit(f"r{h}", params(h, term=10.0), 0.0)
-    first, *lost = heartbeats(consumer.tick(0.0))
+        ledger.register(h, f"r{h}", (i,), 0, expected=1)
+        consumer.admit(f"r{h}", params(h, term=10_000), 0)
+    first, *lost = heartbeats(consumer.tick(0))
     assert lost
     for buf in wire.encode_heartbeat(EPOCH, first.seq, first.handles, first.expected,
                                      config.max_message_bytes):
         m = wire.decode(buf)  # delivered; the other messages are lost
-        (ack,) = ledger.heartbeat("d0", m.seq, m.handles, m.expected, 0.1)
+        (ack,) = ledger.heartbeat("d0", m.seq, m.handles, m.expected, 100)
         assert isinstance(ack, Ack)
-        consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.2, pending=ack.pending)
-    assert consumer.lease_end(f"r{first.handles[0]}") == 19.5  # 0 + 20 - drift 0.5
+        consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 200, pending=ack.pending)
+    assert consumer.lease_end(f"r{first.handles[0]}") == 19_500  # 0 + 20 s - drift 0.5 s
     for hb in lost:
         for h in hb.handles:
             deadline = ledger.deadline(h)
@@ -377,15 +379,15 @@ def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
     consumer = make_consumer(**overrides)
     ledger = Ledger(replace(Config(), **overrides), BlockPool(8))
     ready(consumer)
-    consumer.admit("r1", params(1, term=10.0), 0.0)  # P's registration lags the params
-    (hb,) = heartbeats(consumer.tick(0.0))
-    (ack,) = ledger.heartbeat("d0", hb.seq, hb.handles, hb.expected, 0.1)
+    consumer.admit("r1", params(1, term=10_000), 0)  # P's registration lags the params
+    (hb,) = heartbeats(consumer.tick(0))
+    (ack,) = ledger.heartbeat("d0", hb.seq, hb.handles, hb.expected, 100)
     assert isinstance(ack, Ack) and (ack.refused, ack.pending) == ((), (1,))
-    ledger.done("d9", 2, 1, 0.2)  # another early message: staging cap drops handle 1
+    ledger.done("d9", 2, 1, 200)  # another early message: staging cap drops handle 1
     assert ledger.counters["staged_dropped"] == 1
-    ledger.register(1, "r1", (0,), 0.3, expected=1)
-    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.3, pending=ack.pending)
-    assert consumer.lease_end("r1") == 9.0  # pending: the previous estimate stands
+    ledger.register(1, "r1", (0,), 300, expected=1)
+    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 300, pending=ack.pending)
+    assert consumer.lease_end("r1") == 9000  # pending: the previous estimate stands
     deadline, lease_end = ledger.deadline(1), consumer.lease_end("r1")
     assert deadline is not None and lease_end is not None
     assert lease_end <= deadline  # D may otherwise READ at 12 after P freed at 10.3
@@ -398,38 +400,38 @@ def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
 
 def test_handshake_failure_fails_only_that_engines_requests(consumer: Consumer) -> None:
     ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    assert consumer.handshake_result("P0", False, 0.5, reason="version") == [
+    consumer.admit("a", params(1, engine="P0"), 0)
+    consumer.admit("b", params(2, engine="P0"), 0)
+    consumer.admit("c", params(1, engine="P1"), 0)
+    assert consumer.handshake_result("P0", False, 500, reason="version") == [
         Finished("a", D_FAILED, "version"), Finished("b", D_FAILED, "version")]
     assert consumer.state("c") == WAITING
     assert consumer.finished == {"failed:version": 2}
 
 
 def test_admit_after_failed_handshake_retries_it(consumer: Consumer) -> None:
-    consumer.admit("a", params(1), 0.0)
-    consumer.handshake_result(ENGINE, False, 0.5)
-    assert consumer.admit("b", params(2), 1.0) == [StartHandshake(ENGINE)]
+    consumer.admit("a", params(1), 0)
+    consumer.handshake_result(ENGINE, False, 500)
+    assert consumer.admit("b", params(2), 1000) == [StartHandshake(ENGINE)]
 
 
 def test_peer_lost_fails_waiting_requests_promptly(consumer: Consumer) -> None:
     ready(consumer, "P0")
     ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    consumer.schedule("b", 0.5)
-    assert consumer.peer_lost("P0", 1.0) == [Finished("a", D_FAILED, "peer_lost")]
+    consumer.admit("a", params(1, engine="P0"), 0)
+    consumer.admit("b", params(2, engine="P0"), 0)
+    consumer.admit("c", params(1, engine="P1"), 0)
+    consumer.schedule("b", 500)
+    assert consumer.peer_lost("P0", 1000) == [Finished("a", D_FAILED, "peer_lost")]
     assert consumer.state("b") == READING
     assert consumer.state("c") == WAITING
     # no more heartbeats to the lost engine until it is handshaken again
-    assert [hb.engine for hb in heartbeats(consumer.tick(2.0))] == ["P1"]
+    assert [hb.engine for hb in heartbeats(consumer.tick(2000))] == ["P1"]
 
 
 def test_peer_lost_fails_handshaking_requests(consumer: Consumer) -> None:
-    consumer.admit("a", params(1), 0.0)
-    assert consumer.peer_lost(ENGINE, 0.5) == [Finished("a", D_FAILED, "peer_lost")]
+    consumer.admit("a", params(1), 0)
+    assert consumer.peer_lost(ENGINE, 500) == [Finished("a", D_FAILED, "peer_lost")]
 
 
 # ---------------------------------------------------------------------------
@@ -440,76 +442,76 @@ def test_peer_lost_fails_handshaking_requests(consumer: Consumer) -> None:
 def test_at_most_one_read_per_sibling_group(consumer: Consumer) -> None:
     ready(consumer)
     for h in (1, 2, 3):
-        consumer.admit(f"{h}_p", params(h, group="p"), 0.0)
-    assert consumer.schedule("1_p", 1.0) == [PostRead("1_p", ENGINE, 1, (0, 1), 1)]
-    assert consumer.read_result("1_p", True, 2.0) == [Finished("1_p", D_DONE, "pulled")]
+        consumer.admit(f"{h}_p", params(h, group="p"), 0)
+    assert consumer.schedule("1_p", 1000) == [PostRead("1_p", ENGINE, 1, (0, 1), 1)]
+    assert consumer.read_result("1_p", True, 2000) == [Finished("1_p", D_DONE, "pulled")]
     for h in (2, 3):
-        assert consumer.schedule(f"{h}_p", 3.0) == [
+        assert consumer.schedule(f"{h}_p", 3000) == [
             SendRelease(f"{h}_p", ENGINE, h, 1), Finished(f"{h}_p", D_DONE, "sibling_local")]
     assert consumer.finished == {"done:pulled": 1, "done:sibling_local": 2}
 
 
 def test_no_second_read_while_a_sibling_is_reading(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    assert not any(isinstance(e, PostRead) for e in consumer.schedule("2_p", 1.5))
+    consumer.admit("1_p", params(1, group="p"), 0)
+    consumer.admit("2_p", params(2, group="p"), 0)
+    consumer.schedule("1_p", 1000)
+    assert not any(isinstance(e, PostRead) for e in consumer.schedule("2_p", 1500))
 
 
 def test_sibling_waits_while_the_group_read_is_in_flight(consumer: Consumer) -> None:
     """Regression: a sibling used to finish done/sibling_local while the group's only
     READ was still in flight (and could still fail)."""
     ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    assert consumer.schedule("2_p", 1.5) == []
+    consumer.admit("1_p", params(1, group="p"), 0)
+    consumer.admit("2_p", params(2, group="p"), 0)
+    consumer.schedule("1_p", 1000)
+    assert consumer.schedule("2_p", 1500) == []
     assert consumer.state("2_p") == WAITING
     assert consumer.counters["sibling_in_flight"] == 1
-    (hb,) = heartbeats(consumer.tick(2.0))
+    (hb,) = heartbeats(consumer.tick(2000))
     assert hb.handles == (1, 2)  # the waiting sibling is still renewed
 
 
 def test_sibling_reads_itself_when_the_group_read_failed(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.schedule("2_p", 1.5)
-    consumer.read_result("1_p", False, 2.0)
-    assert consumer.schedule("2_p", 2.5) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
+    consumer.admit("1_p", params(1, group="p"), 0)
+    consumer.admit("2_p", params(2, group="p"), 0)
+    consumer.schedule("1_p", 1000)
+    consumer.schedule("2_p", 1500)
+    consumer.read_result("1_p", False, 2000)
+    assert consumer.schedule("2_p", 2500) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
 
 
 def test_landed_read_aborted_meanwhile_still_serves_the_group(consumer: Consumer) -> None:
     """P was told done (the notification travelled with the READ) and may free the other
     members, so they must not be read again: they are served from the landed prefix."""
     ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.abort("1_p", 1.2)
-    assert consumer.read_result("1_p", True, 2.0) == [Finished("1_p", D_FAILED, "aborted")]
-    assert consumer.schedule("2_p", 2.5) == [
+    consumer.admit("1_p", params(1, group="p"), 0)
+    consumer.admit("2_p", params(2, group="p"), 0)
+    consumer.schedule("1_p", 1000)
+    consumer.abort("1_p", 1200)
+    assert consumer.read_result("1_p", True, 2000) == [Finished("1_p", D_FAILED, "aborted")]
+    assert consumer.schedule("2_p", 2500) == [
         SendRelease("2_p", ENGINE, 2, 1), Finished("2_p", D_DONE, "sibling_local")]
 
 
 def test_sibling_groups_are_per_engine(consumer: Consumer) -> None:
     ready(consumer, "P0")
     ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0", group="g"), 0.0)
-    consumer.admit("b", params(1, engine="P1", group="g"), 0.0)
-    consumer.schedule("a", 1.0)
-    assert consumer.schedule("b", 1.0) == [PostRead("b", "P1", 1, (0, 1), 1)]
+    consumer.admit("a", params(1, engine="P0", group="g"), 0)
+    consumer.admit("b", params(1, engine="P1", group="g"), 0)
+    consumer.schedule("a", 1000)
+    assert consumer.schedule("b", 1000) == [PostRead("b", "P1", 1, (0, 1), 1)]
 
 
 def test_failed_group_read_lets_another_sibling_read(consumer: Consumer) -> None:
     ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.read_result("1_p", False, 2.0)
-    assert consumer.schedule("2_p", 3.0) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
+    consumer.admit("1_p", params(1, group="p"), 0)
+    consumer.admit("2_p", params(2, group="p"), 0)
+    consumer.schedule("1_p", 1000)
+    consumer.read_result("1_p", False, 2000)
+    assert consumer.schedule("2_p", 3000) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
 
 
 def test_consumer_table_rows_are_unique() -> None:
@@ -526,8 +528,8 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
         consumer: Consumer, monkeypatch: pytest.MonkeyPatch) -> None:
     ready(consumer)
     for h in range(1, 10_001):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(0.0))
+        consumer.admit(f"r{h}", params(h), 0)
+    hbs = heartbeats(consumer.tick(0))
     assert sorted(h for hb in hbs for h in hb.handles) == list(range(1, 10_001))
     pops = 0
     real_pop = heapq.heappop
@@ -539,7 +541,7 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
 
     monkeypatch.setattr(lifecycle.consumer, "heapq", types.SimpleNamespace(
         heappop=counting_pop, heappush=heapq.heappush))
-    for t in (1.0, 2.0, 4.9):
+    for t in (1000, 2000, 4900):
         assert consumer.tick(t) == []
     assert pops == 0
 
@@ -547,32 +549,32 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
 # -- hardening (issue 11): bad time, compact lease heap -------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_time_is_refused_and_counted(consumer: Consumer, bad: float) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1500.0, True])
+def test_time_that_is_not_an_int_is_refused_and_counted(consumer: Consumer, bad: Any) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 1.0)
+    consumer.admit("r1", params(1), 1000)
     for call in (lambda: consumer.admit("r2", params(2), bad),
                  lambda: consumer.schedule("r1", bad),
                  lambda: consumer.tick(bad),
                  lambda: consumer.abort("r1", bad),
-                 lambda: consumer.ack(ENGINE, 1, 20.0, (), bad),
+                 lambda: consumer.ack(ENGINE, 1, 20_000, (), bad),
                  lambda: consumer.peer_lost(ENGINE, bad),
                  lambda: consumer.handshake_result(ENGINE, False, bad),
                  lambda: consumer.read_result("r1", True, bad)):
         assert call() == []
     assert consumer.counters["bad_time"] == 8
-    assert consumer.now == 1.0
+    assert consumer.now == 1000
     assert consumer.state("r1") == WAITING and consumer.state("r2") == lifecycle.D_NEW
     # The request still fails when its lease can no longer cover a READ.
-    assert finished(consumer.tick(40.0)) == [("r1", "failed", "lease_lost")]
+    assert finished(consumer.tick(40_000)) == [("r1", "failed", "lease_lost")]
 
 
 def test_a_stale_time_never_lets_a_read_start_on_a_lease_that_ran_out(consumer: Consumer
                                                                       ) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29 (term 30 - max_delay 1)
-    consumer.admit("r2", params(2), 26.0)  # the clock reads 26: 26 + 5 + 0.5 > 29
-    effects = consumer.schedule("r1", 1.0)  # a stale reading of the clock
+    consumer.admit("r1", params(1), 0)  # lease end 29 (term 30 - max_delay 1)
+    consumer.admit("r2", params(2), 26_000)  # the clock reads 26: 26 + 5 + 0.5 > 29
+    effects = consumer.schedule("r1", 1000)  # a stale reading of the clock
     assert consumer.counters["clock_regression"] == 1
     assert not any(isinstance(e, PostRead) for e in effects)
     assert finished(effects) == [("r1", "failed", "lease_short")]
@@ -581,8 +583,8 @@ def test_a_stale_time_never_lets_a_read_start_on_a_lease_that_ran_out(consumer: 
 def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
     ready(consumer)
     for h in range(1, 3001):
-        consumer.admit(f"r{h}", params(h), float(h))
-        consumer.abort(f"r{h}", float(h))
+        consumer.admit(f"r{h}", params(h), h * 1000)
+        consumer.abort(f"r{h}", h * 1000)
         assert len(consumer._lease_heap) <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
     assert consumer.reqs == {}
 # ---------------------------------------------------------------------------
@@ -593,27 +595,27 @@ def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
 def test_ack_silence_for_peer_timeout_loses_the_peer(make_consumer: ConsumerFactory) -> None:
     consumer = make_consumer(peer_timeout=8.0)
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.admit("r2", params(2), 0.0)
-    consumer.schedule("r2", 0.5)  # in flight: the READ reports its own fate
-    (hb,) = heartbeats(consumer.tick(1.0))
-    assert finished(consumer.tick(8.9)) == []  # silent 8.9 s since the handshake: not yet
-    out = consumer.tick(9.1)
+    consumer.admit("r1", params(1), 0)
+    consumer.admit("r2", params(2), 0)
+    consumer.schedule("r2", 500)  # in flight: the READ reports its own fate
+    (hb,) = heartbeats(consumer.tick(1000))
+    assert finished(consumer.tick(8900)) == []  # silent 8.9 s since the handshake: not yet
+    out = consumer.tick(9100)
     assert ("r1", D_FAILED, "peer_lost") in finished(out)
     assert any(isinstance(e, lifecycle.DropPeer) and e.engine == ENGINE for e in out)
     assert releases(out) == []  # peer loss never releases: P expires what D held
     assert consumer.state("r2") == READING
     assert consumer.peer_state(ENGINE) == lifecycle.PEER_UNKNOWN
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 9.2) == []  # forgotten with the peer
+    assert consumer.ack(ENGINE, hb.seq, 20_000, (), 9200) == []  # forgotten with the peer
 
 
 def test_acks_keep_a_slow_but_answering_peer(make_consumer: ConsumerFactory) -> None:
     consumer = make_consumer(peer_timeout=8.0)
     ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    for t in range(0, 40, 5):
-        for hb in heartbeats(consumer.tick(float(t))):
-            consumer.ack(ENGINE, hb.seq, 20.0, (), t + 2.0)  # max_delay each way
+    consumer.admit("r1", params(1), 0)
+    for t in range(0, 40_000, 5000):
+        for hb in heartbeats(consumer.tick(t)):
+            consumer.ack(ENGINE, hb.seq, 20_000, (), t + 2000)  # max_delay each way
     assert consumer.state("r1") == WAITING
     assert consumer.peer_state(ENGINE) == lifecycle.PEER_READY
 
@@ -625,28 +627,30 @@ def test_peer_timeout_is_a_timing_rule() -> None:
 
 
 @given(st.lists(st.tuples(st.sampled_from(["admit", "ack", "tick", "schedule"]),
-                          st.floats(0.0, 3.0)), min_size=1, max_size=40))
-def test_a_tick_before_next_deadline_changes_nothing(steps: list[tuple[str, float]]) -> None:
-    """``next_deadline`` is a lower bound of the tick's work: a tick earlier than it
-    returns no effect and leaves every request, peer and deadline as they were (so an
-    adapter may skip it, and its journal holds only the ticks that matter); a tick at it
-    is what sends the next heartbeat."""
+                          st.integers(0, 3000), st.booleans()), min_size=1, max_size=40))
+def test_a_tick_before_next_deadline_changes_nothing(
+        steps: list[tuple[str, int, bool]]) -> None:
+    """``next_deadline`` is a lower bound of the tick's work: a tick earlier than it --
+    at any time before it, down to the last millisecond before it -- returns no effect
+    and leaves every request, peer and deadline as they were (so an adapter may skip it,
+    and its journal holds only the ticks that matter); a tick at it is what sends the
+    next heartbeat."""
     c = Consumer("d0", Config(initial_lease=6.0, lease_extension=6.0, heartbeat_interval=1.0,
                               max_delay=0.5, max_read_time=1.0, clock_drift=0.25,
                               peer_timeout=3.0, abort_grace=6.0))
-    c.handshake_result(ENGINE, True, 0.0)
-    now, h = 0.0, 0
-    for kind, dt in steps:
+    c.handshake_result(ENGINE, True, 0)
+    now, h = 0, 0
+    for kind, dt, to_edge in steps:
         now += dt
         if kind == "admit":
             h += 1
-            c.admit(f"r{h}", params(h, term=6.0), now)
+            c.admit(f"r{h}", params(h, term=6000), now)
         elif kind == "schedule" and h:
             c.schedule(f"r{h}", now)
         elif kind == "ack" and c.outstanding_heartbeats(ENGINE):
-            c.ack(ENGINE, c.peers[ENGINE].seq, 6.0, (), now)
+            c.ack(ENGINE, c.peers[ENGINE].seq, 6000, (), now)
         due = c.next_deadline()
-        probe = min(now, due - 1e-6) if due > now else None
+        probe = (due - 1 if to_edge else now) if due > now else None  # 1 ms before: the edge
         if probe is not None and probe >= c.now:
             before = (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
                       c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE), due)
@@ -654,9 +658,10 @@ def test_a_tick_before_next_deadline_changes_nothing(steps: list[tuple[str, floa
             assert (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
                     c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE),
                     c.next_deadline()) == before
+            now = max(now, probe)
         if kind == "tick":
             c.tick(max(now, c.now))
     # The heartbeat is due at next_deadline at the latest: a tick there sends it.
     if any(c.state(r) == "waiting" for r in c.reqs) and c.peer_state(ENGINE) == "ready":
         t = max(c.next_deadline(), c.now)
-        assert t <= c.now + 1.0
+        assert t <= c.now + 1000

@@ -96,7 +96,7 @@ def test_ci_profile_reaches_every_terminal_state_and_staging(
 class NeverExpiresLedger(Ledger):
     """A broken ledger: time passes, but the expiry sweep frees nothing."""
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: int) -> list[Effect]:
         self._clock(now)
         return []
 
