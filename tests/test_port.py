@@ -8,7 +8,7 @@ from conftest import LedgerFactory
 
 from kvproto import wire
 from kvproto.lifecycle import FREED, Free, Ledger, Rejected
-from kvproto.port import p_receive
+from kvproto.port import now_ms, p_receive
 
 EPOCH = 9
 
@@ -61,3 +61,10 @@ def test_bad_done_batch_is_one_rejection_and_frees_nothing(make_ledger: LedgerFa
         assert len(effects) == 1 and isinstance(effects[0], Rejected), effects
     assert ledger.state(1) != FREED
     assert sum(v for k, v in ledger.counters.items() if k.startswith("rejected:")) == len(bads)
+
+
+def test_now_ms_reads_a_seconds_clock_as_whole_milliseconds() -> None:
+    """The adapters' one clock reading: seconds in, the machines' int ms out."""
+    assert now_ms(lambda: 12.3456) == 12_346
+    assert now_ms(lambda: 0.1 + 0.2) == 300  # float noise gone
+    assert type(now_ms(lambda: 5.0)) is int
