@@ -6,19 +6,29 @@ the caller to carry out. The NIXL producer, the simulator and the fuzzer all rec
 through it, so they decode, reject and dispatch alike: an unknown peer, bytes that do
 not decode, or a message kind P does not take are recorded rejections
 (``Ledger.reject``), never a crash. Standard library only.
+
+:func:`now_ms` is the adapters' one reading of their clock as the machines' time.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from kvproto.lifecycle import Effect, Ledger
+from kvproto.lifecycle import Effect, Ledger, to_ms
 from kvproto.wire import KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
 
 log = logging.getLogger(__name__)
 
 
-def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool, epoch: int,
+def now_ms(clock: Callable[[], float]) -> int:
+    """``clock()`` (seconds, e.g. ``time.monotonic``) as the machines' time: whole
+    milliseconds (``to_ms``). Every adapter reads its clock through here, once per step,
+    and hands the same integer to its machine, its journal and its own timers."""
+    return to_ms(clock())
+
+
+def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
               max_bytes: int) -> list[Effect]:
     """Feed P's ledger the event one incoming message stands for; return its effects.
 

@@ -126,9 +126,9 @@ def test_generated_harness_names_every_input() -> None:
 def test_a_clone_keeps_heartbeats_working() -> None:
     """The BFS clones ledgers; a clone must behave like the original."""
     L = Ledger(Config(), BlockPool(4))
-    L.register(1, "r1", (0,), 0.0)
+    L.register(1, "r1", (0,), 0)
     copy = L.clone()
-    assert copy.heartbeat("d", 1, (1,), 0, 1.0)[0].refused == ()  # type: ignore[union-attr]
+    assert copy.heartbeat("d", 1, (1,), 0, 1000)[0].refused == ()  # type: ignore[union-attr]
     assert copy.state(1) == lifecycle.LEASED and L.state(1) == lifecycle.REGISTERED
 
 

@@ -105,7 +105,7 @@ def test_bad_remote_bytes_are_a_counted_rejection_not_an_exception() -> None:
     ledger = Ledger(Config(), BlockPool(4))
     with pytest.raises(wire.WireError):
         wire.decode(b"\x00garbage", max_bytes=4096)  # inside the codec it is raised...
-    out = port.p_receive(ledger, "d0", b"\x00garbage", 1.0, known=True, epoch=1,
+    out = port.p_receive(ledger, "d0", b"\x00garbage", 1000, known=True, epoch=1,
                          max_bytes=4096)  # ...and the port turns it into a rejection
     assert [type(e) for e in out] == [Rejected]
     assert sum(v for k, v in ledger.counters.items() if k.startswith("rejected:")) == 1
@@ -119,9 +119,9 @@ def p_table_without(key: tuple[str, str, str]) -> type[Ledger]:
 def test_a_missing_p_row_names_the_state_event_and_guard() -> None:
     cls = p_table_without((REGISTERED, DONE, "more_readers"))
     L = cls(Config(), BlockPool(4))
-    L.register(1, "r1", (0,), 0.0, expected=2)
+    L.register(1, "r1", (0,), 0, expected=2)
     with pytest.raises(MissingRow) as info:
-        L.done("d0", 1, 2, 1.0)
+        L.done("d0", 1, 2, 1000)
     e = info.value
     assert str(e) == ("no row in P's transition table for state 'registered', event 'done', "
                       "guard 'more_readers'")
@@ -134,11 +134,11 @@ def test_a_missing_d_row_names_the_state_event_and_guard() -> None:
     table = make_table((r for r in D_TRANSITIONS if r.key != key), machine="D")
     cls = type("ConsumerWithoutARow", (Consumer,), {"TABLE": table})
     c = cls("d0", Config())
-    c.handshake_result(ENGINE, True, 0.0)
-    c.admit("r1", params(1), 0.0)
+    c.handshake_result(ENGINE, True, 0)
+    c.admit("r1", params(1), 0)
     with pytest.raises(MissingRow, match="D's transition table for state 'waiting', "
                                          "event 'schedule', guard 'lease_covers_read'"):
-        c.schedule("r1", 1.0)
+        c.schedule("r1", 1000)
 
 
 def test_a_lookup_and_a_replacement_of_no_row_raise_missing_row() -> None:
@@ -154,7 +154,7 @@ def test_caller_mistakes_raise_usage_errors() -> None:
     with pytest.raises(ConfigError):
         BlockPool(0)
     with pytest.raises(ConfigError):
-        Config(initial_lease=-1.0).validate()
+        Config(initial_lease=-1000).validate()
     pool = BlockPool(2)
     with pytest.raises(UsageError, match="is not held"):
-        Ledger(Config(), pool).expire(5, 0.0, [])
+        Ledger(Config(), pool).expire(5, 0, [])

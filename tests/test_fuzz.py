@@ -96,7 +96,7 @@ def test_ci_profile_reaches_every_terminal_state_and_staging(
 class NeverExpiresLedger(Ledger):
     """A broken ledger: time passes, but the expiry sweep (hook ``sweep``) frees nothing."""
 
-    def sweep(self, now: float, out: list[Effect]) -> None:
+    def sweep(self, now: int, out: list[Effect]) -> None:
         return None
 
 

@@ -445,7 +445,7 @@ def test_dead_producer_does_not_delay_other_handshakes() -> None:
     try:
         d.add_engine("deadP", "127.0.0.1", silent.getsockname()[1])
         d.add_engine(p.name, p.host, p.port)
-        dead = TransferParams(engine="deadP", epoch=1, handle=1, blocks=(0,), initial_term=30.0,
+        dead = TransferParams(engine="deadP", epoch=1, handle=1, blocks=(0,), initial_term=30_000,
                               generations=(0,))
         d.admit("to-dead", dead)  # its handshake starts first
         d.schedule("to-dead")

@@ -185,7 +185,7 @@ def test_the_lifecycle_has_private_names_to_protect() -> None:
     ("def f(c):\n    return c._next_hb\n", "_next_hb"),
     ("def f(ledger):\n    ledger._live.clear()\n", "_live"),
     ("def f(c):\n    c._lease_heap = []\n", "_lease_heap"),
-    ("from kvproto import lifecycle\nX = lifecycle._INF\n", "_INF"),
+    ("from kvproto import lifecycle\nX = lifecycle._DURATIONS\n", "_DURATIONS"),
     ("from kvproto.lifecycle import Ledger\nclass M(Ledger):\n"
      "    def _step(self, r, event, guard, now, out):\n        pass\n", "_step"),
     ("from kvproto.lifecycle import Ledger\nclass M(Ledger):\n"

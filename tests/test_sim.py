@@ -111,7 +111,7 @@ def test_simulator_reports_leaked_blocks(monkeypatch: pytest.MonkeyPatch) -> Non
     sim.run(5.0, drain=False)
     assert sim.ledger.held_requests > 0
 
-    def never_expire(now: float) -> list[Effect]:
+    def never_expire(now: int) -> list[Effect]:
         return []
 
     monkeypatch.setattr(sim.ledger, "tick", never_expire)

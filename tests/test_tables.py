@@ -59,14 +59,14 @@ P_SCRIPTS: dict[int, list[tuple[str, tuple[Any, ...]]]] = {
          ("done", ("d0", 1, 1))],
 }
 D_SCRIPTS: dict[int, list[tuple[str, tuple[Any, ...]]]] = {
-    -1: [("handshake_result", ("P0", True)), ("admit", (1, 12.0)), ("admit", (2, 12.0)),
+    -1: [("handshake_result", ("P0", True)), ("admit", (1, 12_000)), ("admit", (2, 12_000)),
          ("schedule", ("r1",)), ("schedule", ("r2",)), ("read_result", ("r1", True, False, True)),
          ("schedule", ("r2",))],  # sibling in flight, then local
-    -2: [("handshake_result", ("P0", True)), ("admit", (4, 12.0)), ("schedule", ("r4",)),
+    -2: [("handshake_result", ("P0", True)), ("admit", (4, 12_000)), ("schedule", ("r4",)),
          ("abort", ("r4",)), ("read_result", ("r4", True, False, False))],  # abort pending
-    -3: [("handshake_result", ("P0", True)), ("admit", (5, 12.0)), ("schedule", ("r5",)),
+    -3: [("handshake_result", ("P0", True)), ("admit", (5, 12_000)), ("schedule", ("r5",)),
          ("read_result", ("r5", True, True, True))],  # fenced
-    -4: [("handshake_result", ("P0", True)), ("admit", (5, 12.0)), ("time", (6.0,)),
+    -4: [("handshake_result", ("P0", True)), ("admit", (5, 12_000)), ("time", (6000,)),
          ("schedule", ("r5",))],  # lease too short to start the READ
 }
 SEEDS = [*P_SCRIPTS, *range(60)]
@@ -97,7 +97,7 @@ def p_ops(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
         elif op < 0.78:
             ops.append(("abort", (f"r{h}",)))
         else:
-            ops.append(("tick", (rng.choice((1.0, 3.0, 7.0)),)))
+            ops.append(("tick", (rng.choice((1000, 3000, 7000)),)))
     return ops
 
 
@@ -145,7 +145,7 @@ def drive_p(cls: type[Ledger], seed: int, seen: set[tuple[str, str, str]] | None
     if seen is not None:
         cls = recording(cls, seen)
     L = cls(CFG, BlockPool(16, strict=False))
-    now = 0.0
+    now = 0
     trace: Outcome = []
     for op, args in p_ops(seed):
         try:
@@ -177,9 +177,9 @@ def d_ops(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
         rid = f"r{i}"
         op = rng.random()
         if rng.random() < 0.3:
-            ops.append(("time", (rng.choice((1.0, 4.0)),)))  # events arrive between ticks
+            ops.append(("time", (rng.choice((1000, 4000)),)))  # events arrive between ticks
         if op < 0.2:
-            ops.append(("admit", (i, rng.choice((12.0, 12.0, 4.0)))))
+            ops.append(("admit", (i, rng.choice((12_000, 12_000, 4000)))))
         elif op < 0.3:
             ops.append(("handshake_result", ("P0", rng.random() < 0.7)))
         elif op < 0.45:
@@ -194,7 +194,7 @@ def d_ops(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
         elif op < 0.78:
             ops.append(("peer_lost", ("P0",)))
         else:
-            ops.append(("tick", (rng.choice((0.5, 2.0, 4.0)),)))
+            ops.append(("tick", (rng.choice((500, 2000, 4000)),)))
     return ops
 
 
@@ -203,7 +203,7 @@ def drive_d(cls: type[Consumer], seed: int,
     if seen is not None:
         cls = recording(cls, seen)
     c = cls("d0", CFG)
-    now = 0.0
+    now = 0
     sent: list[SendHeartbeat] = []
     trace: Outcome = []
     for op, args in d_ops(seed):
@@ -226,7 +226,7 @@ def drive_d(cls: type[Consumer], seed: int,
                 hb = sent.pop(int(args[0] * len(sent)))
                 refused = tuple(h for k, h in enumerate(hb.handles)
                                 if (args[1] * 7 + k) % 1.0 < 0.4)
-                out = c.ack("P0", hb.seq, 10.0, refused, now)
+                out = c.ack("P0", hb.seq, 10_000, refused, now)
             elif op == "tick":
                 now += args[0]
                 out = c.tick(now)

@@ -60,6 +60,7 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
     TransferParams,
+    to_ms,
 )
 from kvproto.nixl.agent import (
     DISCONNECT,
@@ -75,6 +76,7 @@ from kvproto.nixl.agent import (
     prep_blocks,
 )
 from kvproto.nixl.channel import Client, parse_refusal, secret_from_env
+from kvproto.port import now_ms
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     KIND_ACK,
@@ -93,7 +95,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
+Clock = Callable[[], float]  # seconds (time.monotonic); the machine sees it as int ms
 # Outgoing fault hook: (kind, engine, bytes) -> messages to send. Tests and the demo only.
 OutHook = Callable[[str, str, bytes], list[bytes]]
 # Test hook called with the request id at a READ phase ("before_post", "before_gen").
@@ -155,13 +157,11 @@ class _Engine:
         self.state = PEER_UNKNOWN  # one of lifecycle.PEER_STATES
         self.client: Client | None = None
         self.attempt = 0
-        self.deadline = 0.0
-        self.next_try = 0.0
+        self.deadline = self.next_try = self.next_check = 0  # ms, as every time here
         self.epoch = 0
         self.region: RemoteRegion | None = None
         self.remote_kv: Any = None
         self.remote_gen: Any = None
-        self.next_check = 0.0
         self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
 
 
@@ -169,7 +169,7 @@ class _Read:
     __slots__ = ("engine", "gens", "local", "nbytes", "params", "remote", "rid", "started",
                  "warned")
 
-    def __init__(self, rid: str, params: TransferParams, local: list[int], started: float,
+    def __init__(self, rid: str, params: TransferParams, local: list[int], started: int,
                  remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
         self.rid = rid
         self.params = params
@@ -236,7 +236,7 @@ class ConsumerAdapter:
     """One D rank. Call ``poll`` from the step loop; it never blocks."""
 
     # Effect type -> the method that executes it (filled in below the class).
-    _run: ClassVar[dict[type, Callable[[Any, Any, float], None]]]
+    _run: ClassVar[dict[type, Callable[[Any, Any, int], None]]]
 
     def __init__(self, name: str, config: Config, *, num_blocks: int, block_bytes: int,
                  device: str = "cpu", clock: Clock = time.monotonic, tp_rank: int = 0,
@@ -273,7 +273,7 @@ class ConsumerAdapter:
         self.handshake_timeout = handshake_timeout
         self.handshake_attempts = handshake_attempts
         self.backoff = backoff
-        self._effects: deque[tuple[DEffect, float]] = deque()  # queued, not yet executed
+        self._effects: deque[tuple[DEffect, int]] = deque()  # queued, not yet executed
         self._draining = False
         self.fault_hook = fault_hook
         self.phase_hook = phase_hook
@@ -331,7 +331,7 @@ class ConsumerAdapter:
             e.host, e.port = host, port
 
     def admit(self, rid: str, params: TransferParams) -> None:
-        now = self.clock()
+        now = now_ms(self.clock)
         if rid not in self.params and rid not in self.machine.reqs:
             self.params[rid] = params
         self._apply(self.machine.admit(rid, params, now), now)
@@ -347,7 +347,7 @@ class ConsumerAdapter:
         if local_blocks is not None and st != D_NEW:
             self._plans[rid] = list(local_blocks)
         if st == WAITING:
-            now = self.clock()
+            now = now_ms(self.clock)
             self._apply(machine.schedule(rid, now), now)
             st = machine.state(rid)
         if st in _RETRY:
@@ -355,7 +355,7 @@ class ConsumerAdapter:
             self._want[rid] = None
 
     def abort(self, rid: str) -> None:
-        now = self.clock()
+        now = now_ms(self.clock)
         self._want.pop(rid, None)
         self._apply(self.machine.abort(rid, now), now)
 
@@ -372,7 +372,7 @@ class ConsumerAdapter:
 
     # -- step loop ---------------------------------------------------------------------
     def poll(self) -> list[Completion]:
-        now = self.clock()
+        now = now_ms(self.clock)
         for e in list(self.engines.values()):
             if e.state == PEER_HANDSHAKING:
                 self._progress_handshake(e, now)
@@ -391,7 +391,7 @@ class ConsumerAdapter:
         out, self._out = self._out, []
         return out
 
-    def _schedule_ready(self, now: float) -> None:
+    def _schedule_ready(self, now: int) -> None:
         for rid in list(self._want):
             st = self.machine.state(rid)
             if st == WAITING:
@@ -402,7 +402,7 @@ class ConsumerAdapter:
                 del self._want[rid]
 
     # -- effects -----------------------------------------------------------------------
-    def _apply(self, effects: Sequence[DEffect], now: float) -> None:
+    def _apply(self, effects: Sequence[DEffect], now: int) -> None:
         """Execute a machine call's effects in order, unless already executing: then
         queue them behind the others (an effect that feeds the machine again only adds
         to the queue, so this adapter is never re-entered)."""
@@ -430,10 +430,10 @@ class ConsumerAdapter:
         epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
         into.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
 
-    def _x_release(self, eff: SendRelease, now: float) -> None:
+    def _x_release(self, eff: SendRelease, now: int) -> None:
         self._batch(self._releases, eff)
 
-    def _x_done(self, eff: SendDone, now: float) -> None:
+    def _x_done(self, eff: SendDone, now: int) -> None:
         """Batched: every SendDone of one step goes out in one done batch per P engine
         (``_flush_dones``, right after the stamps that verified them)."""
         self._batch(self._dones, eff)
@@ -448,7 +448,7 @@ class ConsumerAdapter:
                 if not self._send("done", engine, m):
                     break
 
-    def _x_drop_peer(self, eff: DropPeer, now: float) -> None:
+    def _x_drop_peer(self, eff: DropPeer, now: int) -> None:
         e = self.engines.get(eff.engine)
         if e is not None and e.state == PEER_READY:
             log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
@@ -459,7 +459,7 @@ class ConsumerAdapter:
         e = self.engines.get(engine)
         return e.epoch if e is not None else 0
 
-    def _finished(self, f: Finished, now: float = 0.0) -> None:
+    def _finished(self, f: Finished, now: int = 0) -> None:
         rid = f.request_id
         p = self.params.pop(rid, None)
         if self._want:
@@ -492,11 +492,11 @@ class ConsumerAdapter:
                 self._count("send_error")
                 log.info("%s to %s failed: %s", kind, engine, name)
                 if name in (NOT_FOUND, DISCONNECT):
-                    self._lose(engine, self.clock(), "send failed: " + name)
+                    self._lose(engine, now_ms(self.clock), "send failed: " + name)
                 return False
         return True
 
-    def _send_heartbeat(self, hb: SendHeartbeat, now: float = 0.0) -> None:
+    def _send_heartbeat(self, hb: SendHeartbeat, now: int = 0) -> None:
         e = self.engines.get(hb.engine)
         if e is None or e.state != PEER_READY:
             return
@@ -527,10 +527,10 @@ class ConsumerAdapter:
                          agent_metadata=self._metadata, role="consumer", extra={},
                          version=self.handshake_version, identity=self.identity).encode()
 
-    def _x_handshake(self, eff: StartHandshake, now: float) -> None:
+    def _x_handshake(self, eff: StartHandshake, now: int) -> None:
         self._start_handshake(eff.engine, now)
 
-    def _start_handshake(self, engine: str, now: float) -> None:
+    def _start_handshake(self, engine: str, now: int) -> None:
         e = self.engines.get(engine)
         if e is None:
             self._apply(self.machine.handshake_result(engine, False, now, "unknown_engine"), now)
@@ -545,12 +545,12 @@ class ConsumerAdapter:
         e.next_try = now
         self._progress_handshake(e, now)
 
-    def _progress_handshake(self, e: _Engine, now: float) -> None:
+    def _progress_handshake(self, e: _Engine, now: int) -> None:
         if e.client is None:
             if now < e.next_try:
                 return
             e.client = Client(e.host, e.port, self._payload(), secret=self.handshake_secret)
-            e.deadline = now + self.handshake_timeout
+            e.deadline = now + to_ms(self.handshake_timeout)
         r = e.client.poll()
         if r is None:
             if now > e.deadline:
@@ -604,7 +604,7 @@ class ConsumerAdapter:
         log.info("%s: handshake with %s ok (epoch %d)", self.name, e.name, hs.epoch)
         self._apply(self.machine.handshake_result(e.name, True, now), now)
 
-    def _retry(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+    def _retry(self, e: _Engine, now: int, reason: str, detail: str) -> None:
         if e.client is not None:
             e.client.close()
             e.client = None
@@ -614,11 +614,11 @@ class ConsumerAdapter:
             self._fail_handshake(e, now, reason, detail)
             return
         delay = self.backoff * (2 ** (e.attempt - 1)) * (0.5 + self._rng.random())
-        e.next_try = now + delay
+        e.next_try = now + to_ms(delay)
         log.info("%s: handshake with %s: %s (%s); retry %d in %.2fs", self.name, e.name, reason,
                  detail, e.attempt, delay)
 
-    def _fail_handshake(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+    def _fail_handshake(self, e: _Engine, now: int, reason: str, detail: str) -> None:
         if e.client is not None:
             e.client.close()
             e.client = None
@@ -630,10 +630,10 @@ class ConsumerAdapter:
         self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
 
     # -- peer liveness ---------------------------------------------------------------------
-    def _check_peer(self, e: _Engine, now: float) -> None:
+    def _check_peer(self, e: _Engine, now: int) -> None:
         if now < e.next_check:
             return
-        e.next_check = now + 0.02  # a syscall per engine, at most 50 times a second
+        e.next_check = now + 20  # a syscall per engine, at most 50 times a second
         if e.client is not None and not e.client.alive():
             self._lose(e.name, now, "handshake channel closed")
 
@@ -645,7 +645,7 @@ class ConsumerAdapter:
         e.stale_handles += [h for h in (e.remote_kv, e.remote_gen) if h is not None]
         e.remote_kv = e.remote_gen = None
 
-    def _lose(self, engine: str, now: float, why: str) -> None:
+    def _lose(self, engine: str, now: int, why: str) -> None:
         e = self.engines.get(engine)
         if e is None or e.state != PEER_READY:
             return
@@ -654,7 +654,7 @@ class ConsumerAdapter:
         self._disconnect(e)
         self._apply(self.machine.peer_lost(engine, now), now)
 
-    def _reap(self, now: float) -> None:
+    def _reap(self, now: int) -> None:
         """Release handles no READ uses any more; retry failed handle releases."""
         if self.zombies:
             self.zombies = [x for x in self.zombies if (x.poll(), x.release())[1] is False]
@@ -689,7 +689,7 @@ class ConsumerAdapter:
     # stamps landed and matched, every stamp is read after its data (fail closed: a stamp
     # that changed means the blocks were freed, and the data is never served), and a
     # transfer that fails fails every request in it (each is released and recomputed).
-    def _post_read(self, pr: PostRead, now: float) -> None:
+    def _post_read(self, pr: PostRead, now: int) -> None:
         rid = pr.request_id
         p = self.params.get(rid)
         e = self.engines.get(pr.engine)
@@ -732,7 +732,7 @@ class ConsumerAdapter:
         else:
             q.append(rd)
 
-    def _post_queued(self, now: float) -> None:
+    def _post_queued(self, now: int) -> None:
         """Post the queued READs: one transfer per P engine (and ``MAX_READ_DESCS``)."""
         queued, self._post_queue = self._post_queue, {}
         for engine, rds in queued.items():
@@ -746,7 +746,7 @@ class ConsumerAdapter:
             for part in _chunks(rds, MAX_READ_DESCS):
                 self._post_data_batch(e, part, segs, now)
 
-    def _on_live_engine(self, engine: str, rds: list[_Read], now: float
+    def _on_live_engine(self, engine: str, rds: list[_Read], now: int
                         ) -> tuple[_Engine | None, list[_Read]]:
         """The READs of ``rds`` that may go to ``engine`` now (it is ready, and at their
         params' epoch); the others fail (``peer_gone``: P was lost or restarted)."""
@@ -760,7 +760,7 @@ class ConsumerAdapter:
             rds = [rd for rd in rds if rd.params.epoch == e.epoch]
         return e, rds
 
-    def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: float) -> None:
+    def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: int) -> None:
         assert e.region is not None
         local, remote = _blocks(rds)
         if segs:  # engine caches: descriptor indices
@@ -784,7 +784,7 @@ class ConsumerAdapter:
             self._release_xfer(x)
             self._batch_failed(rds, st, now)
 
-    def _poll_reads(self, now: float) -> None:
+    def _poll_reads(self, now: int) -> None:
         if self._post_queue:
             self._post_queued(now)
         if self._batches:
@@ -814,8 +814,8 @@ class ConsumerAdapter:
         if self._stamp_queue:
             self._post_stamps(now)
 
-    def _warn_slow(self, rd: _Read, now: float) -> None:
-        if not rd.warned and now - rd.started > self.config.max_read_time:
+    def _warn_slow(self, rd: _Read, now: int) -> None:
+        if not rd.warned and now - rd.started > self.config.ms.max_read_time:
             rd.warned = True
             self._count("read_over_max_read_time")
             log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
@@ -825,7 +825,7 @@ class ConsumerAdapter:
         if not x.release():
             self.zombies.append(x)
 
-    def _data_landed(self, b: _ReadBatch, now: float) -> None:
+    def _data_landed(self, b: _ReadBatch, now: int) -> None:
         """The data READ landed: release it and queue its requests for their stamp READ."""
         self._release_xfer(b.xfer)
         bb = self.region.block_bytes
@@ -842,7 +842,7 @@ class ConsumerAdapter:
         else:
             q += rds
 
-    def _post_stamps(self, now: float) -> None:
+    def _post_stamps(self, now: int) -> None:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
             e, rds = self._on_live_engine(engine, rds, now)
@@ -851,7 +851,7 @@ class ConsumerAdapter:
             for part in _chunks(rds, MAX_STAMP_DESCS):
                 self._post_stamp_batch(e, part, now)
 
-    def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: float) -> None:
+    def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: int) -> None:
         local, remote = _blocks(rds)
         x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote, b"", 0)
         if isinstance(x, str):
@@ -869,7 +869,7 @@ class ConsumerAdapter:
             self._release_xfer(x)
             self._batch_failed(rds, st, now)
 
-    def _stamps_landed(self, b: _StampBatch, now: float) -> None:
+    def _stamps_landed(self, b: _StampBatch, now: int) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
         self._release_xfer(b.xfer)
         gv = self._gen_view
@@ -904,14 +904,14 @@ class ConsumerAdapter:
                 log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
                             got[off - n:off - n + 4], list(gens[:4]))
             else:
-                done_info[rd.rid] = (rd.nbytes, now - rd.started)
+                done_info[rd.rid] = (rd.nbytes, (now - rd.started) / 1000)
             # A landed READ's SendDone joins the done batch sent below.
             effects += machine.read_result(rd.rid, True, now, fenced=fenced,
                                            notif_attached=False)
         self._apply(effects, now)
         self._flush_dones()
 
-    def _batch_failed(self, rds: list[_Read], why: str, now: float) -> None:
+    def _batch_failed(self, rds: list[_Read], why: str, now: int) -> None:
         """Every READ in ``rds`` failed (one transfer, or its engine is gone)."""
         if not rds:
             return
@@ -930,7 +930,7 @@ class ConsumerAdapter:
         if self.metrics is not None:
             self.metrics.rejected(reason)
 
-    def _poll_notifs(self, now: float) -> None:
+    def _poll_notifs(self, now: int) -> None:
         try:
             notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
         except Exception as ex:
@@ -961,7 +961,7 @@ class ConsumerAdapter:
                     log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
                              name)
                     continue
-                self._apply(self.machine.ack(name, msg.seq, msg.term_ms / 1000.0, msg.handles,
+                self._apply(self.machine.ack(name, msg.seq, msg.term_ms, msg.handles,
                                              now, pending=msg.pending), now)
 
     # -- teardown --------------------------------------------------------------------------

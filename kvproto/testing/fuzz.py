@@ -70,6 +70,7 @@ from kvproto.lifecycle import (
     PostRead,
     StartHandshake,
     TransferParams,
+    to_ms,
 )
 from kvproto.testing.sim import P_NAME, Faults, Msg, Network, Read, Simulator
 from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
@@ -124,7 +125,7 @@ class FuzzNetwork(Network):
     drop_next: int = 0
     dup_next: int = 0
 
-    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
         if self.drop_next > 0:
             self.drop_next -= 1
@@ -153,7 +154,7 @@ class FuzzNetwork(Network):
 
 @dataclass
 class PendingRegister:
-    deadline: float
+    deadline: int  # ms
     handle: int
     rid: str
     blocks: tuple[int, ...]
@@ -164,7 +165,7 @@ class PendingRegister:
 
 @dataclass
 class PendingAdmit:
-    deadline: float
+    deadline: int  # ms
     rank: str
     rid: str
     params: TransferParams
@@ -181,16 +182,16 @@ class FuzzSim(Simulator):
                  sink: Callable[..., None] | None = None, register_lag: float = 1.0) -> None:
         super().__init__(0, config=config, faults=Faults.none(), capacity=capacity,
                          engines=engines)
-        self.net = FuzzNetwork(self.rng, self.faults, self.config.max_delay)
+        self.net = FuzzNetwork(self.rng, self.faults, self.config.ms.max_delay)
         cls = observed_ledger_class(ledger_cls)
         self.ledger = cls(self.config, self.pool, sink=sink)
         self.oracle = Oracle(self.config)
         self.ledger.oracle = self.oracle
-        self.register_lag = register_lag
+        self.register_lag = to_ms(register_lag)  # ms
         self.pending_regs: list[PendingRegister] = []
         self.pending_admits: list[PendingAdmit] = []
         self.pending_hs: list[str] = []  # ranks whose handshake with P is in progress
-        self.next_d_tick = 0.0
+        self.next_d_tick = 0
 
     # -- effects --------------------------------------------------------------------------
     def _d_effects(self, rank: str, effects: list[DEffect]) -> None:
@@ -212,7 +213,7 @@ class FuzzSim(Simulator):
                                     "hand-out")
                 self.reads[(rank, eff.request_id)] = Read(
                     rank, eff.request_id, eff.handle, eff.blocks, gens, self.now,
-                    self.now + self.config.max_read_time)
+                    self.now + self.config.ms.max_read_time)
             else:
                 rest.append(eff)
         if rest:
@@ -262,11 +263,11 @@ class FuzzSim(Simulator):
             h = self.ledger.new_handle()
             pr = PendingRegister(self.now + self.register_lag, h, rid, blocks, group,
                                  len(ranks) if expected_known else 0, ranks)
-            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
+            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
                                     expected=len(ranks), group=group,
                                     generations=tuple(self.gens[b] for b in blocks))
             for rk in ranks:
-                self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
+                self.pending_admits.append(PendingAdmit(self.now + self.config.ms.max_delay,
                                                         rk, rid, params))
             # The engine pins the blocks from hand-out to registration (a pool pin per
             # sibling).
@@ -361,7 +362,7 @@ class FuzzSim(Simulator):
 
     # -- time ----------------------------------------------------------------------------
     def _next_forced(self) -> float:
-        times = [math.inf]
+        times: list[float] = [math.inf]
         if self.net.queue:
             times.append(self.net.queue[0].at)
         times.extend(r.end for r in self.reads.values())
@@ -390,18 +391,18 @@ class FuzzSim(Simulator):
                 self.d_tick(rk)
         self._p_effects(self.ledger.tick(now))
 
-    def advance(self, dt: float, *, d_ticks: bool = True) -> None:
-        """Let ``dt`` seconds pass. Events the timing assumptions force (deliveries, READ
-        completions, admissions, registrations, restarts) happen at their forced times;
-        with ``d_ticks`` every D rank ticks at least every heartbeat interval."""
-        target = self.now + max(0.0, dt)
+    def advance(self, dt: int, *, d_ticks: bool = True) -> None:
+        """Let ``dt`` milliseconds pass. Events the timing assumptions force (deliveries,
+        READ completions, admissions, registrations, restarts) happen at their forced
+        times; with ``d_ticks`` every D rank ticks at least every heartbeat interval."""
+        target = self.now + max(0, dt)
         while True:
             nxt = self._next_forced()
             if d_ticks:
-                nxt = min(nxt, self.now + self.config.heartbeat_interval)
+                nxt = min(nxt, self.now + self.config.ms.heartbeat_interval)
             if nxt > target:
                 break
-            self.now = max(self.now, nxt)
+            self.now = max(self.now, int(nxt))
             self._run_forced(d_ticks)
         self.now = target
         self._run_forced(d_ticks)
@@ -409,7 +410,7 @@ class FuzzSim(Simulator):
     def settle(self) -> None:
         """End of a run: resolve everything D still has, then let every lease, grace and
         staging age run out."""
-        cfg = self.config
+        cfg = self.config.ms
         for _ in range(64):
             while self.pending_hs:
                 self.handshake(0, True)
@@ -422,9 +423,9 @@ class FuzzSim(Simulator):
             if not (self.d_requests() or self.reads or self.net.queue or self.pending_hs
                     or self.pending_admits):
                 break
-            self.advance(cfg.max_read_time / 2 + cfg.max_delay)
+            self.advance(cfg.max_read_time // 2 + cfg.max_delay)
         horizon = max(cfg.lease_horizon, cfg.abort_grace) + cfg.max_staged_age + \
-            cfg.max_read_time + 4 * cfg.max_delay + 1
+            cfg.max_read_time + 4 * cfg.max_delay + 1000
         self.advance(horizon)
 
 
@@ -629,22 +630,23 @@ class LifecycleMachine(RuleBasedStateMachine):
           d_ticks=st.booleans())
     def advance(self, frac: float, d_ticks: bool) -> None:
         """Tick by an arbitrary amount: a fraction of the shortest lease term."""
-        cfg = self.cfg
-        self.sim.advance(frac * min(cfg.initial_lease, cfg.lease_extension), d_ticks=d_ticks)
+        ms = self.cfg.ms
+        self.sim.advance(round(frac * min(ms.initial_lease, ms.lease_extension)),
+                         d_ticks=d_ticks)
 
     @precondition(lambda self: self.sim.busy())
     @rule(dt=st.floats(min_value=0.0, max_value=2.0, allow_nan=False))
     def advance_by_delay(self, dt: float) -> None:
         """Let up to two message delays pass (no D tick)."""
-        self.sim.advance(dt * self.cfg.max_delay, d_ticks=False)
+        self.sim.advance(round(dt * self.cfg.ms.max_delay), d_ticks=False)
 
     @precondition(lambda self: self.sim.ledger.next_deadline() is not None)
-    @rule(offset=st.sampled_from([-1e-6, 0.0, 1e-6]))
-    def advance_to_deadline(self, offset: float) -> None:
-        """Land exactly on (or just around) P's next deadline: boundary conditions."""
+    @rule(offset=st.sampled_from([-1, 0, 1]))
+    def advance_to_deadline(self, offset: int) -> None:
+        """Land exactly on (or one ms around) P's next deadline: boundary conditions."""
         nd = self.sim.ledger.next_deadline()
         assert nd is not None
-        self.sim.advance(max(0.0, nd + offset - self.sim.now), d_ticks=False)
+        self.sim.advance(max(0, nd + offset - self.sim.now), d_ticks=False)
 
     # -- network faults ----------------------------------------------------------------
     @precondition(lambda self: bool(self.sim.net.queue))

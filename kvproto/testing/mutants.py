@@ -78,14 +78,14 @@ class StoppingSweepLedger(Ledger):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._order: deque[int] = deque()
 
-    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: int, *,
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         out = super().register(handle, request_id, blocks, now, group=group, expected=expected)
         if self.held(handle) is not None and (not self._order or self._order[-1] != handle):
             self._order.append(handle)
         return out
 
-    def sweep(self, now: float, out: list[Effect]) -> None:
+    def sweep(self, now: int, out: list[Effect]) -> None:
         order = self._order
         while order:
             dl = self.deadline(order[0])

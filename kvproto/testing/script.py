@@ -74,11 +74,11 @@ from kvproto.lifecycle import (
 # ---------------------------------------------------------------------------
 
 
-def machine_time(ms: int) -> float:
-    """A script time or duration (integer milliseconds) as the machines take it (float
-    seconds). The only function that knows the machines' time unit: the renderer's
-    inverse is derived from it (``_script_ms``)."""
-    return ms / 1000
+def machine_time(ms: int) -> int:
+    """A script time or duration (integer milliseconds) as the machines take it (integer
+    milliseconds too). The only function that knows the machines' time unit: the
+    renderer's inverse is derived from it (``_script_ms``)."""
+    return ms
 
 
 def _script_ms(t: float) -> float:
@@ -91,6 +91,8 @@ def _fmt_time(t: float | None) -> str:
     time that is not a whole millisecond keeps three decimals)."""
     if t is None:
         return "none"
+    if t == CLOCK_START:  # "before any time" (the machines' int stand-in for -inf)
+        return "-inf"
     if not math.isfinite(t):
         return "inf" if t > 0 else "-inf"
     ms = _script_ms(t)
@@ -440,7 +442,7 @@ class _Driver:
     def configure(self, values: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
-    def at(self, args: Mapping[str, Any]) -> float:
+    def at(self, args: Mapping[str, Any]) -> int:
         """The event's machine time: its ``t=``, else the script's clock."""
         t = args["t"]
         if t is not None:
@@ -588,7 +590,7 @@ class LedgerDriver(_Driver):
         return [_counters(self.ledger.counters, "counters"), _counters(self.ledger.frees, "frees")]
 
 
-_ConsumerView = tuple[str, float | None, bool]
+_ConsumerView = tuple[str, int | None, bool]
 
 
 class ConsumerDriver(_Driver):

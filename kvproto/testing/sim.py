@@ -3,7 +3,9 @@ and a faulty network carrying the real encoded bytes.
 
 The simulator is itself a thin adapter: it decodes bytes into ledger/consumer events and
 applies their effects; every lifecycle decision stays in ``kvproto.lifecycle``. It checks
-the safety invariants after every step and measures stranded block-seconds.
+the safety invariants after every step and measures stranded block-seconds. Its clock
+(``now``) is the machines' time, integer milliseconds; its knobs (``dt``, durations,
+``Faults``) are seconds, turned into milliseconds once.
 
 Faults: message loss, duplication, reordering (random delays), delay, D rank crash,
 aborts on P and on D, malformed bytes into P's inbox, handshake failures.
@@ -41,6 +43,7 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
     TransferParams,
+    to_ms,
 )
 from kvproto.verify.oracle import InvariantViolation, ledger_violations, safety_violations
 
@@ -72,7 +75,7 @@ class Faults:
 
 @dataclass(order=True)
 class Msg:
-    at: float
+    at: int  # ms
     seq: int
     src: str = field(compare=False)
     dst: str = field(compare=False)
@@ -86,8 +89,8 @@ class Read:
     handle: int
     blocks: tuple[int, ...]
     gens: tuple[int, ...]
-    start: float
-    end: float
+    start: int  # ms
+    end: int
 
 
 @dataclass
@@ -110,9 +113,10 @@ class Stats:
 
 
 class Network:
-    """Delivers bytes after a random delay; may lose or duplicate them."""
+    """Delivers bytes after a random delay (at most ``max_delay`` ms); may lose or
+    duplicate them."""
 
-    def __init__(self, rng: random.Random, faults: Faults, max_delay: float) -> None:
+    def __init__(self, rng: random.Random, faults: Faults, max_delay: int) -> None:
         self.rng = rng
         self.faults = faults
         self.max_delay = max_delay
@@ -120,7 +124,7 @@ class Network:
         self._seq = 0
         self.sent = self.lost = self.duplicated = 0
 
-    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
         if self.rng.random() < self.faults.loss:
             self.lost += 1
@@ -129,10 +133,10 @@ class Network:
         self.duplicated += copies - 1
         for _ in range(copies):
             self._seq += 1
-            heapq.heappush(self.queue, Msg(now + self.rng.uniform(0, self.max_delay), self._seq,
-                                           src, dst, data))
+            heapq.heappush(self.queue, Msg(now + round(self.rng.uniform(0, self.max_delay)),
+                                           self._seq, src, dst, data))
 
-    def due(self, now: float) -> list[Msg]:
+    def due(self, now: int) -> list[Msg]:
         out = []
         while self.queue and self.queue[0].at <= now:
             out.append(heapq.heappop(self.queue))
@@ -140,7 +144,8 @@ class Network:
 
 
 class Simulator:
-    """One P rank and D engines. ``step()`` advances time by ``dt`` and runs everything due."""
+    """One P rank and D engines. ``step()`` advances time by ``dt`` (seconds, whole ms)
+    and runs everything due."""
 
     def __init__(self, seed: int = 0, *, config: Config | None = None,
                  faults: Faults | None = None, capacity: int = 512,
@@ -150,8 +155,9 @@ class Simulator:
         self.rng = random.Random(seed)
         self.config = (config or Config()).validate()
         self.faults = faults if faults is not None else Faults()
-        self.dt = dt
-        self.now = 0.0
+        self.dt_ms = max(1, to_ms(dt))
+        self.dt = self.dt_ms / 1000
+        self.now = 0  # ms
         self.arrival_rate = arrival_rate  # requests per simulated second
         self.max_queue = max_queue  # D may queue a request this long before pulling it
         self.epoch = self.rng.randrange(1, 1 << 32)
@@ -160,7 +166,7 @@ class Simulator:
         self.gens = [0] * capacity
         max_delay = self.faults.max_delay if self.faults.max_delay is not None \
             else self.config.max_delay
-        self.net = Network(self.rng, self.faults, max_delay)
+        self.net = Network(self.rng, self.faults, to_ms(max_delay))
         self.ranks: dict[str, Consumer] = {}
         self.engine_ranks: dict[str, list[str]] = {}
         for e, nranks in enumerate(engines):
@@ -170,17 +176,17 @@ class Simulator:
                 self.ranks[n] = Consumer(n, self.config)
         self.crashed: set[str] = set()
         self.known_peers: set[str] = set()  # D ranks P has handshaken with
-        self.agenda: list[tuple[float, int, str, str]] = []  # (time, seq, rank, rid) schedule
-        self.handshakes: list[tuple[float, int, str, bool]] = []  # (time, seq, rank, ok)
+        self.agenda: list[tuple[int, int, str, str]] = []  # (time, seq, rank, rid) schedule
+        self.handshakes: list[tuple[int, int, str, bool]] = []  # (time, seq, rank, ok)
         self.reads: dict[tuple[str, str], Read] = {}
         self._aseq = 0
         self._next_req = 0
         self.stats = Stats()
         self.violations: list[InvariantViolation] = []  # the records behind stats.violations
         self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
-        self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
+        self.p_agenda: list[tuple[int, int, str, tuple[int, ...], str | None, int,
                                   tuple[str, ...]]] = []
-        self.restarts: list[tuple[float, str]] = []
+        self.restarts: list[tuple[int, str]] = []
         self.incarnation: dict[str, int] = {}
 
     # -- helpers -----------------------------------------------------------------------
@@ -190,9 +196,9 @@ class Simulator:
 
     def _violation(self, invariant: str, detail: str) -> None:
         v = InvariantViolation(invariant, detail)
-        log.error("violation at t=%.3f: %s", self.now, v)
+        log.error("violation at t=%.3f: %s", self.now / 1000, v)
         self.violations.append(v)
-        self.stats.violations.append(f"t={self.now:.3f} {v}")
+        self.stats.violations.append(f"t={self.now / 1000:.3f} {v}")
 
     # -- P side (the adapter: decode, feed the ledger, apply effects) ------------------
     def p_receive(self, src: str, data: bytes) -> None:
@@ -211,7 +217,7 @@ class Simulator:
                 return
             if a.kind == wire.KIND_ACK:
                 self._d_effects(m.dst, self.ranks[m.dst].ack(
-                    P_NAME, a.seq, a.term_ms / 1000, a.handles, self.now, a.pending))
+                    P_NAME, a.seq, a.term_ms, a.handles, self.now, a.pending))
 
     def _p_effects(self, effects: list[Effect]) -> None:
         for eff in effects:
@@ -264,15 +270,16 @@ class Simulator:
             expected = len(ranks) if self.rng.random() < 0.5 else 0
             # The early-notification race: P's registration may lag the params it already
             # handed out (scheduler vs worker), so D's messages can arrive first.
-            lag = self.rng.uniform(0, 1.0) if self.rng.random() < self.faults.register_lag else 0
+            lag = round(self.rng.uniform(0, 1000)) if self.rng.random() < self.faults.register_lag \
+                else 0
             self.p_agenda.append((self.now + lag, h, rid, blocks, group, expected, tuple(ranks)))
             # P holds the blocks from the moment it hands out params: one engine pin per
             # sibling until its registration, so they are not handed out meanwhile.
             self.pool.pin(blocks)
-            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
+            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
                                     expected=len(ranks), group=group,
                                     generations=tuple(self.gens[b] for b in blocks))
-            delay = self.rng.uniform(0, self.net.max_delay)
+            delay = round(self.rng.uniform(0, self.net.max_delay))
             for rk in ranks:
                 self._aseq += 1
                 heapq.heappush(self.agenda, (self.now + delay, self._aseq, rk,
@@ -289,12 +296,12 @@ class Simulator:
         for eff in effects:
             if isinstance(eff, StartHandshake):
                 ok = self.rng.random() >= self.faults.handshake_fail
-                heapq.heappush(self.handshakes, (self.now + self.rng.uniform(0.01, 0.5),
+                heapq.heappush(self.handshakes, (self.now + round(self.rng.uniform(10, 500)),
                                                  self._tick_seq(), rank, ok))
             elif isinstance(eff, PostRead):
                 gens = tuple(self.gens[b] for b in eff.blocks)
-                mrt = self.config.max_read_time
-                dur = self.rng.uniform(min(0.01, mrt / 2), mrt)
+                mrt = self.config.ms.max_read_time
+                dur = round(self.rng.uniform(min(10, mrt / 2), mrt))
                 self.reads[(rank, eff.request_id)] = Read(rank, eff.request_id, eff.handle,
                                                           eff.blocks, gens, self.now,
                                                           self.now + dur)
@@ -347,7 +354,7 @@ class Simulator:
         self.stats.crashes += 1
         for rs in self.holders.values():
             rs.discard(rank)
-        self.restarts.append((self.now + self.faults.restart_after, rank))
+        self.restarts.append((self.now + to_ms(self.faults.restart_after), rank))
 
     def _restart(self, old: str) -> None:
         base = old.split("#", 1)[0]
@@ -381,7 +388,7 @@ class Simulator:
 
     # -- time -----------------------------------------------------------------------------
     def step(self, *, generate: bool = True) -> None:
-        self.now = round(self.now + self.dt, 9)
+        self.now += self.dt_ms
         now = self.now
         f = self.faults
         rng = self.rng
@@ -442,17 +449,17 @@ class Simulator:
                 self._d_effects(rk, c.admit(rid, params, now))
                 self._aseq += 1
                 q = rng.uniform(0, self.max_queue) if rng.random() < 0.3 else rng.uniform(0, 1)
-                heapq.heappush(self.agenda, (now + q, self._aseq, rk, "sched\0" + rid))
+                heapq.heappush(self.agenda, (now + to_ms(q), self._aseq, rk, "sched\0" + rid))
             else:
                 rid = what.split("\0", 1)[1]
                 if c.state(rid) == "handshaking":  # not ready yet: retry later
                     self._aseq += 1
-                    heapq.heappush(self.agenda, (now + 0.5, self._aseq, rk, what))
+                    heapq.heappush(self.agenda, (now + 500, self._aseq, rk, what))
                 else:
                     self._d_effects(rk, c.schedule(rid, now))
                     if c.state(rid) == "waiting":  # e.g. a sibling's READ in flight: retry
                         self._aseq += 1
-                        heapq.heappush(self.agenda, (now + 0.2, self._aseq, rk, what))
+                        heapq.heappush(self.agenda, (now + 200, self._aseq, rk, what))
         # READs completing
         for key, r in sorted(self.reads.items(), key=lambda kv: kv[1].end):
             if r.end <= now:
@@ -489,7 +496,7 @@ class Simulator:
         for i in range(steps):
             self.step()
             if progress is not None and i % 500 == 0:
-                progress(self.now)
+                progress(self.now / 1000)
         if drain:
             self.drain()
         return self.stats
@@ -497,8 +504,8 @@ class Simulator:
     def drain(self) -> None:
         """Stop new work and let every lease, grace and READ run out."""
         cfg = self.config
-        limit = self.now + self.max_queue + cfg.lease_horizon + cfg.abort_grace + \
-            cfg.max_read_time + 10 * cfg.max_delay + 10
+        limit = self.now + to_ms(self.max_queue + cfg.lease_horizon + cfg.abort_grace
+                                 + cfg.max_read_time + 10 * cfg.max_delay + 10)
         while self.now < limit and (self.ledger.held_requests or self.reads or self.net.queue
                                     or self.agenda or self.p_agenda):
             self.step(generate=False)

@@ -23,7 +23,7 @@ from kvproto.lifecycle import (
     Free,
     Ledger,
 )
-from kvproto.verify.models import Action, GraphModel
+from kvproto.verify.models import UNIT_MS, Action, GraphModel
 from kvproto.verify.tlc import (
     Fn,
     State,
@@ -40,7 +40,8 @@ LedgerFactory: TypeAlias = Callable[[Config, BlockPool], Ledger]
 
 @dataclass
 class PyNode:
-    """A concrete Python ledger at model time ``now``, plus the ghost free counts."""
+    """A concrete Python ledger at model time ``now`` (units; the ledger's clock is
+    ``now * UNIT_MS`` ms), plus the ghost free counts."""
 
     ledger: Ledger
     now: int
@@ -48,6 +49,14 @@ class PyNode:
 
     def clone(self) -> PyNode:
         return PyNode(self.ledger.clone(), self.now, dict(self.nfree))
+
+
+def units(ms: int, what: str) -> int:
+    """A duration of the machines' (ms) in model time units; it must be whole units."""
+    u, rem = divmod(ms, UNIT_MS)
+    if rem:
+        raise ValueError(f"{what} of {ms} ms is not a whole number of model time units")
+    return u
 
 
 def abstract(model: GraphModel, node: PyNode) -> State:
@@ -58,8 +67,9 @@ def abstract(model: GraphModel, node: PyNode) -> State:
     |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = the handles of
     staged_entries() as names; staged[r] = its msgs as [kind, reader, exp, age] (age =
     now - arrival for heartbeats, 0 otherwise); stagedAge[r] = now - its since;
-    groupsDone = set(groups_done()); nfree[r] = the ghost count of Free effects for r."""
-    L, now = node.ledger, node.now
+    groupsDone = set(groups_done()); nfree[r] = the ghost count of Free effects for r.
+    Times in model units (``units``)."""
+    L, now = node.ledger, node.now * UNIT_MS
     snap = L.snapshot()
     staged_all = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
     cols: dict[str, list[tuple[Value, Value]]] = {
@@ -71,10 +81,8 @@ def abstract(model: GraphModel, node: PyNode) -> State:
         s = snap.get(h)
         if s is not None:
             _st, exp, fin, rel, dl = s
-            d = dl - now
-            if d != int(d):
-                raise ValueError(f"non-integral relative deadline {d} for {r}")
-            vals: tuple[Value, ...] = (exp, fin, rel, int(d), len(fin))
+            vals: tuple[Value, ...] = (exp, fin, rel, units(dl - now, f"deadline of {r}"),
+                                       len(fin))
         else:
             vals = (0, frozenset(), False, 0, 0)
         for var, v in zip(("expected", "finished", "released", "deadline", "reports"), vals,
@@ -86,10 +94,10 @@ def abstract(model: GraphModel, node: PyNode) -> State:
             cols["stagedAge"].append((r, 0))
         else:
             cols["staged"].append((r, tuple(
-                Fn((("age", int(now - t) if k == HEARTBEAT else 0), ("exp", e), ("kind", k),
-                    ("reader", d_)))
+                Fn((("age", units(now - t, "age") if k == HEARTBEAT else 0), ("exp", e),
+                    ("kind", k), ("reader", d_)))
                 for k, d_, e, t in stg[1])))
-            cols["stagedAge"].append((r, int(now - stg[0])))
+            cols["stagedAge"].append((r, units(now - stg[0], "staged age")))
         cols["nfree"].append((r, node.nfree[r]))
     name_of = {model.handle(r): r for r in model.requests}
     state: dict[str, Value] = {var: Fn(tuple(items)) for var, items in cols.items()}
@@ -107,7 +115,7 @@ def initial_node(model: GraphModel, factory: LedgerFactory = Ledger) -> PyNode:
 
 def apply_action(model: GraphModel, node: PyNode, a: Action) -> list[Effect]:
     """Feed one input to the (already cloned) node's ledger; update time and ghost."""
-    L, now = node.ledger, float(node.now)
+    L, now = node.ledger, node.now * UNIT_MS
     h = model.handle(a.request) if a.request else 0
     if a.kind == "register":
         g = model.group_of[a.request]
@@ -123,7 +131,7 @@ def apply_action(model: GraphModel, node: PyNode, a: Action) -> list[Effect]:
         out = L.abort(a.request, now)
     elif a.kind == "tick":
         node.now += 1
-        out = L.tick(float(node.now))
+        out = L.tick(node.now * UNIT_MS)
     else:  # pragma: no cover
         raise ValueError(a.kind)
     names = {model.handle(r): r for r in model.requests}

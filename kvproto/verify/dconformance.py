@@ -52,6 +52,7 @@ from kvproto.lifecycle import (
     TransferParams,
 )
 from kvproto.verify.conformance import read_dot
+from kvproto.verify.models import UNIT_MS
 from kvproto.verify.replay import replay
 from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
 
@@ -115,7 +116,8 @@ class DAction:
 
 @dataclass(frozen=True)
 class DModel:
-    """A small D model, the same for TLC and the Python BFS. Times in model units."""
+    """A small D model, the same for TLC and the Python BFS. Times in model units (one
+    is ``UNIT_MS`` of the Consumer's milliseconds: its Config takes them as seconds)."""
 
     name: str
     requests: tuple[str, ...]
@@ -140,7 +142,7 @@ class DModel:
 
     def params(self, r: str) -> TransferParams:
         return TransferParams(ENGINE, 1, self.handle(r), (self.handle(r),),
-                              float(self.term_of[r]), 1, self.group_of[r])
+                              self.term_of[r] * UNIT_MS, 1, self.group_of[r])
 
     def handle(self, r: str) -> int:
         return self.requests.index(r) + 1
@@ -271,6 +273,7 @@ def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
 def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
     """The abstraction function of KVConsumer.tla's header."""
     c = n.c
+    now = n.now * UNIT_MS
     dst: dict[str, Value] = {}
     lease: dict[str, Value] = {}
     pend: dict[str, Value] = {}
@@ -278,7 +281,8 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
         st = n.gone[r][0] if r in n.gone else c.state(r)
         dst[r] = st
         le = c.lease_end(r)
-        lease[r] = int(le - n.now) if le is not None and st in ("waiting", "handshaking") else 0
+        lease[r] = (le - now) // UNIT_MS if le is not None and st in ("waiting", "handshaking") \
+            else 0
         pend[r] = c.abort_pending(r)
     groups = sorted({g for g in m.group_of.values() if g is not None})
     owner = {g: c.group_owner(ENGINE, g) or "none" for g in groups}
@@ -286,10 +290,11 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
     ready = peer is not None and peer.state == "ready"
     hbs = frozenset(
         mk_fn({"seq": 0, "rs": frozenset(m.requests[h - 1] for h in sent.handles),
-               "age": int(n.now - sent.sent_at)})
+               "age": (now - sent.sent_at) // UNIT_MS})
         for sent in (peer.outstanding.values() if peer is not None else ()))
-    heard = min(n.now - peer.last_heard, m.peer_timeout + 1) if peer is not None and ready else 0
-    hb_wait = max(0, c.next_heartbeat_at - n.now)
+    heard = min((now - peer.last_heard) // UNIT_MS, m.peer_timeout + 1) \
+        if peer is not None and ready else 0
+    hb_wait = max(0, c.next_heartbeat_at - now) // UNIT_MS
     state = mk_fn({"dst": mk_fn(dst), "dlease": mk_fn(lease), "abortPending": mk_fn(pend),
                    "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "hbs": hbs,
                    "hbWait": int(hb_wait), "heard": int(heard), "eff": eff})
@@ -327,7 +332,7 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
     c, r = n.c, a.request
     if a.kind == "tick":
         n.now += 1
-    now = float(n.now)
+    now = n.now * UNIT_MS
     if a.kind == "admit":
         out = c.admit(r, m.params(r), now)
     elif a.kind == "schedule":
@@ -347,11 +352,12 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
     elif a.kind == "ack":
         peer = c.peer(ENGINE)
         assert peer is not None
-        seq = next(k for k, sent in peer.outstanding.items() if n.now - sent.sent_at == a.age)
-        out = c.ack(ENGINE, seq, float(m.lease_extension), tuple(m.handle(r) for r in a.refused),
-                    now)
+        seq = next(k for k, sent in peer.outstanding.items()
+                   if now - sent.sent_at == a.age * UNIT_MS)
+        out = c.ack(ENGINE, seq, m.lease_extension * UNIT_MS,
+                    tuple(m.handle(r) for r in a.refused), now)
     elif a.kind == "ack_unknown":
-        out = c.ack(ENGINE, 0xFFFFFFFF, float(m.lease_extension), (), now)
+        out = c.ack(ENGINE, 0xFFFFFFFF, m.lease_extension * UNIT_MS, (), now)
     else:
         out = c.tick(now)
     for e in out:

@@ -135,6 +135,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
+from kvproto.port import now_ms
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -320,7 +321,7 @@ class _PWorker:
                                         flush_every=opts.journal_flush_every)
         self.finished_sending: set[str] = set()
         self.stamps: dict[int, int] = {}
-        self._reg_at: dict[int, tuple[float, int]] = {}
+        self._reg_at: dict[int, tuple[int, int]] = {}  # handle -> (ms, blocks)
         self.stranded = 0.0
         self.adapter: ProducerAdapter = ProducerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
@@ -330,7 +331,7 @@ class _PWorker:
             metrics=metrics, identity=identity, handshake_thread=True)
         self._gen = self.adapter.region.gen
 
-    def _observe(self, e: Effect, now: float) -> None:
+    def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
             # The adapter bumped the reclaimed blocks' stamps before calling us.
             self.finished_sending.add(e.request_id)
@@ -340,7 +341,7 @@ class _PWorker:
                     self.stamps[b] = int(g)
             t = self._reg_at.pop(e.handle, None)
             if t is not None and e.reason in ("expired", "aborted"):
-                self.stranded += (now - t[0]) * t[1]
+                self.stranded += (now - t[0]) / 1000 * t[1]
 
     def apply(self, orders: Orders) -> None:
         a = self.adapter
@@ -358,7 +359,7 @@ class _PWorker:
                     self.stamps[b] = int(g)
                 self.finished_sending.add(o.request_id)
                 continue
-            self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
+            self._reg_at.setdefault(o.handle, (now_ms(a.clock), len(o.blocks)))
             if tp is not None and tp.generations != o.generations:
                 # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
                 a._count("stale_stamp_snapshot")

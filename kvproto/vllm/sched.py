@@ -236,15 +236,12 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
     for v in (*blocks, *gens):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
             raise ParamsError("bad_params", "block ids and generations must be integers >= 0")
-    term = d.get("initial_term")
-    if isinstance(term, bool) or not isinstance(term, (int, float)) or not math.isfinite(term) \
-            or not 0 < term <= 1e6:
-        raise ParamsError("bad_params", f"initial_term must be a positive duration, got {term!r}")
+    term = _int(d, "initial_term", 1, 0xFFFFFFFF)  # ms, as the machines count time
     group = d.get("group")
     if group is not None and (not isinstance(group, str) or len(group) > MAX_NAME):
         raise ParamsError("bad_params", "group must be a name or null")
     tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
-                        initial_term=float(term), expected=expected, group=group,
+                        initial_term=term, expected=expected, group=group,
                         generations=tuple(gens))
     return RemoteParams(tp, host, port, num_tokens)
 
@@ -374,7 +371,7 @@ class PScheduler:
         self.held[request_id] = handle
         tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
                             blocks=tuple(blocks),
-                            initial_term=self.options.config.initial_lease,
+                            initial_term=self.options.config.ms.initial_lease,
                             expected=expected, group=group, generations=gens)
         return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens)
 
