@@ -11,6 +11,9 @@ One real vLLM P engine (CPU build, tiny random-weight model, KVProtoConnector) i
 * then the lease runs out: ``expiry_late_ms`` is how long after registration + lease the
   last held request was freed (an upper bound: registration precedes the prefill's result).
 
+NIXL's progress thread (the connector's default) busy-polls about one core in every phase,
+``empty`` included; ``--no-progress-thread`` leaves the engine loop's own cost visible.
+
 Reported: P's CPU seconds per idle second in each phase (``cpu_per_s_*``, medians over
 rounds), worker steps per second, and ``cpu_ratio_off_on`` (off/on, median of the paired
 rounds) and ``cpu_ratio_held_off_empty``. ``--json`` prints one JSON object on stdout.
@@ -42,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the connector's idle_wait_ms when on (20)")
     p.add_argument("--lease", type=float, default=20.0,
                    help="lease term, seconds; must outlast the rounds (20)")
+    p.add_argument("--no-progress-thread", action="store_true",
+                   help="run P without NIXL's progress thread, which busy-polls about one "
+                        "core whether or not P holds anything; isolates the engine loop")
     p.add_argument("--workdir", help="keep model and engine log here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -64,7 +70,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = str(h.build_tiny_model(workdir / "model").path)
     spec, _ = h.pd_specs(model, workdir, h.KVPROTO_CONNECTOR,
                          extra_config={"lease": sc.lease_config(args.lease),
-                                       "idle_wait_ms": args.idle_wait_ms})
+                                       "idle_wait_ms": args.idle_wait_ms,
+                                       "progress_thread": not args.no_progress_thread})
     (p,) = h.start_engines([spec])
     try:
         pd = h.PD(p, p)
@@ -109,7 +116,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "held_left_after_lease": left,
         "expiry_late_ms": round(expiry_late_ms, 1),
         "idle_wait_ms": args.idle_wait_ms, "lease_s": args.lease, "interval_s": args.interval,
-        "rounds": args.rounds, "cpu_count": os.cpu_count(),
+        "rounds": args.rounds, "progress_thread": not args.no_progress_thread,
+        "cpu_count": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
