@@ -652,6 +652,11 @@ class _Child:  # pragma: no cover - runs in the engine process
                     self.conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
                 return
             self._outputs(outs)
+            if not outs and self.sched.get_request_counts()[0] == 0 \
+                    and self.sched.has_requests():
+                # As vLLM's engine-core loop: a step that ran no model while requests
+                # remain (delayed frees, remote KV) yields for a millisecond.
+                time.sleep(0.001)
             if self.abort_when:
                 self._abort_when()
 

@@ -54,6 +54,10 @@ EXTRA_KEYS: dict[str, str] = {
                     "r uses port + r; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
+    "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
+                    "scheduled, no D work), each step waits up to this many milliseconds "
+                    "for a message or the next lease deadline instead of spinning; a new "
+                    "request arriving then waits at most this long (20; 0: off)",
     "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
                       "the start-up fingerprint of the weight files in the handshake's model "
                       "identity (default: fingerprint)",
@@ -79,6 +83,7 @@ class ConnectorOptions:
     handshake_attempts: int = 4
     group_siblings: bool = True
     progress_thread: bool = True
+    idle_wait_ms: float = 20.0
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
@@ -142,6 +147,7 @@ class ConnectorOptions:
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
                    group_siblings=group, progress_thread=prog,
+                   idle_wait_ms=num("idle_wait_ms", 20.0, 0.0, 1000.0),
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
