@@ -57,7 +57,8 @@ EXTRA_KEYS: dict[str, str] = {
     "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
                     "scheduled, no D work), each step waits up to this many milliseconds "
                     "for a message or the next lease deadline instead of spinning; a new "
-                    "request arriving then waits at most this long (20; 0: off)",
+                    "request arriving then waits at most this long (0: off, the default; worth it only with "
+                    "progress_thread false, see spec/VLLM.md)",
     "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
                       "the start-up fingerprint of the weight files in the handshake's model "
                       "identity (default: fingerprint)",
@@ -83,7 +84,7 @@ class ConnectorOptions:
     handshake_attempts: int = 4
     group_siblings: bool = True
     progress_thread: bool = True
-    idle_wait_ms: float = 20.0
+    idle_wait_ms: float = 0.0
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
@@ -147,7 +148,7 @@ class ConnectorOptions:
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
                    group_siblings=group, progress_thread=prog,
-                   idle_wait_ms=num("idle_wait_ms", 20.0, 0.0, 1000.0),
+                   idle_wait_ms=num("idle_wait_ms", 0.0, 0.0, 1000.0),
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
