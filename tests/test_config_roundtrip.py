@@ -1,4 +1,4 @@
-"""Every Config that ``validate()`` accepts works end to end (issue 11, part 2).
+"""Every Config that ``validate()`` accepts works end to end.
 
 A property test: such a config survives JSON and the journal header, every wire message
 whose size or fields it sets encodes and decodes within ``max_message_bytes`` (the

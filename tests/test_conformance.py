@@ -1,4 +1,4 @@
-"""Conformance of the Python P machine with kvproto/tla/KVLedger.tla (issue 4, section 2).
+"""Conformance of the Python P machine with kvproto/tla/KVLedger.tla.
 
 * unit tests of the TLC value parser, the DOT reader and the comparison (no Java);
 * state-graph equality per model (TLC dumps its graph, Python BFS explores its own);

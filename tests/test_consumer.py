@@ -164,7 +164,7 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
     assert pops == 0
 
 
-# -- hardening (issue 11): bad time, compact lease heap -------------------------------------
+# -- hardening: bad time, compact lease heap -------------------------------------
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1500.0, True])

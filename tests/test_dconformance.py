@@ -1,4 +1,4 @@
-"""D-side conformance (issue 10, part 2).
+"""D-side conformance.
 
 * The Python ``Consumer`` and the TLA+ D machine (``tla/KVConsumer.tla``) have the same
   state graph on a small model (TLC), and a changed row of ``D_TRANSITIONS`` breaks it.

@@ -1,4 +1,4 @@
-"""Stateful fuzzing of P, D and the network with hypothesis (issue 4, part 1).
+"""Stateful fuzzing of P, D and the network with hypothesis.
 
 * The CI-profile run of ``kvproto.testing.fuzz.LifecycleMachine`` over the real ``Ledger`` finds
   nothing: every rule (register with shared blocks, several readers and sibling groups;

@@ -1,4 +1,4 @@
-"""Event journal and ``kvproto replay`` (issue 2, section 4).
+"""Event journal and ``kvproto replay``.
 
 A journal written by the simulator replays clean; any tampering (a changed effect, a
 dropped line, an inserted double free) exits 1 naming the line; unreadable lines exit 2

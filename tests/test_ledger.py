@@ -334,7 +334,7 @@ def test_transition_table_rows_are_unique_and_use_known_names() -> None:
             assert t.dst not in lifecycle.TERMINAL_STATES or t.src == t.dst
 
 
-# -- hardening (issue 11): bad time, bounded tick, compact heap ------------------------------
+# -- hardening: bad time, bounded tick, compact heap ------------------------------
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1500.0, True])

@@ -1,4 +1,4 @@
-"""``kvproto simulate`` and the deterministic simulator (issue 2, section 4).
+"""``kvproto simulate`` and the deterministic simulator.
 
 The headline run must show zero violations and every block reclaimed; the same seed must
 give the same summary; and the simulator's own checks must be able to fail.

@@ -1,4 +1,4 @@
-"""``kvproto validate``: TLC checks recorded journals against the spec (issue 4, section 2).
+"""``kvproto validate``: TLC checks recorded journals against the spec.
 
 Real simulator journals must be accepted; tampered ones must be rejected at the right
 line. All journals of a test go to TLC in one batch (SANY time dominates)."""
@@ -73,7 +73,7 @@ def scripted_journal(path: Path) -> Path:
 def budget_journal(path: Path) -> Path:
     """Ticks with a work budget of one heap entry (Config.max_tick_work = 1): expiries
     carried over to later ticks, and a late request renewed and one finished before
-    their expiry came round (issue 11)."""
+    their expiry came round."""
     cfg = Config(initial_lease=10.0, lease_extension=8.0, abort_grace=10.0,
                  heartbeat_interval=2.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1,
                  max_tick_work=1)

@@ -1,4 +1,4 @@
-"""The wire codec (``kvproto.wire``), issue 2 section 3.
+"""The wire codec (``kvproto.wire``).
 
 Round trips for every kind, compactness (handles only, small heartbeats), chunking under
 ``max_message_bytes``, and a decoder that rejects every malformed input with a stable
