@@ -37,6 +37,7 @@ from kvproto.lifecycle.config import (
 )
 from kvproto.lifecycle.consumer import (
     MAX_OUTSTANDING_HEARTBEATS,
+    MAX_PEERS,
     Admit,
     Consumer,
     DAbort,
@@ -183,6 +184,7 @@ __all__ = [
     "MAX_LEDGER_CLASSES",
     "MAX_MESSAGE_BYTES",
     "MAX_OUTSTANDING_HEARTBEATS",
+    "MAX_PEERS",
     "MAX_POOL_BLOCKS",
     "MAX_STAGED_MSGS_PER_HANDLE",
     "MIN_DURATION",

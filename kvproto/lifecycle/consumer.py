@@ -23,6 +23,7 @@ from kvproto.lifecycle.table import (
     ACK,
     ADMIT,
     D_ABORT,
+    D_FAILED,
     D_NEW,
     D_TABLE,
     D_TICK,
@@ -262,6 +263,15 @@ class _Peer:
 # forgotten and their acks ignored (D keeps its smaller estimate: safe).
 MAX_OUTSTANDING_HEARTBEATS: Final = 4096
 
+# P engines D remembers (``Consumer.peers``). At the cap, an admit naming an engine not in
+# the table first forgets every idle peer (no requests, no outstanding heartbeats, no
+# handshake in progress; counted peer_memory_evicted): a later admit naming it starts a
+# new handshake, which the adapter answers at once for an engine it is still connected
+# to. When no peer is idle, the admit is refused before it enters the table: the request
+# finishes failed with reason ``peer_table_full`` (counted; nothing else changes, P frees
+# it by lease expiry) and is recomputed.
+MAX_PEERS: Final = 4096
+
 
 class DRequestView(NamedTuple):
     """A read-only view of one request on D (``Consumer.request``)."""
@@ -294,7 +304,8 @@ class PeerView(NamedTuple):
 # The fields Consumer.__init__ sets. ``Consumer.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _CONSUMER_SHARED: Final = frozenset({
-    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_lease_heap", "_next_hb",
+    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_groups_landed",
+    "_lease_heap", "_next_hb",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -345,14 +356,29 @@ class Consumer:
         # or reading), by request id; each is also peers[its engine].reqs[its handle].
         # Size: the requests D holds params for; each leaves when it finishes.
         self.reqs: dict[str, _DReq] = {}
-        # Invariant: every P engine an admit or a handshake result named; entries stay
-        # (a lost peer goes back to unknown). Size: the P engines the router names.
+        # Invariant: every P engine an admit or a handshake result named and not since
+        # forgotten, oldest first (a lost peer goes back to unknown); every engine of a
+        # request in reqs, of an outstanding heartbeat or of a handshake in progress is
+        # here. Cap: MAX_PEERS; at the cap idle peers are forgotten, and with none idle an
+        # admit naming a new engine is refused (finished failed: peer_table_full).
         self.peers: dict[str, _Peer] = {}
         # Invariant: (engine, group) -> the one request of the group this rank read or is
         # reading: set when its READ is posted, removed when that request gives the group
         # up (disown). An entry stays after a READ that landed (later siblings are served
-        # from it), so it grows with the groups read: no cap.
+        # from it: sibling_local). An entry whose READ is in flight (its owner is in reqs)
+        # is never forgotten: it is what keeps a group to one READ at a time.
+        # Cap: config.max_groups_remembered landed entries (plus one per READ in flight);
+        # beyond it the oldest landed entry is forgotten (counted group_memory_evicted).
+        # A sibling scheduled after its group was forgotten reads itself: a second READ
+        # of the group. P may have freed that member already (the sibling cascade of
+        # the transferred member); its renewal is then refused (revoked), and a READ
+        # posted before the refusal arrives targets freed blocks, which the adapter
+        # bumps before any reuse, so the stamp check fences it (fenced: recomputed);
+        # unreused blocks still hold the group's prompt KV. Never wrong KV served.
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
+        # Invariant: exactly the keys of _group_owner whose owner's READ landed (the
+        # owner is no longer in reqs), in landing order. Cap: max_groups_remembered.
+        self._groups_landed: OrderedDict[tuple[str, str], None] = OrderedDict()
         # Invariant: every waiting or handshaking request has an entry at its lease end or
         # earlier (renewals leave it early, tick re-inserts it); other entries are dropped
         # lazily. Cap: rebuilt once above max(2 * requests, HEAP_SLACK) at a finish.
@@ -462,6 +488,7 @@ class Consumer:
                             {h: copies[id(r)] for h, r in p.reqs.items()})
                    for e, p in self.peers.items()}
         n._group_owner = dict(self._group_owner)
+        n._groups_landed = OrderedDict(self._groups_landed)
         n._lease_heap = list(self._lease_heap)
         n.counters = dict(self.counters)
         n.finished = dict(self.finished)
@@ -535,6 +562,35 @@ class Consumer:
             out.append(Finished(r.rid, r.state, why))
         return row
 
+    def _room_for_peer(self) -> bool:
+        """Whether one more peer fits MAX_PEERS, after forgetting every idle peer (no
+        requests, no outstanding heartbeats, no handshake in progress) when at the cap.
+        O(1) below the cap; O(MAX_PEERS) at it."""
+        peers = self.peers
+        if len(peers) < MAX_PEERS:
+            return True
+        for engine in [e for e, p in peers.items() if not p.reqs and not p.outstanding
+                       and p.state != PEER_HANDSHAKING]:
+            del peers[engine]
+            self._count("peer_memory_evicted")
+        return len(peers) < MAX_PEERS
+
+    def _group_landed(self, r: _DReq) -> None:
+        """``r``'s READ landed: its group entry (if it owns one) joins the landed FIFO;
+        beyond max_groups_remembered the oldest landed entry is forgotten. O(1)."""
+        p = r.params
+        if p.group is None:
+            return
+        key = (p.engine, p.group)
+        if self._group_owner.get(key) != r.rid:
+            return
+        landed = self._groups_landed
+        landed[key] = None
+        if len(landed) > self.config.max_groups_remembered:
+            old, _ = landed.popitem(last=False)
+            del self._group_owner[old]
+            self._count("group_memory_evicted")
+
     def _read_fits(self, lease_end: int, now: int) -> bool:
         ms = self.config.ms
         return now + ms.max_read_time + ms.clock_drift <= lease_end
@@ -578,6 +634,17 @@ class Consumer:
         out: list[DEffect] = []
         peer = self.peers.get(params.engine)
         if peer is None:  # not setdefault: that would build a _Peer on every admit
+            if rid in self.reqs:
+                self._count("duplicate_admit")
+                return self._emit(Admit(rid, params, now), out)
+            if not self._room_for_peer():
+                # Refused before the table: the request never becomes D's (no state,
+                # nothing sent: P frees it by lease expiry) and is recomputed.
+                self._count("peer_table_full")
+                key = f"{D_FAILED}:peer_table_full"
+                self.finished[key] = self.finished.get(key, 0) + 1
+                out.append(Finished(rid, D_FAILED, "peer_table_full"))
+                return self._emit(Admit(rid, params, now), out)
             peer = self.peers[params.engine] = _Peer()
         if rid in self.reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
@@ -603,7 +670,13 @@ class Consumer:
             return []
         now = clk
         out: list[DEffect] = []
-        peer = self.peers.setdefault(engine, _Peer())
+        peer = self.peers.get(engine)
+        if peer is None:
+            if not self._room_for_peer():  # an engine with no requests: nothing to decide
+                self._count("peer_table_full")
+                return self._emit(HandshakeOk(engine, now) if ok
+                                  else HandshakeFailed(engine, reason, now), out)
+            peer = self.peers[engine] = _Peer()
         peer.state = PEER_READY if ok else PEER_UNKNOWN
         if ok:
             peer.last_heard = now
@@ -662,6 +735,7 @@ class Consumer:
         elif landed:
             self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
                        notif_attached=notif_attached)
+            self._group_landed(r)
         else:
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
