@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import random
 import signal
@@ -39,6 +40,8 @@ import pytest
 
 from kvproto.vllm import harness as h
 from kvproto.vllm import scenarios as sc
+
+log = logging.getLogger(__name__)
 
 
 def _missing() -> str | None:
@@ -142,6 +145,7 @@ def serve_cmd(model: str, port: int, extra: dict[str, Any]) -> list[str]:
             "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", "2048",
             "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
             "--seed", "0", "--max-num-seqs", str(SEQS), "--disable-uvicorn-access-log",
+            "--enable-log-requests", "--max-log-len", "16",
             "--kv-transfer-config", json.dumps(ktc)]
 
 
@@ -383,6 +387,7 @@ def test_correctness_through_router(stack: Stack) -> None:
         _check_reference(stack, asyncio.run(_complete_all(stack.d_url, COR, stream=False)),
                          "D alone")
         before = asyncio.run(scrape(stack.d_metrics))
+        p_before = asyncio.run(scrape(stack.p_metrics))
         outs = asyncio.run(_complete_all(stack.r_url, COR, stream=None))
         _check_reference(stack, outs, "router")
         after = asyncio.run(scrape(stack.d_metrics))
@@ -392,6 +397,12 @@ def test_correctness_through_router(stack: Stack) -> None:
         assert metric(after, "kvproto_recomputed_blocks_total") == \
             metric(before, "kvproto_recomputed_blocks_total")
         asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
+        # P freed each request when D said it was done, not by lease expiry
+        p_after = asyncio.run(scrape(stack.p_metrics))
+        freed = {r: metric(p_after, "kvproto_frees_total", reason=r)
+                 - metric(p_before, "kvproto_frees_total", reason=r)
+                 for r in ("transferred", "expired", "released")}
+        assert freed == {"transferred": len(COR), "expired": 0, "released": 0}, freed
 
 
 def test_router_errors(stack: Stack) -> None:
@@ -563,6 +574,21 @@ async def _no_inflight(st: Stack) -> dict[str, Any] | None:
     return None if s["in_flight"] else s
 
 
+def _proc(st: Stack, name: str) -> Proc:
+    return next(p for p in st.procs if p.name == name)
+
+
+def _not_aborted(st: Stack, rids: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The request ids each engine's log does not show as aborted."""
+    out = {}
+    for name, want in rids.items():
+        text = _proc(st, name).log.read_text(errors="replace")
+        missing = [r for r in want if f"Request cmpl-{r}-0 aborted" not in text]
+        if missing:
+            out[name] = missing
+    return out
+
+
 def test_disconnect_storm(stack: Stack) -> None:
     """Clients leave at seeded random moments in every phase; afterwards P holds no
     block (within the leases plus slack), neither engine keeps a request, the router saw
@@ -581,13 +607,33 @@ def test_disconnect_storm(stack: Stack) -> None:
                 "handoff": PER_KIND}
         assert left == want, f"disconnects by router phase {left}, meant {want}; " \
                              f"{out['log']}"
+        t_end = time.monotonic()
         idle = asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND,
                                  "P's blocks back and both engines empty"))
         assert idle
+        log.info("storm: P and D idle %.1f s after the last disconnect",
+                 time.monotonic() - t_end)
         pm1 = asyncio.run(scrape(stack.p_metrics))
         expired = metric(pm1, "kvproto_frees_total", reason="expired") - \
             metric(pm0, "kvproto_frees_total", reason="expired")
         assert expired >= PER_KIND, "the requests left between P and D end by P's lease"
+        log.info("storm: P's frees %s, rejections %s", {
+            r: metric(pm1, "kvproto_frees_total", reason=r)
+            - metric(pm0, "kvproto_frees_total", reason=r)
+            for r in ("transferred", "released", "expired", "aborted", "sibling")},
+            metric(pm1, "kvproto_rejections_total") - metric(pm0, "kvproto_rejections_total"))
+        # each disconnect reached the engine that had the request, which aborted it
+        # (vLLM logs "Request <id> aborted."); nothing held by the router reached D
+        aborted = {"P": [f"p_queued{i}" for i in range(PER_KIND)]
+                   + [f"fill-p{i}" for i in range(SEQS)],
+                   "D": [f"{k}{i}" for k in ("d_queued", "d_read", "d_decode")
+                         for i in range(PER_KIND)] + [f"fill-d{i}" for i in range(SEQS)]}
+
+        async def all_aborted() -> bool:
+            return not _not_aborted(stack, aborted)
+        asyncio.run(until(all_aborted, FREE_BOUND, "abort in the engines"))
+        d_log = _proc(stack, "D").log.read_text(errors="replace")
+        assert "handoff" not in d_log, "a request whose client left reached D"
         # everyone still answers correctly
         _check_reference(stack, asyncio.run(_complete_all(stack.r_url, COR, stream=None)),
                          "router after the storm")
