@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -65,6 +66,9 @@ DECODE_ONLY = ("stream", "stream_options", "n", "best_of", "min_tokens", "logpro
 MAX_ID = 128            # characters of a client's X-Request-Id kept
 MAX_TEST_HOLD_S = 60.0  # the longest X-Router-Test-Hold honoured
 _ID_OK = re.compile(r"[^A-Za-z0-9._:-]")
+# How the router's aiohttp server runs. handler_cancellation: a client that disconnects
+# cancels its handler, and with it the upstream request in flight.
+SERVER_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "access_log": None}
 
 
 class RouterError(Exception):
@@ -314,8 +318,9 @@ class Router:
             log.warning("%s: %s", rid, msg)
             # the answer has started: end the event stream with an error event
             event = "data: " + json.dumps(error_json(502, msg)) + "\n\n"
-            await out.write(event.encode())
-            await out.write_eof()
+            with contextlib.suppress(ConnectionResetError):  # the client may be gone too
+                await out.write(event.encode())
+                await out.write_eof()
             return out
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -391,10 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("routing %s:%d: prefill %s, decode %s%s", args.host, args.port,
              " ".join(router.prefill), " ".join(router.decode),
              " (test hooks on)" if args.test_hooks else "")
-    # handler_cancellation: a client that disconnects cancels its handler, and with it
-    # the upstream request in flight
-    web.run_app(router.app(), host=args.host, port=args.port, handler_cancellation=True,
-                access_log=None, print=None)
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, **SERVER_OPTIONS)
     return 0
 
 

@@ -1,4 +1,8 @@
-"""End to end through vLLM's OpenAI server: ``vllm serve`` P and D, and the example router.
+"""The OpenAI server path: ``vllm serve`` P and D, and the example router between them.
+
+The router's own tests put it between two fake servers (aiohttp, in this process): what
+P and D receive, errors, and disconnects cancelling the upstream request. They need no
+engine. The rest run real engines (marker ``vllm``):
 
 One P server, one D server (``vllm serve`` through ``examples/vllm_cli.py``, each with
 KVProtoConnector and its own Prometheus endpoint, ``metrics_port``) and the router of
@@ -55,8 +59,12 @@ def _missing() -> str | None:
 
 
 _SKIP = _missing()
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(_SKIP is not None, reason=f"vllm serve e2e: {_SKIP}")]
+# the tests that start engines; the router's own tests (fake upstreams) need aiohttp only
+needs_vllm = pytest.mark.skipif(_SKIP is not None, reason=f"vllm serve e2e: {_SKIP}")
+_NO_AIOHTTP = next((f"{m} is not installed" for m in ("aiohttp", "httpx")
+                    if importlib.util.find_spec(m) is None), None)
+needs_aiohttp = pytest.mark.skipif(_NO_AIOHTTP is not None,
+                                   reason=f"router tests: {_NO_AIOHTTP}")
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_CLI = ROOT / "examples" / "vllm_cli.py"
@@ -376,9 +384,226 @@ def _check_reference(st: Stack, outs: list[tuple[list[int], str]], who: str) -> 
         assert text.strip() == st.ref_text[i].strip(), (who, i, text, st.ref_text[i])
 
 
+# ------------------------------------------------- the router alone, with fake upstreams
+
+
+def _router_module() -> Any:
+    spec = importlib.util.spec_from_file_location("pd_router", ROUTER)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "kvproto": {"handle": 7}}
+EVENTS = [b'data: {"choices": [{"text": " w5"}]}\n\n', b'data: {"choices": [{"text": " w6"}]}'
+          b'\n\n', b"data: [DONE]\n\n"]
+
+
+class FakeServer:
+    """An aiohttp server standing in for one vLLM OpenAI server: it records what it
+    gets and answers as ``mode`` says (``ok``, ``no_params``, ``bad``, ``hang``: wait
+    until the request is cancelled, ``break``: drop the connection mid-stream)."""
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.bodies: list[dict[str, Any]] = []
+        self.request_ids: list[str | None] = []
+        self.cancelled = asyncio.Event()
+        self.url = ""
+        self._runner: Any = None
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        self.bodies.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
+        try:
+            if self.mode == "bad":
+                return web.json_response({"error": {"message": "bad", "code": 400}},
+                                         status=400)
+            if self.mode == "hang" and not body.get("stream"):
+                await asyncio.sleep(3600)
+            if not body.get("stream"):
+                out: dict[str, Any] = {"choices": [{"text": " w5", "index": 0}]}
+                if self.mode != "no_params":
+                    out["kv_transfer_params"] = P_PARAMS
+                return web.json_response(out)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(EVENTS[0])
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            if self.mode == "break":
+                request.transport.close()
+                return resp
+            for ev in EVENTS[1:]:
+                await resp.write(ev)
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def start(self) -> FakeServer:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        self._runner, self.url = await _serve(app)
+        return self
+
+    async def health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({})
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+async def _serve(app: Any, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Serve ``app`` on a free local port (handlers are cancelled when their client
+    disconnects, unless ``options`` say otherwise); (runner, base URL)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, **(options or {"handler_cancellation": True}))
+    await runner.setup()
+    port = h.free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def fake_set(p_mode: str = "ok", d_mode: str = "ok"
+                   ) -> Any:
+    """A router (in this process, served as its command line serves it) between two
+    fake servers."""
+    import httpx
+
+    p, d = await FakeServer(p_mode).start(), await FakeServer(d_mode).start()
+    mod = _router_module()
+    router = mod.Router([p.url], [d.url], connect_timeout=2.0, read_timeout=None,
+                        keepalive=2.0, max_in_flight=16, test_hooks=True)
+    runner, url = await _serve(router.app(), mod.SERVER_OPTIONS)
+    hc = httpx.AsyncClient(base_url=url, timeout=30.0)
+    try:
+        yield p, d, hc
+    finally:
+        await hc.aclose()
+        await runner.cleanup()
+        await p.stop()
+        await d.stop()
+
+
+REQ = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 7, "n": 1, "logprobs": 2,
+       "temperature": 0, "kv_transfer_params": {"do_remote_prefill": True, "x": 1}}
+
+
+@needs_aiohttp
+def test_router_forwards_only_ps_params() -> None:
+    """P gets the prompt with max_tokens 1, no stream, n 1 and only do_remote_decode (a
+    client's own transfer params never pass); D gets the client's request with P's
+    params; both see the client's request id; D's answer comes back byte for byte."""
+    async def run() -> None:
+        async with fake_set() as (p, d, hc):
+            r = await hc.post("/v1/completions", json=REQ, headers={"X-Request-Id": "abc"})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w5", r.text
+            pb, db = p.bodies[-1], d.bodies[-1]
+            assert pb["kv_transfer_params"] == {"do_remote_decode": True}, pb
+            assert (pb["max_tokens"], pb["stream"], pb["n"]) == (1, False, 1), pb
+            assert "logprobs" not in pb and pb["prompt"] == REQ["prompt"], pb
+            assert db == {**REQ, "kv_transfer_params": P_PARAMS}, db
+            assert p.request_ids[-1] == d.request_ids[-1] == "abc"
+            async with hc.stream("POST", "/v1/completions", json={**REQ, "stream": True}) as s:
+                got = b"".join([chunk async for chunk in s.aiter_bytes()])
+            assert s.status_code == 200 and got == b"".join(EVENTS), got
+            assert d.bodies[-1]["stream"] is True and p.bodies[-1]["stream"] is False
+            st = (await hc.get("/router/status")).json()
+            assert st["in_flight"] == {} and st["counters"]["completed"] == 2, st
+
+    asyncio.run(run())
+
+
+@needs_aiohttp
+def test_router_upstream_answers() -> None:
+    """P without transfer params: 502, one line; P's own error: passed through; D that
+    drops the stream midway: the stream ends with an error event; a batch: 400; a P
+    that is down: /health 503."""
+    async def run() -> None:
+        async with fake_set(p_mode="no_params") as (p, d, hc):
+            r = await hc.post("/v1/completions", json=REQ)
+            msg = r.json()["error"]["message"]
+            assert r.status_code == 502 and "returned no kv_transfer_params" in msg, r.text
+            assert "\n" not in msg and d.bodies == []
+        async with fake_set(p_mode="bad") as (p, d, hc):
+            r = await hc.post("/v1/completions", json=REQ)
+            assert r.status_code == 400 and r.json()["error"]["message"] == "bad", r.text
+        async with fake_set(d_mode="break") as (p, d, hc):
+            async with hc.stream("POST", "/v1/completions", json={**REQ, "stream": True}) as s:
+                got = b"".join([chunk async for chunk in s.aiter_bytes()])
+            assert got.startswith(EVENTS[0]) and b'"error"' in got, got
+            assert b"failed mid-stream" in got and got.endswith(b"\n\n"), got
+            r = await hc.post("/v1/completions", json={**REQ, "prompt": ["w1", "w2"]})
+            assert r.status_code == 400 and "one prompt per request" in r.text, r.text
+            await p.stop()
+            r = await hc.get("/health")
+            assert r.status_code == 503 and p.url in r.text, r.text
+            r = await hc.post("/v1/completions", json=REQ)
+            assert r.status_code == 502 and "prefill server" in r.text, r.text
+            await p.start()  # for the fixture's cleanup
+
+    asyncio.run(run())
+
+
+@needs_aiohttp
+def test_router_disconnect_cancels_upstream() -> None:
+    """A client that leaves cancels the request in flight: P's while it prefills, D's
+    while it streams; one held between P and D never reaches D."""
+    async def leave(hc: Any, phase: str, **kw: Any) -> None:
+        """Send a request; disconnect once the router has it in ``phase``."""
+        task = asyncio.create_task(hc.post("/v1/completions", json=REQ, **kw))
+        for _ in range(600):
+            if phase in (await hc.get("/router/status")).json()["in_flight"].values():
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def run() -> None:
+        async with fake_set(p_mode="hang") as (p, d, hc):
+            await leave(hc, "prefill")
+            await asyncio.wait_for(p.cancelled.wait(), 30)
+            assert d.bodies == []
+            st = (await hc.get("/router/status")).json()
+            assert st["counters"].get("disconnect_prefill") == 1, st
+        async with fake_set(d_mode="hang") as (p, d, hc):
+            async with hc.stream("POST", "/v1/completions", json={**REQ, "stream": True}) as s:
+                async for chunk in s.aiter_bytes():
+                    assert chunk == EVENTS[0]
+                    break
+            await asyncio.wait_for(d.cancelled.wait(), 30)
+            await leave(hc, "handoff", headers={"X-Router-Test-Hold": "30"})
+            for _ in range(100):
+                st = (await hc.get("/router/status")).json()
+                if st["in_flight"] == {} and st["counters"].get("disconnect_handoff"):
+                    break
+                await asyncio.sleep(0.05)
+            assert st["counters"].get("disconnect_stream") == 1, st
+            assert st["counters"].get("disconnect_handoff") == 1, st
+            assert len(d.bodies) == 1, "the request held between P and D reached D"
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------------- the tests
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_correctness_through_router(stack: Stack) -> None:
     """D serving the prompts itself agrees with P; through the router (P prefills, D
     pulls the KV and decodes) every reply, streamed or JSON, equals the reference token
@@ -405,6 +630,8 @@ def test_correctness_through_router(stack: Stack) -> None:
         assert freed == {"transferred": len(COR), "expired": 0, "released": 0}, freed
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_router_errors(stack: Stack) -> None:
     """A router whose P or D is down answers 502 with one line naming it (streamed or
     not) and its /health is 503; P's blocks prefilled for an unreachable D come back by
@@ -589,6 +816,8 @@ def _not_aborted(st: Stack, rids: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_disconnect_storm(stack: Stack) -> None:
     """Clients leave at seeded random moments in every phase; afterwards P holds no
     block (within the leases plus slack), neither engine keeps a request, the router saw
@@ -644,6 +873,8 @@ def test_disconnect_storm(stack: Stack) -> None:
         asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "idle at the end"))
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_shutdown_leaves_no_process(stack: Stack) -> None:
     """Last: SIGTERM stops the router and both servers with every process they
     started (engine core, worker)."""
