@@ -225,7 +225,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     model = h.build_tiny_model(wd / "model")
     h.write_word_tokenizer(model.path, vocab=model.vocab)
     pp, dp, rp, pm, dm = (h.free_port() for _ in range(5))
-    cores = ("1", "0") if (os.cpu_count() or 1) >= 2 else ("nobind", "nobind")
+    # one core each (P, D); with a single core, no binding
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = (str(mine[1]), str(mine[0])) if len(mine) >= 2 else ("nobind", "nobind")
     st = Stack(wd, f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}",
                f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{pm}/metrics",
                f"http://127.0.0.1:{dm}/metrics")
