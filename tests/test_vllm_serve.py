@@ -762,13 +762,19 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
         await disconnect(p_fill, 0.2)
         await disconnect(d_fill, 0.2)
         # D reading: D holds the load open DELAY_LOAD seconds after it allocated the
-        # blocks; each client leaves well inside that window (D allocates within a step
-        # of getting the request), so before its READ completes
+        # blocks; once D's engine has the request ("Added request" in its log), each
+        # client leaves well inside that window (D allocates within a step or two), so
+        # before its READ completes
         for i in range(PER_KIND):
             rid = f"d_read{i}"
             start(rid, rc, stream=rng.random() < 0.5)
-            await until(lambda rid=rid: phase_of([rid], "decode"), 60, "decode phase")
-            await asyncio.sleep(rng.uniform(0.1, 0.6 * DELAY_LOAD))
+
+            async def added(rid: str = rid) -> bool:
+                return f"Added request cmpl-{rid}-0" in \
+                    _proc(st, "D").log.read_text(errors="replace")
+            await until(added, 60, f"{rid} in D's engine")
+            await asyncio.sleep(rng.uniform(0.05, 0.5 * DELAY_LOAD))
+            assert (await router_status(st))["in_flight"].get(rid) == "decode", rid
             await disconnect([rid], 0.0)
         # D decoding: the client reads a few chunks, then closes the stream
         rids = [f"d_decode{i}" for i in range(PER_KIND)]
