@@ -72,7 +72,9 @@ ROUTER = ROOT / "examples" / "pd_router.py"
 MODEL = "tiny"
 MAX_TOKENS = 12
 SEQS = 2                 # max_num_seqs of P and D: two long requests fill an engine
-LONG_TOKENS = 1500       # a filler: a long decode that keeps an engine full
+MAX_LEN = 8192           # the model's context: room for fillers
+LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full while the
+                         # storm's other clients come and go (it never ends by itself)
 DELAY_LOAD = 1.0         # D's test_delay_load_s: the window in which D reads
 LEASE = sc.LEASE
 LEASES = sc.lease_config(LEASE)
@@ -150,8 +152,8 @@ def serve_cmd(model: str, port: int, extra: dict[str, Any]) -> list[str]:
            "kv_connector_extra_config": extra}
     return [sys.executable, str(VLLM_CLI), "serve", model, "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching",
+            "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", str(MAX_LEN),
+            "--kv-cache-memory-bytes", str(128 << 20), "--no-enable-prefix-caching",
             "--seed", "0", "--max-num-seqs", str(SEQS), "--disable-uvicorn-access-log",
             "--enable-log-requests", "--max-log-len", "16",
             "--kv-transfer-config", json.dumps(ktc)]
@@ -222,7 +224,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     wd = tmp_path_factory.mktemp("vllm_serve")
-    model = h.build_tiny_model(wd / "model")
+    model = h.build_tiny_model(wd / "model", max_len=MAX_LEN)
     h.write_word_tokenizer(model.path, vocab=model.vocab)
     pp, dp, rp, pm, dm = (h.free_port() for _ in range(5))
     # one core each (P, D); with a single core, no binding
