@@ -29,6 +29,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any, Final
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle import (
     MAX_POOL_BLOCKS,
     Abort,
@@ -95,7 +96,7 @@ _TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPE
 SIDES: Final = ("P", "D")
 
 
-class JournalError(ValueError):
+class JournalError(UsageError, ValueError):
     """A journal line that cannot be read. ``line`` is 1-based."""
 
     def __init__(self, line: int, msg: str) -> None:

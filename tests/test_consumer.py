@@ -191,7 +191,7 @@ def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
     for h in range(1, 3001):
         consumer.admit(f"r{h}", params(h), float(h))
         consumer.abort(f"r{h}", float(h))
-        assert len(consumer._lease_heap) <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
+        assert consumer.heap_entries <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
     assert consumer.reqs == {}
 # ---------------------------------------------------------------------------
 # Ack silence: Config.peer_timeout drives peer loss (the machine decides, not the adapter)

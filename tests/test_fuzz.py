@@ -94,11 +94,10 @@ def test_ci_profile_reaches_every_terminal_state_and_staging(
 
 
 class NeverExpiresLedger(Ledger):
-    """A broken ledger: time passes, but the expiry sweep frees nothing."""
+    """A broken ledger: time passes, but the expiry sweep (hook ``sweep``) frees nothing."""
 
-    def tick(self, now: float) -> list[Effect]:
-        self._clock(now)
-        return []
+    def sweep(self, now: float, out: list[Effect]) -> None:
+        return None
 
 
 def _orphan_a_request(machine: fuzz.LifecycleMachine) -> None:

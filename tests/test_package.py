@@ -66,7 +66,8 @@ def test_help_imports_no_torch_and_no_nixl(argv: list[str]) -> None:
                     "print('@@' + ' '.join(sorted(m for m in sys.modules "
                     "if m.startswith('kvproto'))))")
         loaded = set(q.stdout.split("@@", 1)[1].split())
-        core = {"kvproto", "kvproto.cli", "kvproto.journal", "kvproto.wire", "kvproto.lifecycle"}
+        core = {"kvproto", "kvproto.cli", "kvproto.errors", "kvproto.journal", "kvproto.wire",
+                "kvproto.lifecycle"}
         assert {"kvproto", "kvproto.cli"} <= loaded
         assert {m for m in loaded if not m.startswith("kvproto.lifecycle.")} <= core, loaded
 

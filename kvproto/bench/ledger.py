@@ -250,7 +250,7 @@ def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
     entry); ``held`` long-lived requests stay held throughout."""
     L = Ledger(Config(max_tombstones=1024), BlockPool(64))
     if not compact:
-        L._maybe_compact = lambda: None  # type: ignore[method-assign]  # the old heap
+        L._maybe_compact = lambda: None  # type: ignore[method-assign]  # a heap never rebuilt
     now = 0.0
     for i in range(held):
         L.register(L.new_handle(), f"held{i}", BLOCKS, now, expected=1)

@@ -7,11 +7,13 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
+from kvproto.errors import UsageError
+
 # Configuration and timing assumptions.
 # ---------------------------------------------------------------------------
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """An invalid configuration. The message says which rule failed and why."""
 
 

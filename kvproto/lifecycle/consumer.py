@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Final
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, NamedTuple
 
 from kvproto.lifecycle.config import (
     Config,
@@ -223,8 +225,15 @@ class _DReq:
         self.state = D_NEW
         self.abort_pending = False
 
+    def copy(self) -> _DReq:
+        """An independent copy (``Consumer.clone``)."""
+        q = _DReq(self.rid, self.params, self.lease_end)
+        q.state = self.state
+        q.abort_pending = self.abort_pending
+        return q
 
-@dataclass
+
+@dataclass(frozen=True)
 class _HbSent:
     sent_at: float
     handles: tuple[int, ...]
@@ -235,7 +244,11 @@ class _Peer:
     state: str = PEER_UNKNOWN  # one of PEER_STATES
     seq: int = 0
     last_heard: float = -math.inf  # handshake or last ack from this peer
+    # Invariant: seq -> heartbeat sent to this peer and not yet acked, oldest first; on
+    # each heartbeat tick those older than lease_extension are pruned. Cap:
+    # MAX_OUTSTANDING_HEARTBEATS (the oldest forgotten, counted heartbeat_memory_evicted).
     outstanding: OrderedDict[int, _HbSent] = field(default_factory=OrderedDict)
+    # Invariant: handle -> request, exactly the Consumer.reqs entries from this engine.
     reqs: dict[int, _DReq] = field(default_factory=dict)  # handle -> request
 
 
@@ -243,6 +256,41 @@ class _Peer:
 # are pruned (such an ack could not extend anything); beyond the cap the oldest are
 # forgotten and their acks ignored (D keeps its smaller estimate: safe).
 MAX_OUTSTANDING_HEARTBEATS: Final = 4096
+
+
+class DRequestView(NamedTuple):
+    """A read-only view of one request on D (``Consumer.request``)."""
+
+    request_id: str
+    state: str
+    params: TransferParams
+    lease_end: float
+    abort_pending: bool
+
+
+class HeartbeatView(NamedTuple):
+    """A heartbeat message awaiting its ack (``PeerView.outstanding``)."""
+
+    seq: int
+    sent_at: float
+    handles: tuple[int, ...]
+
+
+class PeerView(NamedTuple):
+    """A read-only view of one P engine as D sees it (``Consumer.peer``)."""
+
+    engine: str
+    state: str  # one of PEER_STATES
+    seq: int  # the last heartbeat sequence number sent
+    last_heard: float  # handshake or last ack; -inf before either
+    outstanding: Mapping[int, HeartbeatView]  # seq -> heartbeat awaiting its ack, oldest first
+
+
+# The fields Consumer.__init__ sets. ``Consumer.clone`` copies each mutable one by hand and
+# shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
+_CONSUMER_SHARED: Final = frozenset({
+    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_lease_heap", "_next_hb",
+    "now", "heartbeat_chunk", "counters", "finished"})
 
 
 def _prune_outstanding(peer: _Peer, older_than: float) -> None:
@@ -288,13 +336,29 @@ class Consumer:
         self.reader = reader
         self.config = config.validate()
         self.sink = sink
+        # Invariant: exactly the requests admitted and not finished (waiting, handshaking
+        # or reading), by request id; each is also peers[its engine].reqs[its handle].
+        # Size: the requests D holds params for; each leaves when it finishes.
         self.reqs: dict[str, _DReq] = {}
+        # Invariant: every P engine an admit or a handshake result named; entries stay
+        # (a lost peer goes back to unknown). Size: the P engines the router names.
         self.peers: dict[str, _Peer] = {}
+        # Invariant: (engine, group) -> the one request of the group this rank read or is
+        # reading: set when its READ is posted, removed when that request gives the group
+        # up (disown). An entry stays after a READ that landed (later siblings are served
+        # from it), so it grows with the groups read: no cap.
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
+        # Invariant: every waiting or handshaking request has an entry at its lease end or
+        # earlier (renewals leave it early, tick re-inserts it); other entries are dropped
+        # lazily. Cap: rebuilt once above max(2 * requests, HEAP_SLACK) at a finish.
         self._lease_heap: list[tuple[float, str]] = []  # (lease_end, rid); lazy
+        # Invariant: the time the next tick sends heartbeats: heartbeat_interval after the
+        # last tick that sent them (-inf before the first).
         self._next_hb = -math.inf
         self.now = CLOCK_START
         self.heartbeat_chunk = heartbeat_chunk
+        # Invariant: keys from fixed vocabularies (counter names; "state:reason" with the
+        # rows' and events' reasons), so both stay small.
         self.counters: dict[str, int] = {}
         self.finished: dict[str, int] = {}
 
@@ -342,6 +406,61 @@ class Consumer:
     def outstanding_heartbeats(self, engine: str) -> int:
         p = self.peers.get(engine)
         return 0 if p is None else len(p.outstanding)
+
+    def request(self, rid: str) -> DRequestView | None:
+        """The request ``rid`` while it is on D (None before admit and once finished)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return None
+        return DRequestView(r.rid, r.state, r.params, r.lease_end, r.abort_pending)
+
+    def request_id(self, engine: str, handle: int) -> str | None:
+        """The request on D that P engine ``engine``'s ``handle`` names, if any."""
+        p = self.peers.get(engine)
+        r = None if p is None else p.reqs.get(handle)
+        return None if r is None else r.rid
+
+    def peer(self, engine: str) -> PeerView | None:
+        """P engine ``engine`` as D sees it (None when never named). O(outstanding
+        heartbeats)."""
+        p = self.peers.get(engine)
+        if p is None:
+            return None
+        return PeerView(engine, p.state, p.seq, p.last_heard,
+                        MappingProxyType({seq: HeartbeatView(seq, hb.sent_at, hb.handles)
+                                          for seq, hb in p.outstanding.items()}))
+
+    @property
+    def next_heartbeat_at(self) -> float:
+        """When the next tick sends heartbeats (-inf before the first tick)."""
+        return self._next_hb
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the lease heap (live ones plus dead ones not yet dropped)."""
+        return len(self._lease_heap)
+
+    def clone(self) -> Consumer:
+        """A deep, independent copy (requests, peers, outstanding heartbeats, group
+        owners, lease heap, counters), for searches that branch from one state
+        (conformance BFS, trace segments). Shared: ``config`` (frozen), ``sink`` (a
+        callable) and the immutable ``TransferParams``. Fields a subclass adds are
+        deep-copied. O(requests + peers + outstanding heartbeats)."""
+        n = object.__new__(type(self))
+        d = n.__dict__
+        for k, v in self.__dict__.items():
+            d[k] = v if k in _CONSUMER_SHARED else copy.deepcopy(v)  # a subclass's own fields
+        copies = {id(r): r.copy() for r in self.reqs.values()}
+        n.reqs = {rid: copies[id(r)] for rid, r in self.reqs.items()}
+        # Sent heartbeat records are frozen: the copies share them.
+        n.peers = {e: _Peer(p.state, p.seq, p.last_heard, OrderedDict(p.outstanding),
+                            {h: copies[id(r)] for h, r in p.reqs.items()})
+                   for e, p in self.peers.items()}
+        n._group_owner = dict(self._group_owner)
+        n._lease_heap = list(self._lease_heap)
+        n.counters = dict(self.counters)
+        n.finished = dict(self.finished)
+        return n
 
     def next_deadline(self) -> float:
         """The earliest time at which ``tick`` can have something to do: the next

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, NamedTuple
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
@@ -160,6 +162,14 @@ class _Req:
         self.finished: set[str] | None = None  # distinct readers that reported done/release
         self.released = False  # some reader released (never pulled)
 
+    def copy(self) -> _Req:
+        """An independent copy (``Ledger.clone``)."""
+        q = _Req(self.handle, self.rid, self.blocks, self.deadline, self.group, self.expected)
+        q.state = self.state
+        q.finished = None if self.finished is None else set(self.finished)
+        q.released = self.released
+        return q
+
 
 class _Staged:
     __slots__ = ("msgs", "since")
@@ -167,6 +177,12 @@ class _Staged:
     def __init__(self, since: float) -> None:
         self.since = since
         self.msgs: list[tuple[str, str, int, float]] = []  # (kind, reader, expected, arrival)
+
+    def copy(self) -> _Staged:
+        """An independent copy (``Ledger.clone``)."""
+        st = _Staged(self.since)
+        st.msgs = list(self.msgs)
+        return st
 
 
 MAX_STAGED_MSGS_PER_HANDLE: Final = 64
@@ -234,6 +250,13 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
     return obj
 
 
+# The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
+# shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
+_LEDGER_SHARED: Final = frozenset({
+    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_rid",
+    "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
+
+
 class Ledger:
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
 
@@ -256,8 +279,8 @@ class Ledger:
     the same as a slower delivery, which never frees anything early.
 
     Documented hooks (overridden by ``kvproto.testing.mutants`` to re-introduce known bugs):
-    ``_tally`` (how a reader's report counts) and ``_sweep`` (which requests a tick
-    finds due).
+    ``tally`` (how a reader's report counts) and ``sweep`` (which requests a tick finds
+    due; it frees them with ``expire``). Copies: ``clone``.
     """
 
     TABLE: ClassVar[Table] = P_TABLE
@@ -296,17 +319,42 @@ class Ledger:
         self.config = config.validate()
         self.pool = pool
         self.sink = sink  # journal hook: called with every event and its effects
+        # Invariant: exactly the held requests (state in HELD_STATES), by handle; a handle
+        # is never both here and in _tomb. Size: the requests the engine keeps held; each
+        # leaves at the latest at its deadline.
         self._live: dict[int, _Req] = {}
+        # Invariant: _by_rid[r.rid] == h exactly when _live[h] is r (one live holder per
+        # request id). Size: len(_live).
         self._by_rid: dict[str, int] = {}
+        # Invariant: every held request has an entry at its deadline or earlier (renewals
+        # leave it early, tick re-inserts it); entries of freed requests are dropped
+        # lazily. Cap: rebuilt from _live once above max(2 * held, HEAP_SLACK) entries.
         self._heap: list[tuple[float, int]] = []  # (deadline or earlier, handle); lazy
+        # Invariant: handles neither live nor tombstoned when their first message came
+        # (messages before register), oldest first; each holds at most max_staged_msgs
+        # messages and leaves on register or after max_staged_age. Cap: config.max_staged
+        # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
         # handle -> (terminal state, request id); request id -> handle, both capped together
+        # Invariant: freed handles, oldest first, none live. Cap: config.max_tombstones
+        # (the oldest evicted, counted tombstone_evicted).
         self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
+        # that request id). Size: at most len(_tomb).
         self._tomb_rid: dict[str, int] = {}
+        # Invariant: group -> its live members, never an empty set; every member is in
+        # _live. Size: at most len(_live) groups.
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
+        # Invariant: groups one member of which was transferred, oldest first (a member
+        # registered later is freed at once). Cap: config.max_groups_remembered (the
+        # oldest evicted, counted group_memory_evicted).
         self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
+        # Invariant: above every handle registered or minted here (new_handle never
+        # returns one twice).
         self._next_handle = 1
         self.now = CLOCK_START
+        # Invariant: keys from fixed vocabularies (the rows' counters, rejection reasons,
+        # the cap counters), so both stay small. frees: one key per FREE_REASONS entry.
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
         # Messages staged per early handle (MAX_STAGED_MSGS_PER_HANDLE; the conformance
@@ -384,8 +432,8 @@ class Ledger:
         return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
                 for h, r in self._live.items()}
 
-    # -- read-only views (issue 10, branch plumbing): verification and adapters use these
-    # instead of private fields. O(1) unless stated.
+    # -- read-only views for verification and adapters (code outside the lifecycle reads
+    # the ledger only through these). O(1) unless stated.
     def request_id(self, handle: int) -> str | None:
         """The request id of a live or tombstoned handle; None when unknown."""
         r = self._live.get(handle)
@@ -407,7 +455,29 @@ class Ledger:
     def groups_done(self) -> tuple[str, ...]:
         """The remembered transferred sibling groups, oldest first. O(groups)."""
         return tuple(self._groups_done)
-    # -- end of read-only views (plumbing) -----------------------------------------------
+
+    def clone(self) -> Ledger:
+        """A deep, independent copy (its own pool, requests, heap, staging, tombstones
+        and counters), for searches that branch from one state (conformance BFS, trace
+        segments). Shared: ``config`` (frozen) and ``sink`` (a callable). Fields a subclass
+        adds are deep-copied. O(held + staged + tombstones + pool capacity)."""
+        n = object.__new__(type(self))
+        mine = self.__dict__
+        d = n.__dict__
+        for k, v in mine.items():
+            d[k] = v if k in _LEDGER_SHARED else copy.deepcopy(v)  # a subclass's own fields
+        n.pool = self.pool.clone()
+        n._live = {h: r.copy() for h, r in self._live.items()}
+        n._by_rid = dict(self._by_rid)
+        n._heap = list(self._heap)
+        n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
+        n._tomb = OrderedDict(self._tomb)
+        n._tomb_rid = dict(self._tomb_rid)
+        n._groups = {g: set(m) for g, m in self._groups.items()}
+        n._groups_done = OrderedDict(self._groups_done)
+        n.counters = dict(self.counters)
+        n.frees = dict(self.frees)
+        return n
 
     # -- generic entry point -------------------------------------------------------
     def apply(self, ev: Event) -> list[Effect]:
@@ -562,9 +632,11 @@ class Ledger:
             self._count("expected_conflict")
 
     # -- hooks -----------------------------------------------------------------------------
-    def _tally(self, r: _Req, event: str, reader: str) -> int:
-        """Hook: ``reader`` finished ``r`` (done or release). Return how many readers
-        count as finished now, or -1 when this reader had already finished."""
+    def tally(self, handle: int, event: str, reader: str) -> int:
+        """Hook: ``reader`` finished the held request ``handle`` (done or release).
+        Return how many readers count as finished now, or -1 when this reader had
+        already finished."""
+        r = self._live[handle]
         fin = r.finished
         if fin is None:
             fin = r.finished = set()
@@ -575,7 +647,7 @@ class Ledger:
             r.released = True
         return len(fin)
 
-    def _sweep(self, now: float, out: list[Effect]) -> None:
+    def sweep(self, now: float, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
         ``now``. Called by ``tick`` only when the earliest heap entry is due."""
         heap = self._heap
@@ -596,10 +668,13 @@ class Ledger:
                 continue
             self._step(r, TICK, "deadline_passed", now, out)
 
-    def _expire(self, handle: int, now: float, out: list[Effect]) -> None:
-        """Run TICK/deadline_passed for the held request ``handle`` (for ``_sweep``
-        overrides)."""
-        self._step(self._live[handle], TICK, "deadline_passed", now, out)
+    def expire(self, handle: int, now: float, out: list[Effect]) -> None:
+        """Run TICK/deadline_passed for the held request ``handle`` (for ``sweep``
+        overrides); ``UsageError`` when ``handle`` is not held."""
+        r = self._live.get(handle)
+        if r is None:
+            raise UsageError(f"expire: handle {handle} is not held")
+        self._step(r, TICK, "deadline_passed", now, out)
 
     # -- the machine's internal events ----------------------------------------------------
     def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
@@ -607,7 +682,7 @@ class Ledger:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        n = self._tally(r, event, reader)
+        n = self.tally(r.handle, event, reader)
         if n < 0:
             guard = "duplicate_reader"
         elif r.expected and n >= r.expected:
@@ -823,7 +898,7 @@ class Ledger:
         out: list[Effect] = []
         heap = self._heap
         if heap and heap[0][0] <= now:
-            self._sweep(now, out)
+            self.sweep(now, out)
         staged = self._staged
         if staged:
             limit = now - self.config.max_staged_age

@@ -14,8 +14,8 @@ Effects and what they become:
   one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
   hears ``done`` only after the data and the stamps landed;
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
-  batched per step; heartbeats chunked by the machine so that every message fits
-  ``max_message_bytes``);
+  batched per step, held while their P engine's handshake runs: one handle per request,
+  for a bounded time; heartbeats chunked so that each fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed.
@@ -34,7 +34,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -80,7 +80,7 @@ from kvproto.wire import (
     KIND_ACK,
     Handshake,
     WireError,
-    check_layouts,
+    check_peer,
     decode,
     decode_handshake,
     encode_done_batch,
@@ -112,6 +112,7 @@ _RETRY = frozenset((WAITING, HANDSHAKING, D_NEW))
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
+          "model_mismatch": "model_mismatch",
           "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
           "wrong_name": "handshake_wrong_peer", "unauthenticated": "handshake_unauthenticated"}
 
@@ -245,7 +246,7 @@ class ConsumerAdapter:
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None,
+                 handshake_secret: bytes | None = None, identity: Mapping[str, str] | None = None,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
         are the local blocks: ``schedule`` names the blocks each READ lands in.
@@ -253,7 +254,7 @@ class ConsumerAdapter:
         authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``.
         ``sink`` receives every machine event and its effects (a D journal:
         ``JournalWriter(..., reader=name).sink``)."""
-        self.name = name
+        self.name, self.identity = name, dict(identity or {})  # model identity, as on P
         self.handshake_secret = handshake_secret if handshake_secret is not None \
             else secret_from_env()
         if peer_timeout is not None:  # kept for callers: the machine reads the config
@@ -510,22 +511,21 @@ class ConsumerAdapter:
             self.metrics.heartbeat(len(hb.handles))
 
     def _flush_releases(self) -> None:
-        if not self._releases:
-            return
         pending, self._releases = self._releases, {}
         for (engine, epoch, expected), handles in pending.items():
             e = self.engines.get(engine)
-            if e is None or e.state != PEER_READY:
-                continue  # nobody to tell: P frees on expiry
-            for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
-                self._send("release", engine, m)
+            if e is not None and e.state == PEER_HANDSHAKING:  # sent once it completes
+                self._releases[(engine, epoch, expected)] = handles
+            elif e is not None and e.state == PEER_READY:  # else nobody to tell: P expires
+                for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
+                    self._send("release", engine, m)
 
     # -- handshakes ----------------------------------------------------------------------
     def _payload(self) -> bytes:
         return Handshake(engine=self.name, epoch=0,
                          layout=self.region.layout(self.tp_rank, self.tp_size),
                          agent_metadata=self._metadata, role="consumer", extra={},
-                         version=self.handshake_version).encode()
+                         version=self.handshake_version, identity=self.identity).encode()
 
     def _x_handshake(self, eff: StartHandshake, now: float) -> None:
         self._start_handshake(eff.engine, now)
@@ -570,11 +570,10 @@ class ConsumerAdapter:
             return
         try:
             hs = decode_handshake(payload)
-            if hs.role != "producer":
-                raise WireError("malformed_handshake", f"role {hs.role!r}")
+            layout = self.region.layout(self.tp_rank, self.tp_size)
+            check_peer(hs, "producer", layout, self.identity)  # role, layout, model identity
             if hs.engine != e.name:
                 raise WireError("wrong_name", f"expected {e.name!r}, got {hs.engine!r}")
-            check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
             region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
         except WireError as ex:
             self._fail_handshake(e, now, _FINAL.get(ex.reason, "handshake_malformed"), ex.detail)

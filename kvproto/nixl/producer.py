@@ -18,6 +18,17 @@ known is replaced only when its old handshake connection has closed (a restarted
 the new claim is authenticated; with a shared secret (``handshake_secret=``, or the
 ``KVPROTO_HANDSHAKE_SECRET`` environment variable) every handshake must carry a valid
 HMAC (``kvproto.nixl.channel``), else it is refused, counted and logged.
+
+With ``handshake_thread`` the listener runs on a thread of its own and answers while the
+engine thread is busy (a long forward pass would otherwise outlast D's handshake
+budget). That thread runs only the checks that depend on the request and on data fixed
+at start-up (decoding, role, version, layout, authentication, the agent name in the
+metadata), answers from P's handshake payload prepared at start-up, and queues the
+outcome; ``poll`` (the engine thread) then does everything that changes state: the
+peer table, NIXL's remote agents, and the ledger's records of refusals. A claim refused
+only there (a live peer has the name, or NIXL cannot load the metadata) has its
+connection closed, which D notices as a lost peer. The ledger and the adapter's state
+are touched by the engine thread only.
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +60,7 @@ from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
     WireError,
-    check_layouts,
+    check_peer,
     decode_handshake,
     encode_ack,
 )
@@ -59,6 +71,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
+# Handshake outcomes the listener thread may queue for the engine thread; beyond it a
+# handshake is refused as "busy" (D retries) and a closed channel goes uncounted.
+MAX_HANDSHAKE_QUEUE = 4096
 
 Clock = Callable[[], float]
 # Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
@@ -80,14 +95,21 @@ class ProducerAdapter:
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None,
+                 identity: Mapping[str, str] | None = None,
+                 handshake_thread: bool = False) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (registered in place, see
         ``KVRegion``) and so is the block allocator: reclaimed blocks get their stamps
         bumped, and the engine learns of each ``Free`` through ``observer`` (called after
         the bump) instead of this adapter's free list.
         ``handshake_secret``: require authenticated handshakes (HMAC-SHA256 under this
-        shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none."""
+        shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none.
+        ``identity``: the model identity (``kvproto.vllm.identity``) sent in the handshake;
+        a D whose identity differs in any field is refused (``model_mismatch``).
+        ``handshake_thread``: serve the handshake listener from a thread of its own (see
+        the module docstring)."""
         self.name = name
+        self.identity = dict(identity or {})
         self.config = config.validate()
         self.clock = clock
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
@@ -109,8 +131,20 @@ class ProducerAdapter:
         self._metadata: bytes = self.agent.get_agent_metadata()
         self.handshake_secret = handshake_secret if handshake_secret is not None \
             else secret_from_env()
-        self.server = Server(self._on_handshake, host=host, port=port,
-                             on_close=self._on_channel_closed, secret=self.handshake_secret)
+        # Listener thread -> engine thread: (conn, accepted handshake | None, authed,
+        # (reason, peer, detail) of a refusal | None); a closed channel is (-1, None,
+        # False, ("", peer, "")). At most MAX_HANDSHAKE_QUEUE entries; poll empties it.
+        self._hs_queue: deque[tuple[int, Handshake | None, bool,
+                                    tuple[str, str, str] | None]] = deque()
+        self._hs_ok = frame(ST_OK, self.handshake_payload().encode())  # fixed at start-up
+        if handshake_thread:
+            self.server = Server(self._answer_handshake, host=host, port=port,
+                                 on_close=self._queue_channel_closed,
+                                 secret=self.handshake_secret, threaded=True)
+        else:
+            self.server = Server(self._on_handshake, host=host, port=port,
+                                 on_close=self._on_channel_closed,
+                                 secret=self.handshake_secret)
         self.host = self.server.host
         self.port = self.server.port
         self._closed = False
@@ -155,7 +189,8 @@ class ProducerAdapter:
         return Handshake(engine=self.name, epoch=self.epoch,
                          layout=self.region.layout(self.tp_rank, self.tp_size),
                          agent_metadata=self._metadata, role="producer",
-                         extra=self.region.extra(), version=self.handshake_version)
+                         extra=self.region.extra(), version=self.handshake_version,
+                         identity=self.identity)
 
     # -- the engine's side: allocate, fill, register, abort -----------------------------
     def allocate(self, n: int) -> list[int] | None:
@@ -199,12 +234,32 @@ class ProducerAdapter:
         rejected = any(isinstance(e, Rejected) for e in effects)
         if not rejected:  # the ledger's hold replaces the engine's pins
             self.pool.unpin([b for b in blocks if self.pool.pinned(b)])
+        else:
+            # The engine may reuse these blocks now, and transfer params for them may
+            # already exist (an engine's scheduler snapshots stamps before the register
+            # reaches the ledger): bump their stamps so that no such params ever match.
+            cap = self.pool.capacity
+            self.fence([b for b in blocks if isinstance(b, int) and 0 <= b < cap])
         if rejected or any(isinstance(e, Free) for e in effects):
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.initial_lease,
                               expected=max(1, expected), group=group, generations=gens)
+
+    def fence(self, blocks: Sequence[int]) -> None:
+        """Bump the generation stamps of ``blocks``: every READ whose params carry the old
+        stamps fails its stamp check from now on (fail closed)."""
+        if not blocks:
+            return
+        gv = self._gen_view
+        if gv is not None:
+            for b in blocks:
+                gv[b] += 1
+        else:  # pragma: no cover - VRAM only
+            idx = torch.tensor(list(blocks), dtype=torch.int64, device=self.region.gen.device)
+            self.region.gen[idx] += 1
+            torch.cuda.synchronize(self.region.gen.device)
 
     def abort(self, request_id: str) -> None:
         now = self._now()
@@ -222,6 +277,10 @@ class ProducerAdapter:
             self._count("notif_poll_error")
             log.warning("get_new_notifs failed: %s", error_name(e))
             notifs = {}
+        if self._hs_queue:
+            # After fetching the messages: a D that sent one had its handshake answered,
+            # so its handshake is in the queue by now and is applied before its message.
+            self._apply_handshakes(now)
         for peer, msgs in notifs.items():
             peer_s = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
             for m in msgs:
@@ -307,37 +366,84 @@ class ProducerAdapter:
     def _refuse_handshake(self, reason: str, peer: str, detail: str, now: float) -> bytes:
         """Refuse a handshake: counted, journaled (``handshake_<reason>``), logged."""
         self._count("handshake_refused")
+        if reason == "unauthenticated":
+            self._count("handshake_unauthenticated")
         self._apply(self.ledger.reject("handshake_" + reason, peer[:64], detail, now), now)
         log.warning("handshake refused (%s) from %r: %s", reason, peer[:64], detail)
         return refusal(reason, detail)
 
-    def _on_handshake(self, conn: int, payload: bytes, authed: bool = False
-                      ) -> tuple[bytes, str]:
-        """Check the claim completely before changing any state (issue 11): nothing is
-        loaded or unloaded for a handshake that is malformed, unauthenticated (when a
-        secret is set), names another agent in its metadata than it claims, or claims
-        the name of a live peer without proof."""
-        now = self._now()
+    def _check_handshake(self, payload: bytes, authed: bool
+                         ) -> Handshake | tuple[str, str, str]:
+        """The checks that depend only on the request and on data fixed at start-up
+        (safe on the listener thread): the handshake, or a refusal (reason, claimed
+        peer, detail). Nothing is loaded for a handshake that is malformed,
+        unauthenticated (when a secret is set) or names another agent in its metadata
+        than it claims."""
         try:
             hs = decode_handshake(payload)
-            if hs.role != "consumer":
-                raise WireError("malformed_handshake", f"role {hs.role!r}, expected consumer")
             if self.handshake_version != HANDSHAKE_VERSION:  # test hook
                 raise WireError("version", f"this side speaks {self.handshake_version}")
-            check_layouts(self.region.layout(self.tp_rank, self.tp_size), hs.layout)
+            layout = self.region.layout(self.tp_rank, self.tp_size)
+            check_peer(hs, "consumer", layout, self.identity)  # role, layout, model identity
         except WireError as e:
-            return self._refuse_handshake(e.reason, "", e.detail, now), ""
+            return e.reason, "", e.detail
         if self.handshake_secret is not None and not authed:
-            self._count("handshake_unauthenticated")
-            return self._refuse_handshake("unauthenticated", hs.engine,
-                                          "no valid HMAC under the shared secret", now), ""
+            return "unauthenticated", hs.engine, "no valid HMAC under the shared secret"
         md_name = metadata_agent_name(hs.agent_metadata)
         if md_name is None:
-            return self._refuse_handshake("metadata", hs.engine,
-                                          "agent metadata of an unknown shape", now), ""
+            return "metadata", hs.engine, "agent metadata of an unknown shape"
         if md_name != hs.engine:
-            return self._refuse_handshake("wrong_name", hs.engine,
-                                          f"metadata names {md_name[:64]!r}", now), ""
+            return "wrong_name", hs.engine, f"metadata names {md_name[:64]!r}"
+        return hs
+
+    def _on_handshake(self, conn: int, payload: bytes, authed: bool = False
+                      ) -> tuple[bytes, str]:
+        """The listener's handler on the engine thread: check the claim completely
+        before changing any state."""
+        now = self._now()
+        hs = self._check_handshake(payload, authed)
+        if isinstance(hs, tuple):
+            return self._refuse_handshake(*hs, now), ""
+        refused = self._accept_handshake(conn, hs, authed, now)
+        if refused is not None:
+            return refused, ""
+        return self._hs_ok, hs.engine
+
+    def _answer_handshake(self, conn: int, payload: bytes, authed: bool = False
+                          ) -> tuple[bytes, str]:
+        """The listener's handler on its own thread: check, answer from the payload
+        fixed at start-up, and queue the rest for the engine thread (``poll``)."""
+        if len(self._hs_queue) >= MAX_HANDSHAKE_QUEUE:
+            return refusal("busy", "too many handshakes queued; retry"), ""
+        hs = self._check_handshake(payload, authed)
+        if isinstance(hs, tuple):
+            self._hs_queue.append((conn, None, authed, hs))
+            return refusal(hs[0], hs[2]), ""
+        self._hs_queue.append((conn, hs, authed, None))
+        return self._hs_ok, hs.engine
+
+    def _queue_channel_closed(self, peer: str) -> None:
+        if len(self._hs_queue) < MAX_HANDSHAKE_QUEUE:
+            self._hs_queue.append((-1, None, False, ("", peer, "")))
+
+    def _apply_handshakes(self, now: float) -> None:
+        """Engine thread: apply what the listener thread answered and saw."""
+        q = self._hs_queue
+        while q:
+            conn, hs, authed, refused = q.popleft()
+            if refused is not None:
+                if conn < 0:
+                    self._on_channel_closed(refused[1])
+                else:
+                    self._refuse_handshake(*refused, now)
+            elif hs is not None and self._accept_handshake(conn, hs, authed, now) is not None:
+                self.server.drop(conn)  # answered "ok" already: D sees its channel close
+
+    def _accept_handshake(self, conn: int, hs: Handshake, authed: bool, now: float
+                          ) -> bytes | None:
+        """Load a checked claim (engine thread): None when accepted, else the refusal.
+        A peer already known is replaced only when its old handshake connection has
+        closed (a restarted D) or the new claim is authenticated."""
         old = self.peers.get(hs.engine)
         if old is not None and old.agent_metadata == hs.agent_metadata:
             # A retry of the same peer: nothing to reload. The live connection stays the
@@ -352,7 +458,7 @@ class ProducerAdapter:
                 # is someone else's (or a restarted peer whose old process has not been
                 # noticed dead yet: it retries). Never unload a live peer on a claim.
                 return self._refuse_handshake("name_in_use", hs.engine,
-                                              "a live peer has this name", now), ""
+                                              "a live peer has this name", now)
             try:  # a restarted D (its old connection closed), or an authenticated claim
                 self.agent.remove_remote_agent(hs.engine)
             except Exception as e:
@@ -366,20 +472,20 @@ class ProducerAdapter:
             except Exception as e:
                 self._count("handshake_metadata_error")
                 log.warning("loading metadata of %s failed: %s", hs.engine[:64], error_name(e))
-                return refusal("metadata", error_name(e)), ""
+                return refusal("metadata", error_name(e))
             if name_s != hs.engine:  # pragma: no cover - the name was read out above
                 try:
                     self.agent.remove_remote_agent(name_s)
                 except Exception as e:
                     log.debug("remove_remote_agent(%s): %s", name_s[:64], error_name(e))
                 return self._refuse_handshake("wrong_name", hs.engine,
-                                              f"NIXL loaded {name_s[:64]!r}", now), ""
+                                              f"NIXL loaded {name_s[:64]!r}", now)
         self.peers[hs.engine] = hs
         self._peer_conn[hs.engine] = conn
         self._count("handshakes")
         log.info("handshake with %s (epoch %d) ok%s", hs.engine, hs.epoch,
                  " (authenticated)" if authed else "")
-        return frame(ST_OK, self.handshake_payload().encode()), hs.engine
+        return None
 
     def _on_channel_closed(self, peer: str) -> None:
         # Informational only: P never frees on a peer's disappearance; leases do.

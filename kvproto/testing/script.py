@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle import (
     CLOCK_START,
     D_NEW,
@@ -253,7 +254,7 @@ def _consumer_state(m: Consumer, known: Iterable[Any],
 # ---------------------------------------------------------------------------
 
 
-class ScriptError(ValueError):
+class ScriptError(UsageError, ValueError):
     """A malformed script, or a command the machine could not run: names file and line."""
 
     def __init__(self, path: str, line: int, message: str) -> None:

@@ -8,14 +8,11 @@ Shared by graph equality (:mod:`kvproto.verify.conformance`) and the oracle
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import TypeAlias
 
-from kvproto import lifecycle
 from kvproto.lifecycle import (
     DONE,
     HEARTBEAT,
@@ -50,38 +47,7 @@ class PyNode:
     nfree: dict[str, int]
 
     def clone(self) -> PyNode:
-        return PyNode(thaw(freeze(self.ledger)), self.now, dict(self.nfree))
-
-
-_CANON: Final[dict[str, str]] = {s: s for s in (*lifecycle.P_STATES, *lifecycle.P_EVENTS)}
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles the lifecycle's state/event names by reference. Ledger.heartbeat compares
-    states by identity (``st is REGISTERED``) and unpickled strings are new objects, so a
-    plain pickle round trip yields a ledger that refuses every heartbeat."""
-
-    def persistent_id(self, obj: Any) -> str | None:
-        if type(obj) is str and _CANON.get(obj) is obj:
-            return obj
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        return _CANON[pid]
-
-
-def freeze(ledger: Ledger) -> bytes:
-    """A snapshot of a ledger, cheap to :func:`thaw` many times."""
-    buf = io.BytesIO()
-    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(ledger)
-    return buf.getvalue()
-
-
-def thaw(blob: bytes) -> Ledger:
-    L: Ledger = _Unpickler(io.BytesIO(blob)).load()
-    return L
+        return PyNode(self.ledger.clone(), self.now, dict(self.nfree))
 
 
 def abstract(model: GraphModel, node: PyNode) -> State:
@@ -89,10 +55,10 @@ def abstract(model: GraphModel, node: PyNode) -> State:
 
     pstate[r] = Ledger.state(h); expected/finished/released from snapshot() (0/{}/FALSE
     when not live); deadline[r] = snapshot deadline - now (relative); reports[r] =
-    |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = list(_staged) as names;
-    staged[r] = _staged[h].msgs as [kind, reader, exp, age] (age = now - arrival for
-    heartbeats, 0 otherwise); stagedAge[r] = now - _staged[h].since; groupsDone =
-    set(_groups_done); nfree[r] = the ghost count of Free effects for r."""
+    |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = the handles of
+    staged_entries() as names; staged[r] = its msgs as [kind, reader, exp, age] (age =
+    now - arrival for heartbeats, 0 otherwise); stagedAge[r] = now - its since;
+    groupsDone = set(groups_done()); nfree[r] = the ghost count of Free effects for r."""
     L, now = node.ledger, node.now
     snap = L.snapshot()
     staged_all = {h: (since, msgs) for h, since, msgs in L.staged_entries()}

@@ -51,7 +51,6 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
 )
-from kvproto.verify.dconformance import clone_consumer
 from kvproto.verify.tlc import render
 from kvproto.verify.trace import (
     DEFAULT_SEGMENT_STEPS,
@@ -115,9 +114,9 @@ class _Names:
         new one when Consumer will create a machine for it."""
         if ev.request_id in c.reqs:
             return self.live(c, ev.request_id)
-        peer = c.peers.get(engine)
-        if peer is not None and ev.params.handle in peer.reqs:
-            return self.by_rid.get(peer.reqs[ev.params.handle].rid, NOBODY)
+        holder = c.request_id(engine, ev.params.handle)
+        if holder is not None:
+            return self.by_rid.get(holder, NOBODY)
         name = f"q{len(self.adm) + 1}"
         p = ev.params
         self.adm[name] = _Adm(name, ev.request_id, p.handle, p.group, p.initial_term, p.expected)
@@ -197,7 +196,7 @@ class _DTraceBuilder:
                          and a.group is not None}):
             o = c.group_owner(self.engine, g)
             owners.append((_s(g), _s(names.by_rid.get(o, NOBODY) if o is not None else "none")))
-        peer = c.peers.get(self.engine)
+        peer = c.peer(self.engine)
         keep = set(reqs)
         hbs: list[str] = []
         heard = 0
@@ -210,7 +209,7 @@ class _DTraceBuilder:
                 pt = self.units(cfg.peer_timeout)
                 heard = pt + 1 if not math.isfinite(peer.last_heard) else \
                     min(self.units(now) - self.units(peer.last_heard), pt + 1)
-        nhb = c._next_hb
+        nhb = c.next_heartbeat_at
         hb_wait = 0 if not math.isfinite(nhb) else max(0, self.units(nhb) - self.units(now))
         fields = {
             "dst": _fn(dst), "dlease": _fn(dlease), "abortPending": _fn(pend),
@@ -313,7 +312,7 @@ class _DTraceBuilder:
             start_names = set(live_at_start)
             # The states at the start, for every name the segment may meet, are taken
             # after the fact (admissions are named as the segment runs): keep a copy.
-            snapshot = clone_consumer(c)
+            snapshot = c.clone()
             final_at_start = dict(names.final)
             steps: list[str] = []
             lines: list[int] = []

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, cast
 
+from kvproto.errors import KVProtoError
 from kvproto.lifecycle import (
     ABORT,
     ABORTED,
@@ -87,7 +88,7 @@ INVARIANTS: Final = frozenset({
 graph; ``NoFreeUnderRead`` and ``NoLeak``: raised by the fuzzer's simulator)."""
 
 
-class InvariantViolation(AssertionError):
+class InvariantViolation(KVProtoError, AssertionError):
     """The one violation record: ``invariant`` is the check's name (one of
     :data:`INVARIANTS`), ``detail`` says what happened."""
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kvproto.errors import UsageError
 from kvproto.verify.tlc import (
     ParseError,
     TLCError,
@@ -34,7 +35,7 @@ TLC_INT_MAX: Final = 2**31 - 1
 DEFAULT_BATCH_BYTES: Final = 800_000
 
 
-class TraceError(ValueError):
+class TraceError(UsageError, ValueError):
     """The journal cannot be expressed as a trace of the spec (bad input)."""
 
 

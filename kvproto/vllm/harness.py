@@ -41,6 +41,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvproto.errors import KVProtoError
+
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
@@ -53,7 +55,7 @@ KVPROTO_CONNECTOR: dict[str, Any] = {"kv_connector": "KVProtoConnector",
                                      "kv_load_failure_policy": "recompute"}
 
 
-class HarnessError(RuntimeError):
+class HarnessError(KVProtoError, RuntimeError):
     """An engine process failed to start, died, or did not answer in time."""
 
 
