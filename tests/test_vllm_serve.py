@@ -75,7 +75,8 @@ SEQS = 2                 # max_num_seqs of P and D: two long requests fill an en
 MAX_LEN = 8192           # the model's context: room for fillers
 LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full while the
                          # storm's other clients come and go (it never ends by itself)
-DELAY_LOAD = 1.0         # D's test_delay_load_s: the window in which D reads
+DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
+                         # window in which the storm's D-reading clients leave
 LEASE = sc.LEASE
 LEASES = sc.lease_config(LEASE)
 # P must be empty this long after the storm: every lease ends (initial term, or the last
@@ -765,7 +766,7 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
         await disconnect(d_fill, 0.2)
         # D reading: D holds the load open DELAY_LOAD seconds after it allocated the
         # blocks; once D's engine has the request ("Added request" in its log), each
-        # client leaves well inside that window (D allocates within a step or two), so
+        # client leaves well inside that window (D allocates within a few steps), so
         # before its READ completes
         for i in range(PER_KIND):
             rid = f"d_read{i}"
@@ -775,7 +776,7 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
                 return f"Added request cmpl-{rid}-0" in \
                     _proc(st, "D").log.read_text(errors="replace")
             await until(added, 60, f"{rid} in D's engine")
-            await asyncio.sleep(rng.uniform(0.05, 0.5 * DELAY_LOAD))
+            await asyncio.sleep(rng.uniform(0.05, 0.25 * DELAY_LOAD))
             assert (await router_status(st))["in_flight"].get(rid) == "decode", rid
             await disconnect([rid], 0.0)
         # D decoding: the client reads a few chunks, then closes the stream
