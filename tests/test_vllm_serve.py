@@ -77,7 +77,9 @@ LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full
                          # storm's other clients come and go (it never ends by itself)
 DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
                          # window in which the storm's D-reading clients leave
-LEASE = sc.LEASE
+# P's lease: short, so that the requests nobody pulls come back soon, yet well above
+# DELAY_LOAD, so that D keeps the leases of the loads it holds open by heartbeats alone
+LEASE = 8.0
 LEASES = sc.lease_config(LEASE)
 # P must be empty this long after the storm: every lease ends (initial term, or the last
 # heartbeat's extension, then the abort grace), plus slack for a loaded machine. A hang
