@@ -78,7 +78,8 @@ LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full
 DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
                          # window in which the storm's D-reading clients leave
 # P's lease: short, so that the requests nobody pulls come back soon, yet well above
-# DELAY_LOAD, so that D keeps the leases of the loads it holds open by heartbeats alone
+# DELAY_LOAD, so that a load D holds open never outlives it (a lost lease would make D
+# recompute: correct, but not the path under test)
 LEASE = 8.0
 LEASES = sc.lease_config(LEASE)
 # P must be empty this long after the storm: every lease ends (initial term, or the last
