@@ -141,6 +141,36 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0, hidden
     return TinyModel(d, vocab, max_len)
 
 
+# Token ids of the word tokenizer's special tokens (the tiny model's config agrees).
+WORD_SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2}
+
+
+def write_word_tokenizer(directory: str | os.PathLike[str], *, vocab: int = 1024) -> Path:
+    """Write a tokenizer beside a tiny model so that a server (``vllm serve``) can take and
+    return text: token ``i`` is the word ``w<i>`` (ids 0-2 are ``<unk>``, ``<s>``,
+    ``</s>``), words are split on white space, no special token is added, and decoding
+    joins words with one space. Text and token ids then map one to one, so a prompt can
+    be written as ``"w17 w5 w900"``. Idempotent (an existing tokenizer is kept)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists():
+        return d
+    words = {w: i for w, i in WORD_SPECIAL.items()}
+    words.update({f"w{i}": i for i in range(len(WORD_SPECIAL), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(WORD_SPECIAL))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>",
+        "model_max_length": 1 << 20, "add_bos_token": False, "add_eos_token": False,
+    }, indent=1))
+    return d
+
+
 def make_prompts(count: int, *, vocab: int = 1024, seed: int = 1,
                  lengths: Sequence[int] | None = None) -> list[list[int]]:
     """Deterministic token-id prompts. Default lengths cycle through one block, a partial
