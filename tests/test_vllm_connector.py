@@ -188,6 +188,11 @@ def test_client_abort_on_d_before_the_read_releases_to_p() -> None:
         pr.pump(lambda: "ab" in pr.recv and "ab" in pr.sent)
         assert pr.p.adapter.ledger.frees["released"] == 1
         assert pr.p.adapter.check_invariants() == []
+        # The blocks are named (nothing computes on them), but a client abort is no
+        # failed read and nothing is recomputed.
+        assert pr.invalid == {5, 6}
+        c = pr.d.counters()
+        assert c["reads_failed"] == 0 and c["recomputed_blocks"] == 0
     finally:
         pr.close()
 

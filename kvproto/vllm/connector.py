@@ -547,20 +547,27 @@ class _DWorker:
                                 c.request_id, c.state, c.reason, self.outcome)
                 self._ended(c.request_id)
                 continue
-            self._complete(c.request_id, local, ok=c.state == D_DONE and c.reason == "pulled")
-            if c.state != D_DONE or c.reason != "pulled":
+            ok = c.state == D_DONE and c.reason == "pulled"
+            # A client abort (vLLM already ended the request) is no failed read: its
+            # blocks are still named, so nothing computes on them, but it is not counted
+            # as a read failure or as blocks to recompute.
+            aborted = c.reason == "aborted"
+            self._complete(c.request_id, local, ok=ok, counted=not aborted)
+            if not ok and not aborted:
                 log.warning("kvproto: remote KV of %s not served (%s: %s); %d blocks "
                             "reported for recompute", c.request_id, c.state, c.reason,
                             len(local))
 
-    def _complete(self, rid: str, local: tuple[int, ...], ok: bool) -> None:
+    def _complete(self, rid: str, local: tuple[int, ...], ok: bool,
+                  counted: bool = True) -> None:
         self.finished_recving.add(rid)
         if ok:
             self.stats["reads_ok"] += 1
         else:
             self.failed.add(rid)
-            self.stats["reads_failed"] += 1
-            self.stats["recomputed_blocks"] += len(local)
+            if counted:
+                self.stats["reads_failed"] += 1
+                self.stats["recomputed_blocks"] += len(local)
             self.invalid.update(local)
 
     def take(self) -> tuple[set[str], set[int], list[str]]:
