@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
     BlockPool,
     Config,
@@ -23,6 +25,7 @@ from kvproto.lifecycle import (
     Finished,
     Free,
     Ledger,
+    SendHeartbeat,
     SendRelease,
     TransferParams,
 )
@@ -105,3 +108,32 @@ def assert_conserved(ledger: Ledger) -> None:
     assert pool.held_count + pool.free_count == pool.capacity
     assert pool.recount() == (pool.held_count, pool.free_count)
     assert ledger.check_invariants() == []
+
+
+def budget_d_journal(path: Path, consumer_cls: type[Consumer] = Consumer) -> Path:
+    """One D rank's journal whose ticks run out of their work budget
+    (``max_tick_work = 2``): leases lost at once are failed over several ticks, stale and
+    renewed heap entries use the budget too, a late request is scheduled (lease_short)
+    and another is named by a heartbeat and renewed by its ack before its turn; a silent
+    peer is lost at the end. ``consumer_cls`` may be a mutant
+    (``kvproto.testing.mutants.D_MUTANTS``)."""
+    cfg = replace(Config(), max_tick_work=2)
+    with JournalWriter(path, cfg, None, {"source": "budget"}, reader="d0") as w:
+        c = consumer_cls("d0", cfg, sink=w.sink)
+        c.handshake_result(ENGINE, True, 0.0)
+        for h in range(1, 5):
+            c.admit(f"r{h}", params(h, term=8.0), 0.0)  # lease end 7
+        (hb,) = [e for e in c.tick(0.0) if isinstance(e, SendHeartbeat)]
+        c.ack(ENGINE, hb.seq, 20.0, (), 0.5)  # r1..r4: lease end 19.5, heap entries at 7
+        for h in range(5, 10):
+            c.admit(f"r{h}", params(h, term=8.0), 0.6)  # lease end 7.6: lost after 2.1
+        c.admit("r10", params(10, term=40.0), 0.6)
+        c.tick(2.2)  # r1, r2: renewed, re-inserted
+        c.schedule("r5", 2.3)  # late: lease_short
+        c.tick(2.4)  # r3, r4: re-inserted
+        c.tick(3.0)  # r5 (gone), r6: lost
+        (hb,) = [e for e in c.tick(5.0) if isinstance(e, SendHeartbeat)]  # r7, r8 lost
+        c.ack(ENGINE, hb.seq, 20.0, (), 5.2)  # names the late r9: renewed to 24.5
+        for t in (5.3, 10.0, 14.5, 14.501, 15.0, 19.5, 19.501, 19.502, 20.0, 25.0, 30.5):
+            c.tick(t)  # r1..r4, r9 lost at 19.5 over three ticks; P silent since 5.2
+    return path

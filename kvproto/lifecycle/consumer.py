@@ -266,7 +266,9 @@ class Consumer:
     unanswered for ``peer_timeout`` is lost (``DropPeer``). Costs: every event O(1)
     except the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every
     request) and peer-level events (O(requests of that peer)); tick is O(peers) when
-    nothing is due.
+    nothing is due, and its lease check does at most ``config.max_tick_work`` lease-heap
+    entries per call (the rest carries over: ``next_deadline`` then reports a time
+    already past, so adapters tick again at once); a lease loss may be late, never early.
 
     The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
 
@@ -274,6 +276,9 @@ class Consumer:
     changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
     keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
+
+    Documented hook (overridden by ``kvproto.testing.mutants``): ``_sweep_leases`` (the
+    lease check of ``tick`` and its work budget).
     """
 
     TABLE: ClassVar[Table] = D_TABLE
@@ -349,7 +354,8 @@ class Consumer:
         silent. A tick before it changes nothing but the clock, so an adapter may tick
         only once ``now >= next_deadline()`` (as P's adapter does with the ledger's):
         its journal then holds the ticks that matter, and every journaled tick is one
-        the machine itself found due. O(peers)."""
+        the machine itself found due. After a tick that ran out of its work budget
+        (``max_tick_work``) this is a time already past: tick again at once. O(peers)."""
         t = self._next_hb
         heap = self._lease_heap
         if heap:
@@ -614,19 +620,21 @@ class Consumer:
             self._lose_peer(peer, out)
         return self._emit(PeerLost(engine, now), out)
 
-    def tick(self, now: float) -> list[DEffect]:
-        """Heartbeat every request still to be pulled (queued ones too), per P engine;
-        fail requests whose lease can no longer cover a READ; lose peers that left
-        heartbeats unanswered for ``peer_timeout``."""
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
-        out: list[DEffect] = []
-        cfg = self.config
-        margin = cfg.max_read_time + cfg.clock_drift
+    def _sweep_leases(self, now: float, out: list[DEffect]) -> None:
+        """Hook: run D_TICK/lease_lost for idle requests whose lease can no longer cover
+        a READ, earliest lease end first, doing at most ``config.max_tick_work`` lease-heap
+        entries (losses, entries of requests gone since, lazy re-inserts of renewed
+        ones). What is left stays due: such a request stays waiting or handshaking (a
+        heartbeat still names it, an ack may renew it, a schedule fails it) and a later
+        tick fails it; ``next_deadline()`` reports a time already past."""
+        margin = self.config.max_read_time + self.config.clock_drift
         heap = self._lease_heap
+        budget = self.config.max_tick_work
         while heap and heap[0][0] - margin < now:
+            if budget <= 0:
+                self._count("tick_budget_exhausted")
+                break
+            budget -= 1
             _, rid = heapq.heappop(heap)
             r = self.reqs.get(rid)
             if r is None or r.state not in (WAITING, HANDSHAKING):
@@ -635,6 +643,22 @@ class Consumer:
                 heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert
                 continue
             self._step(r, D_TICK, "lease_lost", out)
+
+    def tick(self, now: float) -> list[DEffect]:
+        """Heartbeat every request still to be pulled (queued ones too), per P engine;
+        fail requests whose lease can no longer cover a READ (at most
+        ``config.max_tick_work`` lease-heap entries per call, see ``_sweep_leases``);
+        lose peers that left heartbeats unanswered for ``peer_timeout``. Mirrors
+        KVConsumer's ``DTickLagOp``: a lease loss may be late, never early."""
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
+        out: list[DEffect] = []
+        cfg = self.config
+        heap = self._lease_heap
+        if heap and heap[0][0] - cfg.max_read_time - cfg.clock_drift < now:
+            self._sweep_leases(now, out)
         silent_before = now - cfg.peer_timeout
         for engine, peer in self.peers.items():
             # Silent: nothing heard for peer_timeout, and a heartbeat P had that long

@@ -20,22 +20,36 @@ one of them within the CI budget, with the invariant named in ``Mutant.caught_by
 * ``stopping_sweep`` -- the expiry sweep walks requests in registration order and stops
   at the first one whose lease has not run out, so a renewed lease hides expired ones
   behind it (ExpiredFreed).
+
+One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented hook
+``_sweep_leases``), caught by D journal validation (``kvproto validate D_JOURNAL``):
+
+* ``unbounded_tick`` -- D's lease check ignores its work budget (``max_tick_work``) and
+  fails every lost lease in one tick: 10^5 requests losing their lease at once stall the
+  rank for one long step. Caught by the replay's ``TickBounded`` check and by TLC's trace
+  validation (TraceConsumer: a tick failed more leases than its work budget).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvproto.lifecycle import (
     ABORT,
+    D_TICK,
     DONE,
     FREED,
+    HANDSHAKING,
     HEARTBEAT,
     P_TABLE,
     RELEASE,
     UNREGISTERED,
+    WAITING,
+    Consumer,
+    DEffect,
     Effect,
     Fx,
     Ledger,
@@ -119,4 +133,36 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("stopping_sweep", StoppingSweepLedger,
            "expiry sweep stops at the first unexpired entry (renewals hide expired leases)",
            frozenset({"ExpiredFreed"})),
+)}
+
+
+class UnboundedTickConsumer(Consumer):
+    """D mutant: the lease check (hook ``_sweep_leases``) has no work budget."""
+
+    def _sweep_leases(self, now: float, out: list[DEffect]) -> None:
+        margin = self.config.max_read_time + self.config.clock_drift
+        heap = self._lease_heap
+        while heap and heap[0][0] - margin < now:  # BUG: no max_tick_work
+            _, rid = heapq.heappop(heap)
+            r = self.reqs.get(rid)
+            if r is None or r.state not in (WAITING, HANDSHAKING):
+                continue
+            if self._read_fits(r.lease_end, now):
+                heapq.heappush(heap, (r.lease_end, rid))
+                continue
+            self._step(r, D_TICK, "lease_lost", out)
+
+
+@dataclass(frozen=True)
+class DMutant:
+    name: str
+    consumer_cls: type[Consumer]
+    bug: str
+    caught_by: frozenset[str]  # checks of D journal validation that catch it
+
+
+D_MUTANTS: dict[str, DMutant] = {m.name: m for m in (
+    DMutant("unbounded_tick", UnboundedTickConsumer,
+            "D's tick fails every lost lease at once, ignoring max_tick_work",
+            frozenset({"TickBounded"})),
 )}

@@ -306,6 +306,7 @@ class _DTraceBuilder:
             "HeartbeatInterval": str(self.units(self.cfg.heartbeat_interval)),
             "LeaseExtension": str(self.units(self.cfg.lease_extension)),
             "PeerTimeout": str(self.units(self.cfg.peer_timeout)),
+            "TickWork": str(self.cfg.max_tick_work),
         }
         for lo in range(0, max(n, 1), seg):
             hi = min(n, lo + seg)
