@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
     BlockPool,
     Config,
@@ -24,6 +26,7 @@ from kvproto.lifecycle import (
     Finished,
     Free,
     Ledger,
+    SendHeartbeat,
     SendRelease,
     TransferParams,
 )
@@ -113,3 +116,32 @@ def assert_conserved(ledger: Ledger) -> None:
     assert pool.held_count + pool.free_count == pool.capacity
     assert pool.recount() == (pool.held_count, pool.free_count)
     assert ledger.check_invariants() == []
+
+
+def budget_d_journal(path: Path, consumer_cls: type[Consumer] = Consumer) -> Path:
+    """One D rank's journal whose ticks run out of their work budget
+    (``max_tick_work = 2``): leases lost at once are failed over several ticks, stale and
+    renewed heap entries use the budget too, a late request is scheduled (lease_short)
+    and another is named by a heartbeat and renewed by its ack before its turn; a silent
+    peer is lost at the end. ``consumer_cls`` may be a mutant
+    (``kvproto.testing.mutants.D_MUTANTS``)."""
+    cfg = replace(Config(), max_tick_work=2)
+    with JournalWriter(path, cfg, None, {"source": "budget"}, reader="d0") as w:
+        c = consumer_cls("d0", cfg, sink=w.sink)
+        c.handshake_result(ENGINE, True, 0)
+        for h in range(1, 5):
+            c.admit(f"r{h}", params(h, term=8000), 0)  # lease end 7000
+        (hb,) = [e for e in c.tick(0) if isinstance(e, SendHeartbeat)]
+        c.ack(ENGINE, hb.seq, 20_000, (), 500)  # r1..r4: lease end 19_500, heap entries at 7000
+        for h in range(5, 10):
+            c.admit(f"r{h}", params(h, term=8000), 600)  # lease end 7600: lost after 2100
+        c.admit("r10", params(10, term=40_000), 600)
+        c.tick(2200)  # r1, r2: renewed, re-inserted
+        c.schedule("r5", 2300)  # late: lease_short
+        c.tick(2400)  # r3, r4: re-inserted
+        c.tick(3000)  # r5 (gone), r6: lost
+        (hb,) = [e for e in c.tick(5000) if isinstance(e, SendHeartbeat)]  # r7, r8 lost
+        c.ack(ENGINE, hb.seq, 20_000, (), 5200)  # names the late r9: renewed to 24_500
+        for t in (5300, 10_000, 14_500, 14_501, 15_000, 19_500, 19_501, 19_502, 20_000, 25_000, 30_500):
+            c.tick(t)  # r1..r4, r9 lost at 19_500 over three ticks; P silent since 5200
+    return path

@@ -11,6 +11,7 @@ from kvproto import cli
 from kvproto.bench.ledger import (
     ScanReference,
     bench_churn,
+    bench_d_lease_loss,
     bench_heartbeat_bytes,
     bench_mass_expiry,
     bench_memory,
@@ -23,8 +24,11 @@ def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture
     for key in ("events_per_s", "tick_us", "scan_tick_us", "bytes_per_request",
                 "heartbeat_bytes_per_id", "worst_tick_ms_1e5", "worst_tick_ms_1e6",
                 "unbounded_tick_ms_1e5", "heap_entries_over_live", "peak_heap_entries_churn",
-                "peak_heap_entries_no_compaction", "tick_budget"):
+                "peak_heap_entries_no_compaction", "tick_budget", "d_worst_tick_ms_1e5",
+                "d_worst_tick_ms_1e6", "d_unbounded_tick_ms_1e5", "d_unbounded_tick_ms_1e6",
+                "d_tick_ratio_1e5", "d_tick_ratio_1e6", "d_loss_ticks_1e5"):
         assert key in res, key
+    assert res["d_loss_ticks_1e5"] > 1  # the budget spread the losses over several ticks
     assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}
     assert res["events_per_s"] > 0 and res["bytes_per_request"] > 0
 
@@ -75,6 +79,14 @@ def test_mass_expiry_is_spread_over_ticks_by_the_budget() -> None:
     bounded = bench_mass_expiry(3000, 100)
     unbounded = bench_mass_expiry(3000, None)
     # 3000 due entries (1500 expire, 1500 are re-inserted) at 100 per tick.
+    assert bounded["ticks"] == 30 and unbounded["ticks"] == 1
+    assert bounded["lag_ms"] > 0 == unbounded["lag_ms"]
+
+
+def test_d_lease_loss_is_spread_over_ticks_by_the_budget() -> None:
+    bounded = bench_d_lease_loss(3000, 100)
+    unbounded = bench_d_lease_loss(3000, None)
+    # 3000 due entries (1500 lost, 1500 re-inserted) at 100 per tick.
     assert bounded["ticks"] == 30 and unbounded["ticks"] == 1
     assert bounded["lag_ms"] > 0 == unbounded["lag_ms"]
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvproto import lifecycle, wire
 from kvproto.lifecycle import (
+    D_FAILED,
     D_TRANSITIONS,
     WAITING,
     Ack,
@@ -33,6 +34,7 @@ from kvproto.lifecycle import (
     Consumer,
     DEffect,
     Ledger,
+    PostRead,
     SendHeartbeat,
 )
 
@@ -162,6 +164,87 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
     for t in (1000, 2000, 4900):
         assert consumer.tick(t) == []
     assert pops == 0
+
+
+def _count_heap_pops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the lease-heap entries D's tick processes (its work units): one per pop."""
+    pops = [0]
+    real_pop = heapq.heappop
+
+    def counting_pop(heap: list[Any]) -> Any:
+        pops[0] += 1
+        return real_pop(heap)
+
+    monkeypatch.setattr(lifecycle.consumer, "heapq", types.SimpleNamespace(
+        heappop=counting_pop, heappush=heapq.heappush, heapify=heapq.heapify))
+    return pops
+
+
+def test_tick_budget_bounds_lease_heap_work_and_carries_losses_over(
+        make_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 leases lost at once, 500 of them renewed (their heap entries surface and are
+    re-inserted lazily): every tick processes at most max_tick_work heap entries, fails
+    no request whose lease still covers a READ, and until the backlog is done
+    next_deadline() says now."""
+    budget = 16
+    consumer = make_consumer(max_tick_work=budget, heartbeat_chunk=500)
+    ready(consumer)
+    for h in range(1, 1001):
+        consumer.admit(f"r{h}", params(h, term=8000), 0)  # lease end 7000: lost after 1500
+    hbs = heartbeats(consumer.tick(0))
+    assert [len(hb.handles) for hb in hbs] == [500, 500]
+    consumer.ack(ENGINE, hbs[0].seq, 20_000, (), 500)  # r1..r500: lease end 19_500
+    pops = _count_heap_pops(monkeypatch)
+    now, ticks, lost = 2000, 0, []
+    while True:
+        before = pops[0]
+        out = consumer.tick(now)
+        ticks += 1
+        assert pops[0] - before <= budget
+        lost += [rid for rid, st, why in finished(out) if why == "lease_lost"]
+        assert len(finished(out)) <= budget
+        if consumer.next_deadline() > now:
+            break
+    assert sorted(lost) == sorted(f"r{h}" for h in range(501, 1001))
+    assert all(consumer.state(f"r{h}") == WAITING for h in range(1, 501))
+    assert pops[0] == 1000 and ticks == 1000 // budget + 1  # 500 losses + 500 re-inserts
+    assert consumer.counters["tick_budget_exhausted"] == ticks - 1
+
+
+def test_a_late_lease_loss_is_still_a_waiting_request(make_consumer: ConsumerFactory) -> None:
+    """A request whose loss the budget carried over stays waiting: the next heartbeat
+    names it, an ack may renew it (then no tick fails it), a schedule fails it; a later
+    tick fails the rest. Never early: a lease that covers a READ is never failed."""
+    consumer = make_consumer(max_tick_work=1)
+    ready(consumer)
+    for h in (1, 2, 3):
+        consumer.admit(f"r{h}", params(h, term=8000), 0)  # lease end 7000
+    consumer.admit("r4", params(4, term=30_000), 0)  # lease end 29_000
+    consumer.tick(0)
+    assert finished(consumer.tick(4900)) == [("r1", D_FAILED, "lease_lost")]
+    assert consumer.next_deadline() <= 4900
+    assert consumer.state("r2") == WAITING and consumer.state("r3") == WAITING
+    out = consumer.tick(5000)  # one more loss, and the heartbeat is due: it names r3
+    assert finished(out) == [("r2", D_FAILED, "lease_lost")]
+    (hb,) = heartbeats(out)
+    assert sorted(hb.handles) == [3, 4]
+    consumer.ack(ENGINE, hb.seq, 20_000, (), 5200)  # P renewed it: lease end 24_500
+    assert [finished(consumer.tick(5300)) for _ in range(3)] == [[], [], []]
+    assert consumer.next_deadline() > 5300
+    assert consumer.state("r3") == WAITING and consumer.state("r4") == WAITING
+    assert isinstance(consumer.schedule("r3", 5400)[0], PostRead)  # 5400 + 5500 <= 24_500
+
+
+def test_an_unbounded_budget_fails_every_lost_lease_in_one_tick(
+        make_consumer: ConsumerFactory) -> None:
+    consumer = make_consumer(max_tick_work=lifecycle.MAX_CAP)
+    ready(consumer)
+    for h in range(1, 301):
+        consumer.admit(f"r{h}", params(h, term=8000), 0)
+    consumer.tick(0)
+    assert len(finished(consumer.tick(2000))) == 300
+    assert consumer.next_deadline() > 2000
+    assert "tick_budget_exhausted" not in consumer.counters
 
 
 # -- hardening: bad time, compact lease heap -------------------------------------

@@ -1,5 +1,5 @@
 """D's tracking structures at their caps: the group-owner memory
-(``Config.max_groups_remembered`` landed groups) and the peer table (``MAX_PEERS``).
+(``max_landed_groups`` landed groups, ``MAX_LANDED_GROUPS`` by default) and the peer table (``MAX_PEERS``).
 
 Times are ints of milliseconds; default config (a READ fits the initial term at once).
 """
@@ -31,13 +31,13 @@ def handshakes(effects: Sequence[DEffect]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# Group-owner memory: max_groups_remembered landed groups
+# Group-owner memory: max_landed_groups landed groups
 # ---------------------------------------------------------------------------
 
 
 def test_group_memory_stays_at_the_cap_under_churn(make_consumer: ConsumerFactory) -> None:
     cap, n = 8, 100
-    c = make_consumer(max_groups_remembered=cap)
+    c = consumer_module.Consumer("d0", Config(), max_landed_groups=cap)
     c.handshake_result(ENGINE, True, 0)
     for i in range(n):
         c.admit(f"a{i}", params(2 * i, group=f"g{i}"), 0)
@@ -57,7 +57,7 @@ def test_group_memory_stays_at_the_cap_under_churn(make_consumer: ConsumerFactor
 def test_an_owner_whose_read_is_in_flight_is_never_forgotten(
         make_consumer: ConsumerFactory) -> None:
     cap = 2
-    c = make_consumer(max_groups_remembered=cap)
+    c = consumer_module.Consumer("d0", Config(), max_landed_groups=cap)
     c.handshake_result(ENGINE, True, 0)
     for i in range(5):  # five READs in flight, more than the cap
         c.admit(f"f{i}", params(100 + i, group=f"f{i}"), 0)
@@ -85,7 +85,7 @@ def test_a_late_sibling_after_eviction_reads_itself_and_is_fenced_if_p_freed_it(
     and the request recomputes; P counts the release as stale, frees nothing twice."""
     cfg = Config(max_groups_remembered=1)
     ledger = Ledger(cfg, BlockPool(16))
-    c = consumer_module.Consumer("d0", cfg)
+    c = consumer_module.Consumer("d0", cfg, max_landed_groups=1)
     c.handshake_result(ENGINE, True, 0)
     ledger.register(1, "a", (0, 1), 0, group="g", expected=1)
     ledger.register(2, "b", (2, 3), 0, group="g", expected=1)
@@ -116,7 +116,7 @@ def test_a_late_sibling_reads_itself_under_its_lease_when_p_forgot_the_group_too
     own lease: its READ is an ordinary one and lands."""
     cfg = Config(max_groups_remembered=1)
     ledger = Ledger(cfg, BlockPool(16))
-    c = consumer_module.Consumer("d0", cfg)
+    c = consumer_module.Consumer("d0", cfg, max_landed_groups=1)
     c.handshake_result(ENGINE, True, 0)
     ledger.register(1, "a", (0, 1), 0, group="g", expected=1)
     c.admit("a", params(1, group="g", blocks=(0, 1)), 0)

@@ -16,6 +16,7 @@ from typing import Any
 
 import networkx as nx
 import pytest
+from conftest import budget_d_journal
 
 from kvproto.journal import JournalWriter
 from kvproto.lifecycle import (
@@ -30,6 +31,7 @@ from kvproto.lifecycle import (
     Consumer,
     Fx,
 )
+from kvproto.testing.mutants import D_MUTANTS
 from kvproto.testing.sim import Faults, Simulator
 from kvproto.verify import dconformance as dc
 from kvproto.verify import dtrace
@@ -250,6 +252,34 @@ def test_a_d_segment_must_end_in_the_replayed_state(tmp_path: Path) -> None:
     assert not verdicts[0].allowed
     assert verdicts[0].line == tr.lines[-1]
     assert "differs from the implementation's" in verdicts[0].why
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("segment_steps", [va.DEFAULT_SEGMENT_STEPS, 4])
+def test_partial_ticks_validate_and_an_unbounded_or_early_loss_does_not(
+        tmp_path: Path, segment_steps: int) -> None:
+    """A journal whose ticks ran out of their work budget (lost leases failed over several
+    ticks, one renewed and one scheduled while late) is a behaviour of the spec
+    (DTickLagOp). The unbounded-tick mutant's journal is rejected at its first tick that
+    fails more leases than max_tick_work, and a lease loss moved to a tick at which the
+    lease still covered a READ is rejected at that tick."""
+    good = budget_d_journal(tmp_path / "budget.jsonl")
+    mutant = budget_d_journal(tmp_path / "mutant.jsonl", D_MUTANTS["unbounded_tick"].consumer_cls)
+    rows = [json.loads(x) for x in good.read_text().splitlines()]
+    lost = next(i for i, r in enumerate(rows) if i and any(
+        e["type"] == "finished" and e["request_id"] == "r1" for e in r["effects"]))
+    early = max(i for i in range(1, lost) if rows[i]["event"]["type"] == "tick")
+    moved = [e for e in rows[lost]["effects"] if e.get("request_id") == "r1"]
+    rows[lost]["effects"] = [e for e in rows[lost]["effects"] if e not in moved]
+    rows[early]["effects"] = moved + rows[early]["effects"]
+    tampered = tmp_path / "early.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    g, m, t = _validate([good, mutant, tampered], segment_steps)
+    assert g.allowed, g.describe()
+    assert not m.allowed and m.line == 15, m.describe()
+    assert "more leases than its work budget" in m.why
+    assert not t.allowed and t.line == early + 1, t.describe()
+    assert "an effect the spec does not have" in t.why
 
 
 def test_a_d_journal_with_two_p_engines_is_outside_the_spec(tmp_path: Path) -> None:

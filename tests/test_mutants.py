@@ -11,13 +11,16 @@ detection, not noise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from conftest import budget_d_journal
 from hypothesis import Phase, settings
 
-from kvproto.lifecycle import P_TABLE, Ledger
+from kvproto.lifecycle import P_TABLE, Consumer, Ledger
 from kvproto.testing import fuzz
-from kvproto.testing.mutants import MUTANTS, Mutant
+from kvproto.testing.mutants import D_MUTANTS, MUTANTS, Mutant
+from kvproto.verify.dconformance import check_d_journal
 
 
 def mutant_budget() -> settings:
@@ -54,3 +57,26 @@ def test_the_real_ledger_passes_the_same_budget() -> None:
     fuzz.FuzzCounters.reset()
     fuzz.run_fuzz(fuzz.machine_class(Ledger), mutant_budget())
     assert fuzz.FuzzCounters.examples >= fuzz.CI_EXAMPLES
+
+
+def test_the_d_mutant_overrides_its_documented_hook_only() -> None:
+    for m in D_MUTANTS.values():
+        assert issubclass(m.consumer_cls, Consumer) and m.consumer_cls is not Consumer
+        overridden = {k for k, v in vars(m.consumer_cls).items()
+                      if callable(v) and getattr(Consumer, k, None) is not v
+                      and not k.startswith("__")}
+        assert overridden == {"sweep_leases"}, (m.name, overridden)
+
+
+def test_d_journal_validation_catches_the_unbounded_tick(tmp_path: Path) -> None:
+    """The mutant's journal breaks TickBounded (a tick failed more leases than
+    max_tick_work: 5 and 4 against a budget of 2); the real Consumer's journal of the
+    same inputs passes. TLC's trace validation catches it too (tests/test_dconformance.py)."""
+    m = D_MUTANTS["unbounded_tick"]
+    real = check_d_journal(budget_d_journal(tmp_path / "real.jsonl"))
+    assert real.allowed, real.describe()
+    bad = check_d_journal(budget_d_journal(tmp_path / "mutant.jsonl", m.consumer_cls))
+    assert not bad.allowed
+    caught = [p for p in bad.problems if p.startswith("VIOLATION")]
+    assert caught and all(any(c in p for c in m.caught_by) for p in caught), caught
+    assert "a tick failed 5 leases, more than max_tick_work (2)" in caught[0]

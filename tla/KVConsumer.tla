@@ -16,7 +16,9 @@
 (* finish:revoked, or let a READ finish), PeerLost, and DTick, the whole  *)
 (* Consumer.tick: rows D_TICK/lease_lost, the ack-silence check           *)
 (* (PEER_LOST rows after peer_timeout, effect drop_peer) and the          *)
-(* heartbeats D sends every HeartbeatInterval.                            *)
+(* heartbeats D sends every HeartbeatInterval. DTickLagOp is the partial  *)
+(* tick: its work budget (Config.max_tick_work) left some lost leases for *)
+(* a later tick (a lease loss may be late, never early).                  *)
 (*                                                                         *)
 (* HEARTBEATS are state, not messages: hbs is the set of heartbeats sent  *)
 (* and not yet acknowledged (Python's _Peer.outstanding), each a record   *)
@@ -33,7 +35,7 @@
 (* module moves the clock by any amount before every event (Shift).       *)
 (*                                                                         *)
 (* CAPS not reached: the group-owner memory is not evicted (ASSUME        *)
-(* max_groups_remembered >= number of groups) and the peer table holds    *)
+(* MAX_LANDED_GROUPS >= number of groups) and the peer table holds        *)
 (* the one P engine (MAX_PEERS >= 1: no admit is refused peer_table_full). *)
 (*                                                                         *)
 (* ABSTRACTION (Python -> TLA+): dst[r] = Consumer.state(r), or the state *)
@@ -212,17 +214,26 @@ HbBatchesOK(C, B) ==
     /\ \A b, b2 \in B : b # b2 => b.rs \cap b2.rs = {} /\ b.seq # b2.seq
     /\ \A b \in B : \A h \in C.hbs : h.seq # b.seq
 
-(* event tick, first part: rows D_TICK/lease_lost (release, disown) for every idle
-   request whose lease can no longer cover a READ; then the ack-silence check: a ready
-   peer heard from more than PeerTimeout ago, with a heartbeat older than that still
-   unanswered, is lost (PEER_LOST rows, effect drop_peer). *)
-TickLossOp(C) ==
-    LET C1 == Leave(C, {q \in Requests : C.dst[q] \in Idle /\ ~ReadFits(C.dlease[q])},
-                    "failed", "lease_lost", TRUE)
+(* The idle requests whose lease can no longer cover a READ: the ones a tick fails. *)
+LeaseLost(C) == {q \in Requests : C.dst[q] \in Idle /\ ~ReadFits(C.dlease[q])}
+
+(* event tick, first part: rows D_TICK/lease_lost (release, disown) for every request of
+   LeaseLost(C) except those in Late: a tick that ran out of its work budget
+   (Config.max_tick_work, Consumer.sweep_leases) leaves them for a later tick. A late
+   request stays idle with its lease estimate: a heartbeat still names it, an ack may
+   renew it, a schedule fails it (lease_short), a later tick fails it. A lease loss may
+   be late, never early. Then the ack-silence check: a ready peer heard from more than
+   PeerTimeout ago, with a heartbeat older than that still unanswered, is lost (PEER_LOST
+   rows, effect drop_peer; late requests included). *)
+TickLossLagOp(C, Late) ==
+    LET C1 == Leave(C, LeaseLost(C) \ Late, "failed", "lease_lost", TRUE)
         silent == /\ C.peer = "ready" /\ C.heard > PeerTimeout
                   /\ \E h \in C.hbs : h.age > PeerTimeout
         C2 == PeerLostOp(C1)
     IN  IF silent THEN [C2 EXCEPT !.eff = @ \cup C1.eff \cup {DropPeer}] ELSE C1
+
+(* The prompt lease check: every lost lease fails at this tick (an unbounded budget). *)
+TickLossOp(C) == TickLossLagOp(C, {})
 
 (* event tick, second part: when the heartbeat is due, forget heartbeats older than
    LeaseExtension (no ack of theirs could extend anything) and send the batches B. *)
@@ -233,8 +244,10 @@ TickHbOp(C, B) ==
                            \cup {[seq |-> b.seq, rs |-> b.rs, age |-> 0] : b \in B},
                    !.eff = IF B = {} THEN @ ELSE @ \cup {HbEffect}]
 
-(* event tick (Consumer.tick), at the current time *)
-DTickOp(C, B) == TickHbOp(TickLossOp(C), B)
+(* event tick (Consumer.tick), at the current time; DTickLagOp: the partial tick whose
+   work budget left the lost leases in Late for a later tick *)
+DTickLagOp(C, Late, B) == TickHbOp(TickLossLagOp(C, Late), B)
+DTickOp(C, B) == DTickLagOp(C, {}, B)
 
 -----------------------------------------------------------------------------
 (* The actions of the graph model: any input, each with the condition under which
@@ -266,7 +279,9 @@ DAckUnknown == Become(DAckOp(Cur, {}, LeaseExtension, {}, {}))
 
 PeerLost == peer # "unknown" /\ Become(PeerLostOp(Cur))
 
-(* one time unit passes, then D's tick runs *)
+(* one time unit passes, then D's tick runs, promptly: the graph models' Python Consumer
+   has a work budget larger than their requests, so no loss is ever late there (trace
+   validation takes each tick's late set from the journal: DTickLagOp) *)
 DTick == LET C == TickLossOp(Shift(Cur, 1)) IN Become(TickHbOp(C, HbCanon(C)))
 
 Next ==

@@ -18,6 +18,13 @@ figures are also reported as ratios against a baseline measured in the same run:
   ``expiry_ticks_*`` ticks to drain them and ``expiry_lag_ms_*`` how late the last
   expiry came (ticks back to back, 1 ms apart); tick times are thread CPU time
   (``worst_tick_wall_ms_*``: wall time, which also counts other processes' load);
+* ``d_worst_tick_ms_1e5`` / ``d_worst_tick_ms_1e6``: the same for D, the longest single
+  ``Consumer.tick`` while 10^5 (10^6) waiting requests lose their lease at the same
+  instant (half of them renewed by an ack, so their heap entries are re-inserted
+  lazily), at the default ``max_tick_work``; against ``d_unbounded_tick_ms_*``, the one
+  tick that fails them all (no budget), in the same run, and their ratio
+  ``d_tick_ratio_*`` (unbounded over bounded); ``d_loss_ticks_*`` ticks to fail them all
+  and ``d_loss_lag_ms_*`` how late the last loss came (ticks back to back);
 * ``heap_entries_over_live``: the deadline heap's largest size over the held requests
   under churn (10^4 held, requests registered and transferred at 10^5/s, aborts);
   ``peak_heap_entries_churn``: its largest size under the same churn with nothing held
@@ -38,7 +45,17 @@ from collections.abc import Callable
 from typing import Any
 
 from kvproto import wire
-from kvproto.lifecycle import MAX_CAP, BlockPool, Config, Free, Ledger
+from kvproto.lifecycle import (
+    MAX_CAP,
+    BlockPool,
+    Config,
+    Consumer,
+    Finished,
+    Free,
+    Ledger,
+    SendHeartbeat,
+    TransferParams,
+)
 
 BLOCKS: tuple[int, ...] = (0, 1, 2, 3)  # shared by every request: not per-request memory
 
@@ -244,6 +261,53 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
             "ticks": ticks, "lag_ms": now - 30_000}
 
 
+def bench_d_lease_loss(n: int, budget: int | None) -> dict[str, float]:
+    """n waiting requests of one P engine lose their lease at once. Each is admitted at
+    t=0 with an initial term of 8 s (lease end 7 s: it can no longer cover a READ once
+    7 - max_read_time - clock_drift = 1.5 s have passed); the first half is named by the
+    heartbeat of t=0 and renewed by its ack (lease end 19.5 s, heap entry still at 7 s: a
+    lazy re-insert). Ticks from t=2 s back to back (1 ms apart, as P's mass-expiry bench
+    ticks, for an adapter that sees ``next_deadline()`` in the past) until no loss is due; no heartbeat falls due
+    meanwhile (the next is at 5 s), so the ticks measure the lease check alone. GC off
+    while ticking; the worst tick in thread CPU time and in wall time."""
+    c = Consumer("d0", Config(max_tick_work=MAX_CAP if budget is None else budget))
+    c.handshake_result("P0", True, 0)
+    half = n // 2
+
+    def admit(lo: int, hi: int) -> None:
+        for h in range(lo, hi):
+            c.admit(f"r{h}", TransferParams("P0", 1, h, BLOCKS, 8000), 0)
+
+    admit(0, half)
+    for e in c.tick(0):
+        if isinstance(e, SendHeartbeat):
+            c.ack("P0", e.seq, 20_000, (), 0)
+    admit(half, n)
+    gc.collect()
+    gc.disable()
+    worst = worst_wall = 0.0
+    ticks = lost = 0
+    now = 2000  # ms
+    try:
+        while True:
+            c0 = time.thread_time()
+            t0 = time.perf_counter()
+            out = c.tick(now)
+            dt = time.perf_counter() - t0
+            worst = max(worst, time.thread_time() - c0)
+            worst_wall = max(worst_wall, dt)
+            ticks += 1
+            lost += sum(1 for e in out if isinstance(e, Finished))
+            if c.next_deadline() > now:
+                break
+            now += 1
+    finally:
+        gc.enable()
+    assert lost == n - half and len(c.reqs) == half
+    return {"worst_tick_ms": round(worst * 1e3, 3), "worst_tick_wall_ms": round(worst_wall * 1e3, 3),
+            "ticks": ticks, "lag_ms": now - 2000}
+
+
 def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
     """Churn at 10^5 requests/s (simulated time): each request registered and
     transferred at once, every 10th one aborted first (an abort pushes an early heap
@@ -300,6 +364,17 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None) 
         expiry[f"expiry_ticks_{label}"] = b["ticks"]
         expiry[f"expiry_lag_ms_{label}"] = b["lag_ms"]
         expiry[f"unbounded_tick_ms_{label}"] = u["worst_tick_ms"]
+        gc.collect()
+        say(f"D lease loss: {n} leases at once, default budget and unbounded")
+        b = bench_d_lease_loss(n, Config().max_tick_work)
+        gc.collect()
+        u = bench_d_lease_loss(n, None)
+        expiry[f"d_worst_tick_ms_{label}"] = b["worst_tick_ms"]
+        expiry[f"d_worst_tick_wall_ms_{label}"] = b["worst_tick_wall_ms"]
+        expiry[f"d_loss_ticks_{label}"] = b["ticks"]
+        expiry[f"d_loss_lag_ms_{label}"] = b["lag_ms"]
+        expiry[f"d_unbounded_tick_ms_{label}"] = u["worst_tick_ms"]
+        expiry[f"d_tick_ratio_{label}"] = round(u["worst_tick_ms"] / max(b["worst_tick_ms"], 1e-3), 1)
         gc.collect()
     churn_n = 100_000 if quick else 1_000_000
     say(f"churn: {churn_n} requests at 10^5/s, 10^4 held / nothing held / no compaction")
@@ -358,6 +433,12 @@ def run(args: argparse.Namespace) -> int:
               f"{res[f'unbounded_tick_ms_{label}']:>11.1f}   target <= 5 at 1e5 "
               f"({res[f'expiry_ticks_{label}']} ticks, last expiry "
               f"{res[f'expiry_lag_ms_{label}']} ms late)")
+    print(f"  D worst tick, mass lease loss (CPU ms)  budget {res['tick_budget']}   unbounded")
+    for label in ("1e5", "1e6"):
+        print(f"    {label} leases at once          {res[f'd_worst_tick_ms_{label}']:>12.3f} "
+              f"{res[f'd_unbounded_tick_ms_{label}']:>11.1f}   {res[f'd_tick_ratio_{label}']}x "
+              f"({res[f'd_loss_ticks_{label}']} ticks, last loss "
+              f"{res[f'd_loss_lag_ms_{label}']} ms late)")
     print(f"  heap entries / held under churn   {res['heap_entries_over_live']:>12}   target <= 2")
     print(f"  peak heap entries, nothing held   {res['peak_heap_entries_churn']:>12,}   "
           f"never rebuilt: {res['peak_heap_entries_no_compaction']:,} "

@@ -36,6 +36,7 @@ from kvproto.lifecycle.config import (
     to_ms,
 )
 from kvproto.lifecycle.consumer import (
+    MAX_LANDED_GROUPS,
     MAX_OUTSTANDING_HEARTBEATS,
     MAX_PEERS,
     Admit,
@@ -181,6 +182,7 @@ __all__ = [
     "LEASED",
     "MAX_CAP",
     "MAX_DURATION",
+    "MAX_LANDED_GROUPS",
     "MAX_LEDGER_CLASSES",
     "MAX_MESSAGE_BYTES",
     "MAX_OUTSTANDING_HEARTBEATS",

@@ -91,8 +91,8 @@ class Config:
     max_staged_age: float = 30.0  # staged entries older than this are dropped on tick
     max_tombstones: int = 65536  # freed handles remembered to classify late messages as stale
     max_message_bytes: int = 4096  # cap on one wire message (encode chunks, decode rejects)
-    max_groups_remembered: int = 65536  # P: transferred sibling groups; D: landed group owners
-    max_tick_work: int = 512  # deadline-heap entries one tick may process; the rest carry over
+    max_groups_remembered: int = 65536  # P: transferred sibling groups remembered
+    max_tick_work: int = 512  # heap entries one tick may process (P: deadlines, D: leases); the rest carry over
     peer_timeout: float = 20.0  # D: a P engine that leaves heartbeats unanswered this long is lost
 
     @property

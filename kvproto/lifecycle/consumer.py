@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Final, NamedTuple
 
 from kvproto.lifecycle.config import (
     Config,
+    ConfigError,
 )
 from kvproto.lifecycle.producer import (
     CLOCK_START,
@@ -271,6 +272,12 @@ MAX_OUTSTANDING_HEARTBEATS: Final = 4096
 # finishes failed with reason ``peer_table_full`` (counted; nothing else changes, P frees
 # it by lease expiry) and is recomputed.
 MAX_PEERS: Final = 4096
+# Landed sibling groups one D rank remembers (``Consumer._groups_landed``) by default. A
+# rank's own cap, not P's ``max_groups_remembered``: a P that forgets groups early costs
+# late members their lease, a D that forgets early sends a second READ of a group whose
+# other members P may have freed already (fenced by the stamps, never served, but outside
+# the one-READ-per-group promise), so D keeps many more.
+MAX_LANDED_GROUPS: Final = 1 << 16
 
 
 class DRequestView(NamedTuple):
@@ -304,8 +311,8 @@ class PeerView(NamedTuple):
 # The fields Consumer.__init__ sets. ``Consumer.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _CONSUMER_SHARED: Final = frozenset({
-    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_groups_landed",
-    "_lease_heap", "_next_hb",
+    "reader", "config", "sink", "max_landed_groups", "reqs", "peers", "_group_owner",
+    "_groups_landed", "_lease_heap", "_next_hb",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -330,7 +337,9 @@ class Consumer:
     unanswered for ``peer_timeout`` is lost (``DropPeer``). Costs: every event O(1)
     except the periodic heartbeat (O(n) per ``heartbeat_interval``, it must name every
     request) and peer-level events (O(requests of that peer)); tick is O(peers) when
-    nothing is due.
+    nothing is due, and its lease check does at most ``config.max_tick_work`` lease-heap
+    entries per call (the rest carries over: ``next_deadline`` then reports a time
+    already past, so adapters tick again at once); a lease loss may be late, never early.
 
     The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
 
@@ -338,17 +347,25 @@ class Consumer:
     ``bad_time``, no effect, nothing changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
     keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
+
+    Documented hook (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
+    lease check of ``tick`` and its work budget).
     """
 
     TABLE: ClassVar[Table] = D_TABLE
 
     def __init__(self, reader: str, config: Config, *,
                  heartbeat_chunk: int | None = None,
+                 max_landed_groups: int = MAX_LANDED_GROUPS,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """``heartbeat_chunk`` optionally caps the handles per heartbeat further; every
         SendHeartbeat always fits one wire message of ``config.max_message_bytes``, so
         that one ack answers exactly the handles of one message. ``sink`` (the journal)
-        is called with every event and its effects."""
+        is called with every event and its effects. ``max_landed_groups``: the landed
+        sibling groups remembered (``MAX_LANDED_GROUPS``)."""
+        if max_landed_groups < 1:
+            raise ConfigError(f"max_landed_groups must be >= 1, got {max_landed_groups}")
+        self.max_landed_groups = max_landed_groups
         self.reader = reader
         self.config = config.validate()
         self.sink = sink
@@ -367,7 +384,7 @@ class Consumer:
         # up (disown). An entry stays after a READ that landed (later siblings are served
         # from it: sibling_local). An entry whose READ is in flight (its owner is in reqs)
         # is never forgotten: it is what keeps a group to one READ at a time.
-        # Cap: config.max_groups_remembered landed entries (plus one per READ in flight);
+        # Cap: max_landed_groups landed entries (plus one per READ in flight);
         # beyond it the oldest landed entry is forgotten (counted group_memory_evicted).
         # A sibling scheduled after its group was forgotten reads itself: a second READ
         # of the group. P may have freed that member already (the sibling cascade of
@@ -377,7 +394,7 @@ class Consumer:
         # unreused blocks still hold the group's prompt KV. Never wrong KV served.
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
         # Invariant: exactly the keys of _group_owner whose owner's READ landed (the
-        # owner is no longer in reqs), in landing order. Cap: max_groups_remembered.
+        # owner is no longer in reqs), in landing order. Cap: max_landed_groups.
         self._groups_landed: OrderedDict[tuple[str, str], None] = OrderedDict()
         # Invariant: every waiting or handshaking request has an entry at its lease end or
         # earlier (renewals leave it early, tick re-inserts it); other entries are dropped
@@ -500,7 +517,8 @@ class Consumer:
         silent. A tick before it changes nothing but the clock, so an adapter may tick
         only once ``now >= next_deadline()`` (as P's adapter does with the ledger's):
         its journal then holds the ticks that matter, and every journaled tick is one
-        the machine itself found due. O(peers)."""
+        the machine itself found due. After a tick that ran out of its work budget
+        (``max_tick_work``) this is a time already past: tick again at once. O(peers)."""
         t = self._next_hb
         heap = self._lease_heap
         if heap:
@@ -577,7 +595,7 @@ class Consumer:
 
     def _group_landed(self, r: _DReq) -> None:
         """``r``'s READ landed: its group entry (if it owns one) joins the landed FIFO;
-        beyond max_groups_remembered the oldest landed entry is forgotten. O(1)."""
+        beyond max_landed_groups the oldest landed entry is forgotten. O(1)."""
         p = r.params
         if p.group is None:
             return
@@ -586,7 +604,7 @@ class Consumer:
             return
         landed = self._groups_landed
         landed[key] = None
-        if len(landed) > self.config.max_groups_remembered:
+        if len(landed) > self.max_landed_groups:
             old, _ = landed.popitem(last=False)
             del self._group_owner[old]
             self._count("group_memory_evicted")
@@ -813,20 +831,23 @@ class Consumer:
             self._lose_peer(peer, out)
         return self._emit(PeerLost(engine, now), out)
 
-    def tick(self, now: int) -> list[DEffect]:
-        """Heartbeat every request still to be pulled (queued ones too), per P engine;
-        fail requests whose lease can no longer cover a READ; lose peers that left
-        heartbeats unanswered for ``peer_timeout``."""
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
-        out: list[DEffect] = []
-        cfg = self.config
-        ms = cfg.ms
+    def sweep_leases(self, now: int, out: list[DEffect], budget: int | None = None) -> None:
+        """Hook: run D_TICK/lease_lost for idle requests whose lease can no longer cover
+        a READ, earliest lease end first, doing at most ``budget`` (default
+        ``config.max_tick_work``) lease-heap entries (losses, entries of requests gone since, lazy re-inserts of renewed
+        ones). What is left stays due: such a request stays waiting or handshaking (a
+        heartbeat still names it, an ack may renew it, a schedule fails it) and a later
+        tick fails it; ``next_deadline()`` reports a time already past."""
+        ms = self.config.ms
         margin = ms.max_read_time + ms.clock_drift
         heap = self._lease_heap
+        if budget is None:
+            budget = self.config.max_tick_work
         while heap and heap[0][0] - margin < now:
+            if budget <= 0:
+                self._count("tick_budget_exhausted")
+                break
+            budget -= 1
             _, rid = heapq.heappop(heap)
             r = self.reqs.get(rid)
             if r is None or r.state not in (WAITING, HANDSHAKING):
@@ -835,6 +856,23 @@ class Consumer:
                 heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert
                 continue
             self._step(r, D_TICK, "lease_lost", out)
+
+    def tick(self, now: int) -> list[DEffect]:
+        """Heartbeat every request still to be pulled (queued ones too), per P engine;
+        fail requests whose lease can no longer cover a READ (at most
+        ``config.max_tick_work`` lease-heap entries per call, see ``sweep_leases``);
+        lose peers that left heartbeats unanswered for ``peer_timeout``. Mirrors
+        KVConsumer's ``DTickLagOp``: a lease loss may be late, never early."""
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
+        out: list[DEffect] = []
+        cfg = self.config
+        ms = cfg.ms
+        heap = self._lease_heap
+        if heap and heap[0][0] - ms.max_read_time - ms.clock_drift < now:
+            self.sweep_leases(now, out)
         silent_before = now - ms.peer_timeout
         for engine, peer in self.peers.items():
             # Silent: nothing heard for peer_timeout, and a heartbeat P had that long

@@ -20,6 +20,14 @@ one of them within the CI budget, with the invariant named in ``Mutant.caught_by
 * ``stopping_sweep`` -- the expiry sweep walks requests in registration order and stops
   at the first one whose lease has not run out, so a renewed lease hides expired ones
   behind it (ExpiredFreed).
+
+One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented hook
+``sweep_leases``), caught by D journal validation (``kvproto validate D_JOURNAL``):
+
+* ``unbounded_tick`` -- D's lease check ignores its work budget (``max_tick_work``) and
+  fails every lost lease in one tick: 10^5 requests losing their lease at once stall the
+  rank for one long step. Caught by the replay's ``TickBounded`` check and by TLC's trace
+  validation (TraceConsumer: a tick failed more leases than its work budget).
 """
 
 from __future__ import annotations
@@ -33,9 +41,12 @@ from kvproto.lifecycle import (
     DONE,
     FREED,
     HEARTBEAT,
+    MAX_CAP,
     P_TABLE,
     RELEASE,
     UNREGISTERED,
+    Consumer,
+    DEffect,
     Effect,
     Fx,
     Ledger,
@@ -118,4 +129,26 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("stopping_sweep", StoppingSweepLedger,
            "expiry sweep stops at the first unexpired entry (renewals hide expired leases)",
            frozenset({"ExpiredFreed"})),
+)}
+
+
+class UnboundedTickConsumer(Consumer):
+    """D mutant: the lease check (hook ``sweep_leases``) has no work budget."""
+
+    def sweep_leases(self, now: int, out: list[DEffect], budget: int | None = None) -> None:
+        super().sweep_leases(now, out, budget=MAX_CAP)  # BUG: ignores max_tick_work
+
+
+@dataclass(frozen=True)
+class DMutant:
+    name: str
+    consumer_cls: type[Consumer]
+    bug: str
+    caught_by: frozenset[str]  # checks of D journal validation that catch it
+
+
+D_MUTANTS: dict[str, DMutant] = {m.name: m for m in (
+    DMutant("unbounded_tick", UnboundedTickConsumer,
+            "D's tick fails every lost lease at once, ignoring max_tick_work",
+            frozenset({"TickBounded"})),
 )}

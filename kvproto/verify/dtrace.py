@@ -299,6 +299,7 @@ class _DTraceBuilder:
             "HeartbeatInterval": str(self.cfg.ms.heartbeat_interval),
             "LeaseExtension": str(self.cfg.ms.lease_extension),
             "PeerTimeout": str(self.cfg.ms.peer_timeout),
+            "TickWork": str(self.cfg.max_tick_work),
         }
         for lo in range(0, max(n, 1), seg):
             hi = min(n, lo + seg)

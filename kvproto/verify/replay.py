@@ -26,6 +26,7 @@ from kvproto.lifecycle import (
     BlockPool,
     Config,
     Consumer,
+    DTick,
     Finished,
     Free,
     Ledger,
@@ -115,11 +116,19 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
               out: IO[str] | None, max_reports: int) -> ReplayResult:
     """Replay one D rank's journal. Besides the effects, checks what D promises P: no
     release for a request whose READ is in flight, and at most one READ posted per
-    sibling group (per P engine) unless the previous one failed."""
+    sibling group (per P engine) unless the previous one failed; and its bounded tick
+    (TickBounded: no recorded tick fails more leases than ``max_tick_work``)."""
     machine = Consumer(str(header["reader"]), config)
     res = ReplayResult()
     res.side = "D"
     for lineno, ev, recorded in body:
+        if isinstance(ev, DTick):
+            lost = sum(1 for e in recorded
+                       if isinstance(e, Finished) and e.reason == "lease_lost")
+            if lost > config.max_tick_work:
+                res.violations.append(f"line {lineno}: TickBounded: a tick failed {lost} "
+                                      f"leases, more than max_tick_work "
+                                      f"({config.max_tick_work})")
         before = {rid: machine.state(rid) for rid in machine.reqs}
         got = _replay_step(machine, lineno, ev, recorded, res, out, max_reports)
         if got is None:
