@@ -1,19 +1,23 @@
-"""The one port between P's wire messages and its ledger events.
+"""The one port per side between wire messages and machine events.
 
 :func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
 from) into the ledger event it stands for, feeds the ledger, and returns the effects for
-the caller to carry out. The NIXL producer, the simulator and the fuzzer all receive
-through it, so they decode, reject and dispatch alike: an unknown peer, bytes that do
-not decode, or a message kind P does not take are recorded rejections
-(``Ledger.reject``), never a crash. Standard library only.
+the caller to carry out; :func:`d_receive` does the same for one message that arrived at
+a D rank (P's acks) and its ``Consumer``. The P and D drivers
+(:mod:`kvproto.nixl.driver_p`, :mod:`kvproto.nixl.driver_d`) receive through them, over
+NIXL and in the simulator and the fuzzer alike, so every side decodes, rejects and
+dispatches one way: an unknown peer, bytes that do not decode (malformed, truncated,
+oversized, another epoch or version), or a message kind the side does not take are
+recorded rejections (``Ledger.reject``, ``Consumer.reject``: counted and journaled),
+never a crash. Standard library only.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvproto.lifecycle import Effect, Ledger
-from kvproto.wire import KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
+from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger
+from kvproto.wire import KIND_ACK, KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +51,25 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool,
     if msg.kind == KIND_RELEASE:
         return ledger.release(peer, msg.handles, msg.expected, now)
     return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
+
+
+def d_receive(consumer: Consumer, peer: str, buf: bytes, now: float, *, known: bool,
+              epoch: int, max_bytes: int) -> list[DEffect]:
+    """Feed one D rank's machine the event one incoming message stands for (an ack of
+    one of its heartbeats); return its effects.
+
+    ``known``: whether ``peer`` is a P engine this rank completed a handshake with (and
+    still holds); ``epoch``: that engine's epoch (from its handshake: a message of another
+    incarnation is rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``."""
+    if not known:
+        return consumer.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
+    try:
+        msg = decode(buf, max_bytes=max_bytes, epoch=epoch)
+    except WireError as e:
+        return consumer.reject(e.reason, peer, e.detail, now)
+    except Exception as e:  # the decoder should only raise WireError; never crash on input
+        log.exception("decoding %d bytes from %s failed", len(buf), peer)
+        return consumer.reject("malformed", peer, type(e).__name__, now)
+    if msg.kind != KIND_ACK:
+        return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
+    return consumer.ack(peer, msg.seq, msg.term_ms / 1000.0, msg.handles, now, msg.pending)
