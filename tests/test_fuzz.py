@@ -215,9 +215,13 @@ def test_cli_fuzz_journal_of_the_real_ledger_replays_clean(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The journal the fuzzer records is faithful: for the real ledger it replays."""
     machine = fuzz.machine_class(Ledger, journal=True)
-    fuzz.run_fuzz(machine, fuzz.ci_settings(max_examples=5), seed=1)
-    assert machine.last_journal is not None
-    lines = machine.last_journal.getvalue().splitlines()
+    lines: list[str] = []
+    for seed in range(1, 9):  # the last example of a short run may have no P event
+        fuzz.run_fuzz(machine, fuzz.ci_settings(max_examples=5), seed=seed)
+        assert machine.last_journal is not None
+        lines = machine.last_journal.getvalue().splitlines()
+        if len(lines) > 1:
+            break
     assert len(lines) > 1
     path = tmp_path / "ok.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

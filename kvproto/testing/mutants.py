@@ -20,12 +20,17 @@ one of them within the CI budget, with the invariant named in ``Mutant.caught_by
 * ``stopping_sweep`` -- the expiry sweep walks requests in registration order and stops
   at the first one whose lease has not run out, so a renewed lease hides expired ones
   behind it (ExpiredFreed).
+
+Driver mutants (``DRIVER_MUTANTS``) are bugs of D's driver, which the simulator and the
+fuzzer run as production code does: ``no_fencing`` never compares the stamps a READ
+fetched after its data, so a READ that lands late on blocks P freed and reused is served
+(ServedIntact).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvproto.lifecycle import (
@@ -41,6 +46,7 @@ from kvproto.lifecycle import (
     Ledger,
 )
 from kvproto.lifecycle.producer import _Req
+from kvproto.nixl.driver_d import DDriver
 
 _HELD_LIVE = ("registered", "leased", "notified")
 
@@ -119,4 +125,33 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("stopping_sweep", StoppingSweepLedger,
            "expiry sweep stops at the first unexpired entry (renewals hide expired leases)",
            frozenset({"ExpiredFreed"})),
+)}
+
+
+# ---------------------------------------------------------------------------
+# Driver mutants: bugs of D's driver (the adapter's half that the simulator and the
+# fuzzer run), each overriding one documented hook of ``DDriver``.
+# ---------------------------------------------------------------------------
+
+
+class NoFencingDriver(DDriver):
+    """Driver mutant: serves a READ whatever stamps land after it (hook ``_fenced``), so
+    a READ that lands late, on blocks P freed and reused meanwhile, is served."""
+
+    def _fenced(self, want: Sequence[int], got: Sequence[int]) -> bool:
+        return False  # BUG: the stamps are fetched and never compared
+
+
+@dataclass(frozen=True)
+class DriverMutant:
+    name: str
+    driver_cls: type[DDriver]
+    bug: str
+    caught_by: frozenset[str]
+
+
+DRIVER_MUTANTS: dict[str, DriverMutant] = {m.name: m for m in (
+    DriverMutant("no_fencing", NoFencingDriver,
+                 "skips the stamp comparison: late READs on reused blocks are served",
+                 frozenset({"ServedIntact"})),
 )}
