@@ -5,7 +5,8 @@ budget by one of the invariants the mutant lists in ``caught_by``.
 The runs are derandomized, so each result is reproducible. Each test can fail: the real
 ``Ledger`` under exactly the same budget and settings finds nothing
 (``test_the_real_ledger_passes_the_same_budget``), so a mutant run that raises is a
-detection, not noise.
+detection, not noise. The fuzzer runs the production D driver too, and a driver mutant
+(``DRIVER_MUTANTS``: one that skips stamp fencing) is caught the same way.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import pytest
 from hypothesis import Phase, settings
 
 from kvproto.lifecycle import P_TABLE, Ledger
+from kvproto.nixl.driver_d import DDriver
 from kvproto.testing import fuzz
-from kvproto.testing.mutants import MUTANTS, Mutant
+from kvproto.testing.mutants import DRIVER_MUTANTS, MUTANTS, DriverMutant, Mutant
 
 
 def mutant_budget() -> settings:
@@ -54,3 +56,30 @@ def test_the_real_ledger_passes_the_same_budget() -> None:
     fuzz.FuzzCounters.reset()
     fuzz.run_fuzz(fuzz.machine_class(Ledger), mutant_budget())
     assert fuzz.FuzzCounters.examples >= fuzz.CI_EXAMPLES
+
+
+# ---------------------------------------------------------------------------
+# Driver mutants: the fuzzer runs the production D driver, so a bug there is caught too.
+# ---------------------------------------------------------------------------
+
+
+def test_every_driver_mutant_overrides_documented_hooks_only() -> None:
+    assert DRIVER_MUTANTS
+    for m in DRIVER_MUTANTS.values():
+        assert issubclass(m.driver_cls, DDriver) and m.driver_cls is not DDriver
+        assert m.caught_by and m.caught_by <= fuzz.INVARIANTS, m.name
+        overridden = {k for k, v in vars(m.driver_cls).items()
+                      if callable(v) and getattr(DDriver, k, None) is not v
+                      and not k.startswith("__")}
+        assert overridden and overridden <= {"_fenced"}, (m.name, overridden)
+
+
+@pytest.mark.parametrize("mutant", list(DRIVER_MUTANTS.values()), ids=lambda m: m.name)
+def test_the_fuzzer_catches_the_driver_mutant(
+        mutant: DriverMutant, record_property: Callable[[str, object], None]) -> None:
+    fuzz.FuzzCounters.reset()
+    with pytest.raises(fuzz.InvariantViolation) as info:
+        fuzz.run_fuzz(fuzz.machine_class(Ledger, driver_cls=mutant.driver_cls),
+                      mutant_budget())
+    assert info.value.invariant in mutant.caught_by, str(info.value)
+    record_property("examples_to_catch", fuzz.FuzzCounters.examples)

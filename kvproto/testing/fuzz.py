@@ -411,8 +411,10 @@ _IDX = st.integers(min_value=0, max_value=255)
 class FuzzCounters:
     """Global progress counters (examples started, state-machine steps run) and what the
     examples exercised, summed at each teardown: ``coverage`` counts P transitions
-    (``"register: unregistered -> registered"``), faults (``"fault:lost"``...) and D
-    outcomes (``"d:done"``, ``"d:failed:..."``)."""
+    (``"register: unregistered -> registered"``), faults (``"fault:lost"``...), D
+    outcomes (``"d:done"``, ``"d:failed:..."``), and the counters of the ledger
+    (``"p:..."``), of the D drivers (``"driver:..."``) and of the P driver
+    (``"pdriver:..."``)."""
 
     examples = 0
     steps = 0
@@ -747,6 +749,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             for d in ds.values():
                 for name, n in d.counters.items():
                     cov[f"driver:{name}"] += n
+        for name, n in sim.p.counters.items():
+            cov[f"pdriver:{name}"] += n
 
     def teardown(self) -> None:
         sim = self.sim
