@@ -259,7 +259,7 @@ def test_simulate_exits_1_on_a_safety_violation(capsys: pytest.CaptureFixture[st
     assert any("ServedIntact" in v for v in summary["violation_details"])
 
 
-def test_simulate_exits_7_on_a_crash(capsys: pytest.CaptureFixture[str],
+def test_simulate_exits_6_on_a_crash(capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulated code raising is a crash: reported with its seed, the other seeds
     still run."""
@@ -274,12 +274,12 @@ def test_simulate_exits_7_on_a_crash(capsys: pytest.CaptureFixture[str],
     rc, out, _ = run_cli(capsys, "--seeds", "2", "--duration", "10", "--json",
                          "--faults", "none")
     summary = json.loads(out)
-    assert rc == EXIT_CRASH == 7
+    assert rc == EXIT_CRASH == 6
     assert summary["crashed_seeds"] == 2 and summary["safety_violations"] == 0
     assert summary["crash_details"][0].startswith("seed 1: RuntimeError: driver bug")
 
 
-def test_simulate_exits_6_on_a_liveness_failure(capsys: pytest.CaptureFixture[str],
+def test_simulate_exits_7_on_a_liveness_failure(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing gets through and nothing expires: blocks stay held after the drain
     (NoLeak), which is a liveness failure, not a safety violation."""
@@ -290,6 +290,6 @@ def test_simulate_exits_6_on_a_liveness_failure(capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(sim_module, "seed_faults", lambda profile, seed: Faults(loss=1.0))
     rc, out, _ = run_cli(capsys, "--seeds", "1", "--duration", "5", "--json")
     summary = json.loads(out)
-    assert rc == EXIT_LIVENESS == 6
+    assert rc == EXIT_LIVENESS == 7
     assert summary["liveness_failures"] > 0 and summary["safety_violations"] == 0
     assert any("NoLeak" in v for v in summary["violation_details"])

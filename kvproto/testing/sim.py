@@ -71,8 +71,8 @@ LIVENESS: Final = frozenset({"NoLeak"})  # the violations that are liveness fail
 # ``kvproto simulate`` exit codes beyond the CLI's own (0 ok, 2 usage): one per kind of
 # finding, the first that applies in this order.
 EXIT_SAFETY: Final = 1
-EXIT_CRASH: Final = 7
-EXIT_LIVENESS: Final = 6
+EXIT_CRASH: Final = 6
+EXIT_LIVENESS: Final = 7
 
 __all__ = ["EXIT_CRASH", "EXIT_LIVENESS", "EXIT_SAFETY", "LIVENESS", "P_NAME", "Faults", "Msg",
            "Network", "Read", "Simulator", "Stats", "simulate_many"]
@@ -606,11 +606,11 @@ faults are on, and their rates; printed per seed with --json); fixed: the same m
 every seed (loss, duplication, crashes, aborts, malformed bytes, handshake failures);
 none: a perfect network (--no-faults).
 
-exit status: 0 no finding; {EXIT_SAFETY} a safety violation (NoDoubleFree, Conservation,
-NoFreeUnderRead, ServedIntact, ...); {EXIT_CRASH} a crash (the simulated P or D code
-raised; the seed and the exception are printed); {EXIT_LIVENESS} a liveness failure
-(NoLeak: blocks or requests still held after the drain); 2 usage error. When a run has
-several kinds of finding, the first in this order wins.
+exit status: 0 no finding; 2 usage error; else the first that applies of: {EXIT_SAFETY} a
+safety violation (NoDoubleFree, Conservation, NoFreeUnderRead, ServedIntact, ...);
+{EXIT_CRASH} a crash (the simulated P or D code raised; the seed and the exception are
+printed; the other seeds still run); {EXIT_LIVENESS} a liveness failure (NoLeak: blocks
+or requests still held after the drain).
 """
 
 
