@@ -75,7 +75,7 @@ from kvproto.lifecycle import (
     TransferParams,
 )
 from kvproto.nixl.driver_d import DDriver
-from kvproto.testing.sim import P_NAME, Simulator
+from kvproto.testing.sim import P_NAME, Simulator, quiet_drivers
 from kvproto.testing.transport import Faults, FuzzNetwork, FuzzWorld, Msg, SimXfer
 from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
 from kvproto.verify.oracle import (
@@ -849,7 +849,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", choices=sorted(CONFIGS),
                    help="fuzz only under this config (repeatable; default: all)")
     p.add_argument("--mutant", default=None,
-                   help="fuzz a mutant ledger from kvproto.testing.mutants instead of the real one")
+                   help="fuzz a mutant ledger or D driver from kvproto.testing.mutants "
+                        "instead of the real one")
     p.add_argument("--out", default="fuzz-failures",
                    help="directory for the example database and failing journals")
     p.add_argument("--no-shrink", action="store_true", help="report the first failure unshrunk")
@@ -883,19 +884,26 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto fuzz: --examples and --steps must be >= 1", file=sys.stderr)
         return 2
     ledger_cls: type[Ledger] = Ledger
+    driver_cls: type[DDriver] = DDriver
     if args.mutant:
         from kvproto.testing import mutants
 
         found = mutants.MUTANTS.get(args.mutant)
-        if found is None:
+        found_d = mutants.DRIVER_MUTANTS.get(args.mutant)
+        if found is not None:
+            ledger_cls = found.ledger_cls
+        elif found_d is not None:
+            driver_cls = found_d.driver_cls
+        else:
+            known = [*mutants.MUTANTS, *mutants.DRIVER_MUTANTS]
             print(f"kvproto fuzz: unknown mutant {args.mutant!r} "
-                  f"(known: {', '.join(mutants.MUTANTS)})", file=sys.stderr)
+                  f"(known: {', '.join(known)})", file=sys.stderr)
             return 2
-        ledger_cls = found.ledger_cls
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     db_dir = out / "hypothesis-db"
-    machine = machine_class(ledger_cls, configs=args.config, journal=True)
+    machine = machine_class(ledger_cls, configs=args.config, journal=True,
+                            driver_cls=driver_cls)
     # No explain phase: it traces every line and makes shrinking many times slower.
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
     if not args.no_shrink:
@@ -907,11 +915,13 @@ def run(args: argparse.Namespace) -> int:
     prog = _Progress(sys.stderr)
     FuzzCounters.examples = FuzzCounters.steps = 0
     FuzzCounters.progress = prog
-    print(f"[fuzz] {ledger_cls.__name__}: up to {args.examples} examples of up to "
+    what = ledger_cls.__name__ + ("" if driver_cls is DDriver else f" + {driver_cls.__name__}")
+    print(f"[fuzz] {what}: up to {args.examples} examples of up to "
           f"{args.steps} steps, seed {args.seed}, configs "
           f"{', '.join(machine.CONFIG_NAMES)}", file=sys.stderr, flush=True)
     try:
-        run_fuzz(machine, stg, seed=args.seed)
+        with quiet_drivers(getattr(args, "verbose", 0)):
+            run_fuzz(machine, stg, seed=args.seed)
     except Exception as e:  # any failure of the run is reported the same way
         prog.report(final=True)
         stem = out / f"failing-seed{args.seed}"
@@ -932,7 +942,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvproto fuzz: P journal of the failing example: {journal_path} "
                   f"(kvproto replay {journal_path})", file=sys.stderr)
         print(json.dumps({"examples": FuzzCounters.examples, "steps": FuzzCounters.steps,
-                          "ledger": ledger_cls.__name__, "ok": False, "invariant": name,
+                          "ledger": ledger_cls.__name__, "driver": driver_cls.__name__,
+                          "ok": False, "invariant": name,
                           "database": str(db_dir), "steps_file": str(steps_path),
                           "journal": str(journal_path) if buf is not None else None}))
         return 1
@@ -944,7 +955,8 @@ def run(args: argparse.Namespace) -> int:
                       "seconds": round(el, 2),
                       "examples_per_s": round(FuzzCounters.examples / el, 2),
                       "steps_per_s": round(FuzzCounters.steps / el, 1),
-                      "ledger": ledger_cls.__name__, "ok": True}))
+                      "ledger": ledger_cls.__name__, "driver": driver_cls.__name__,
+                      "ok": True}))
     return 0
 
 

@@ -29,6 +29,7 @@ own mix (``Faults.swarm``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import logging
@@ -36,7 +37,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, ClassVar, Final
 
@@ -637,6 +638,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
 
 
+@contextlib.contextmanager
+def quiet_drivers(verbose: int) -> Iterator[None]:
+    """The drivers log every fault they meet (a fenced READ, a failed handshake...): in a
+    simulation that is the point, not news. Below ``-vv`` only their errors are shown."""
+    drivers = logging.getLogger("kvproto.nixl")
+    level = drivers.level
+    if verbose < 2:
+        drivers.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        drivers.setLevel(level)
+
+
 def seed_faults(profile: str, seed: int) -> Faults:
     """The fault mix of one seed under ``profile`` (a swarm seed's mix depends only on
     the seed)."""
@@ -721,18 +736,10 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds < 1 or args.duration <= 0 or args.capacity < 16:
         print("kvproto simulate: --seeds >= 1, --duration > 0, --capacity >= 16", file=sys.stderr)
         return 2
-    # The drivers log every fault they meet (a fenced READ, a failed handshake...): in a
-    # simulation that is the point, not news; shown with -vv.
-    drivers = logging.getLogger("kvproto.nixl")
-    level = drivers.level
-    if getattr(args, "verbose", 0) < 2:
-        drivers.setLevel(logging.ERROR)
-    try:
+    with quiet_drivers(getattr(args, "verbose", 0)):
         totals = simulate_many(args.seed, args.seeds, args.duration, args.capacity,
                                args.no_faults, args.journal, progress=sys.stderr,
                                faults=args.faults)
-    finally:
-        drivers.setLevel(level)
     if args.json:
         print(json.dumps(totals, sort_keys=True))
     else:
