@@ -789,7 +789,7 @@ class DDriver:
     def _fenced(self, want: Sequence[int], got: Sequence[int]) -> bool:
         """Stamp fencing: the data of a READ is served only when every stamp read after
         it is the one the params carry (a changed stamp means P freed the blocks)."""
-        return list(got) != list(want)
+        return tuple(got) != tuple(want)
 
     def _stamps_landed(self, b: _StampBatch, now: float) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
