@@ -46,6 +46,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvproto.bench.transfer", "raw NIXL READs vs the kvproto-managed path"),
     "wire": ("kvproto.bench.wire", "wire decode/encode vs the ledger's handling, same run"),
     "vllm": ("kvproto.bench.vllm", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
+    "fingerprint": ("kvproto.bench.fingerprint",
+                    "model weights fingerprint at start-up vs reading the files once"),
 }
 
 

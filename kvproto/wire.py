@@ -567,8 +567,14 @@ def decode(buf: bytes, *, max_bytes: int = 1 << 20, epoch: int | None = None) ->
 
 # -- handshake payload -------------------------------------------------------------------
 
-HANDSHAKE_VERSION: Final = 2  # 2: D may send done batches (wire kind 5)
+# 2: D may send done batches (wire kind 5); 3: the model identity (``identity``) travels
+# and must match field for field.
+HANDSHAKE_VERSION: Final = 3
 MAX_HANDSHAKE_BYTES: Final = 1 << 20
+# Model identity: at most this many fields, names and values of bounded length.
+MAX_IDENTITY_FIELDS: Final = 64
+MAX_IDENTITY_NAME: Final = 64
+MAX_IDENTITY_VALUE: Final = 512
 
 
 @dataclass(frozen=True)
@@ -599,6 +605,9 @@ class Handshake:
     role: str  # "producer" or "consumer"
     extra: dict[str, Any] | None = None  # e.g. memory region descriptors as plain numbers
     version: int = HANDSHAKE_VERSION
+    # What gives the KV bytes their meaning (model, weights, geometry, versions), field ->
+    # value; both sides must send the same mapping (``check_identity``).
+    identity: dict[str, str] | None = None
 
     def encode(self) -> bytes:
         body = {
@@ -615,6 +624,7 @@ class Handshake:
             },
             "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
             "extra": self.extra or {},
+            "identity": self.identity or {},
         }
         return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
@@ -635,8 +645,11 @@ def decode_handshake(buf: bytes) -> Handshake:
     if not isinstance(d, dict) or "kvproto" not in d:
         raise WireError("malformed_handshake", "not a kvproto handshake object")
     if d["kvproto"] != HANDSHAKE_VERSION:
+        old = isinstance(d["kvproto"], int) and d["kvproto"] < HANDSHAKE_VERSION
         raise WireError("version", f"handshake version {d['kvproto']!r}, this side speaks "
-                                   f"{HANDSHAKE_VERSION}")
+                                   f"{HANDSHAKE_VERSION}" + (
+                                       " (the peer's kvproto predates the model identity "
+                                       "check: upgrade it)" if old else ""))
     try:
         lay = d["layout"]
         layout = Layout(int(lay["num_blocks"]), int(lay["block_bytes"]), str(lay["dtype"]),
@@ -644,13 +657,58 @@ def decode_handshake(buf: bytes) -> Handshake:
         hs = Handshake(engine=str(d["engine"]), epoch=int(d["epoch"]), layout=layout,
                        agent_metadata=base64.b64decode(d["agent_metadata"], validate=True),
                        role=str(d["role"]), extra=dict(d.get("extra") or {}),
-                       version=int(d["kvproto"]))
+                       version=int(d["kvproto"]), identity=_identity(d.get("identity")) or None)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WireError("malformed_handshake", f"bad field: {e}") from None
     if hs.role not in ("producer", "consumer"):
         raise WireError("malformed_handshake", f"unknown role {hs.role!r}")
     layout.check()
     return hs
+
+
+def _identity(v: Any) -> dict[str, str]:
+    """A handshake's ``identity``: a bounded mapping of short names to short strings."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or len(v) > MAX_IDENTITY_FIELDS:
+        raise WireError("malformed_handshake", "identity must be a mapping of at most "
+                                               f"{MAX_IDENTITY_FIELDS} fields")
+    for k, x in v.items():
+        if not isinstance(x, str) or len(k) > MAX_IDENTITY_NAME or len(x) > MAX_IDENTITY_VALUE:
+            raise WireError("malformed_handshake", f"identity field {k[:MAX_IDENTITY_NAME]!r}"
+                                                   " must be a short string")
+    return dict(v)
+
+
+def check_identity(local: dict[str, str] | None, remote: dict[str, str] | None,
+                   local_side: str = "local", remote_side: str = "remote") -> None:
+    """Raise WireError('model_mismatch') naming every field (in name order) whose value
+    differs between the two sides or that only one side sends, with both values
+    (shortened to 80 characters). Equal mappings (both empty included) pass."""
+    mine, theirs = local or {}, remote or {}
+    if mine == theirs:
+        return
+
+    def show(v: str | None) -> str:
+        return "nothing" if v is None else repr(v if len(v) <= 80 else v[:77] + "...")
+
+    diff = [f"{k}: {local_side} has {show(mine.get(k))}, {remote_side} has "
+            f"{show(theirs.get(k))}"
+            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    raise WireError("model_mismatch", f"{len(diff)} identity field(s) differ: "
+                                      + "; ".join(diff))
+
+
+def check_peer(hs: Handshake, role: str, layout: Layout, identity: dict[str, str] | None
+               ) -> None:
+    """What each side checks of its peer's handshake before loading anything: the
+    expected ``role``, a compatible layout (``check_layouts``) and the same model identity
+    (``check_identity``, field for field). Raises WireError."""
+    if hs.role != role:
+        raise WireError("malformed_handshake", f"role {hs.role!r}, expected {role}")
+    check_layouts(layout, hs.layout)
+    mine, peer = ("D", "P") if role == "producer" else ("P", "D")
+    check_identity(identity, hs.identity, mine, peer)
 
 
 def check_layouts(local: Layout, remote: Layout) -> None:

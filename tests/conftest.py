@@ -35,6 +35,13 @@ settings.register_profile(
 )
 settings.load_profile("kvproto")
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--rewrite", action="store_true", default=False,
+                     help="write the actual outputs of the interaction scripts "
+                          "(tests/testdata/*/*.txt) in place of their expected outputs")
+
+
 ENGINE = "P0"
 EPOCH = 7
 

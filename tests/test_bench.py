@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,18 @@ def test_churn_keeps_the_heap_compact_and_the_old_heap_would_not() -> None:
     assert held["entries_over_live"] <= 2 and held["rebuilds"] > 0
     assert bench_churn(5000, 0)["peak_heap_entries"] <= 64
     assert bench_churn(5000, 0, compact=False)["peak_heap_entries"] > 4000
+
+
+def test_bench_fingerprint_compares_with_a_whole_read_and_cleans_up(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    assert cli.main(["-q", "bench", "fingerprint", "--gib", "0.02", "--files", "2",
+                     "--dir", str(d), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["files"] == 3 and r["bytes"] >= 0.02 * (1 << 30)
+    assert 0 < r["fingerprint_bytes_read"] < r["bytes"] // 100
+    assert {"fingerprint_cold_s", "read_whole_cold_s", "ratio_cold", "fingerprint_warm_s",
+            "read_whole_warm_s", "ratio_warm"} <= set(r)
+    assert r["fingerprint"].startswith("sha256:")
+    assert list(d.iterdir()) == []  # the checkpoint is deleted
+    assert cli.main(["bench", "fingerprint", "--files", "0"]) == 2

@@ -41,10 +41,12 @@ class Recorder:
         return frame(ST_OK, b"reply:" + payload), "peer"
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[Server, Recorder]]:
+@pytest.fixture(params=[False, True], ids=["polled", "threaded"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[Server, Recorder]]:
+    """The listener served by ``poll`` from the caller's thread, or by its own thread
+    (``poll`` then does nothing): the exchanges are the same."""
     rec = Recorder()
-    s = Server(rec, secret=SECRET)
+    s = Server(rec, secret=SECRET, threaded=request.param)
     yield s, rec
     s.close()
 
@@ -149,3 +151,34 @@ def test_metadata_agent_name_reads_the_name_without_loading() -> None:
                 _md(b"D-1", sep=b"#"), _md(b""), _md(b"\xff\xfe"),
                 _md(b"a" * (MAX_AGENT_NAME_BYTES + 1)), _md(b"D-1")[:20]):
         assert metadata_agent_name(bad) is None, bad
+
+
+def test_threaded_listener_answers_without_poll_and_drops_on_request() -> None:
+    """With its own thread the listener answers while nobody polls; ``drop`` from
+    another thread closes a connection (the client sees its peer gone) and ``on_close``
+    reports it, on the listener's thread."""
+    import threading
+
+    closed: list[tuple[str, str]] = []
+    rec = Recorder()
+    srv = Server(rec, threaded=True,
+                 on_close=lambda peer: closed.append((peer, threading.current_thread().name)))
+    c = Client(srv.host, srv.port, b"hi")
+    try:
+        end = time.monotonic() + 10
+        r = None
+        while r is None and time.monotonic() < end:  # this thread never calls srv.poll
+            r = c.poll()
+            time.sleep(0.001)
+        assert r == ("ok", b"reply:hi") and c.alive()
+        (cid,) = srv._open
+        assert srv.is_open(cid)
+        srv.drop(cid)
+        while (c.alive() or not closed) and time.monotonic() < end:
+            time.sleep(0.001)
+        assert not c.alive() and not srv.is_open(cid)
+        assert closed == [("peer", f"kvproto-handshake-{srv.port}")]
+    finally:
+        c.close()
+        srv.close()
+    assert not any(t.name == f"kvproto-handshake-{srv.port}" for t in threading.enumerate())

@@ -1,4 +1,10 @@
-"""D's lifecycle machine (``kvproto.lifecycle.Consumer``), issue 2 section 2.
+"""D's lifecycle machine (``kvproto.lifecycle.Consumer``).
+
+The protocol's stories (admit, handshake, READ, done, release on failure, acks granted
+and refused, aborts, heartbeats, lost peers, sibling groups) are interaction scripts under
+``tests/testdata/consumer/`` (run by ``test_interaction.py``); this file holds what a
+script cannot say: D against a real ledger and the wire, costs, non-finite times,
+properties.
 
 Default config: initial term 30 s aged by max_delay 1 s, max_read_time 5 s, clock_drift
 0.5 s, heartbeat every 5 s. A READ may start at ``now`` iff ``now + 5.5 <= lease_end``.
@@ -12,31 +18,21 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest import ENGINE, EPOCH, ConsumerFactory, finished, params, releases
+from conftest import ENGINE, EPOCH, ConsumerFactory, finished, params
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvproto import lifecycle, wire
 from kvproto.lifecycle import (
-    D_DONE,
-    D_FAILED,
-    D_NEW,
     D_TRANSITIONS,
-    HANDSHAKING,
-    READING,
     WAITING,
     Ack,
     BlockPool,
     Config,
     Consumer,
     DEffect,
-    Finished,
     Ledger,
-    PostRead,
-    SendDone,
     SendHeartbeat,
-    SendRelease,
-    StartHandshake,
 )
 
 
@@ -55,269 +51,8 @@ def consumer(make_consumer: ConsumerFactory) -> Consumer:
 
 
 # ---------------------------------------------------------------------------
-# States: waiting / handshaking / reading / done / failed
-# ---------------------------------------------------------------------------
-
-
-def test_admit_with_unknown_engine_starts_one_handshake(consumer: Consumer) -> None:
-    assert consumer.admit("r1", params(1), 0.0) == [StartHandshake(ENGINE)]
-    assert consumer.admit("r2", params(2), 0.1) == []  # joins the handshake in progress
-    assert consumer.state("r1") == consumer.state("r2") == HANDSHAKING
-    assert consumer.handshake_result(ENGINE, True, 0.2) == []
-    assert consumer.state("r1") == consumer.state("r2") == WAITING
-
-
-def test_admit_with_known_engine_goes_to_waiting(consumer: Consumer) -> None:
-    ready(consumer)
-    assert consumer.admit("r1", params(1), 0.0) == []
-    assert consumer.state("r1") == WAITING
-
-
-def test_pull_lifecycle_waiting_reading_done(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1, blocks=(4, 5), expected=2), 0.0)
-    assert consumer.schedule("r1", 1.0) == [PostRead("r1", ENGINE, 1, (4, 5), 2)]
-    assert consumer.state("r1") == READING
-    # the done notification travels with the READ (NIXL notif_msg): nothing else to send
-    assert consumer.read_result("r1", True, 2.0) == [Finished("r1", D_DONE, "pulled")]
-    assert consumer.state("r1") == D_NEW  # left the machine
-    assert consumer.finished == {"done:pulled": 1}
-
-
-def test_done_is_sent_only_after_the_read_completed(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    effects = consumer.schedule("r1", 1.0)
-    assert not any(isinstance(e, SendDone) for e in effects)
-    assert consumer.read_result("r1", True, 2.0, notif_attached=False) == [
-        SendDone("r1", ENGINE, 1, 1), Finished("r1", D_DONE, "pulled")]
-
-
-@pytest.mark.parametrize(("fenced", "reason"), [(False, "transfer_error"), (True, "fenced")])
-def test_failed_read_fails_and_releases(consumer: Consumer, fenced: bool, reason: str) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    assert consumer.read_result("r1", False, 2.0, fenced=fenced) == [
-        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, reason)]
-
-
-def test_duplicate_admit_is_counted_and_ignored(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert consumer.admit("r1", params(2), 0.1) == []
-    assert consumer.admit("r2", params(1), 0.1) == []  # same handle from the same engine
-    assert consumer.counters["duplicate_admit"] == 2
-    assert consumer.state("r2") == D_NEW
-    assert consumer.lease_end("r1") == 29.0
-
-
-def test_events_for_unknown_requests_are_counted(consumer: Consumer) -> None:
-    assert consumer.schedule("nope", 0.0) == []
-    assert consumer.read_result("nope", True, 0.0) == []
-    assert consumer.abort("nope", 0.0) == []
-    assert consumer.ack(ENGINE, 1, 20.0, (), 0.0) == []
-    assert consumer.counters == {"schedule_not_waiting": 1, "read_result_not_reading": 1,
-                                 "abort_unknown": 1, "ack_unknown": 1}
-
-
-# ---------------------------------------------------------------------------
-# A READ starts only when the lease covers it
-# ---------------------------------------------------------------------------
-
-
-def test_initial_term_is_aged_by_max_delay(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1, term=30.0), 10.0)
-    assert consumer.lease_end("r1") == 39.0  # 10 + 30 - max_delay 1
-
-
-def test_read_starts_when_lease_less_read_time_and_drift_covers_it(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29
-    assert consumer.schedule("r1", 23.5) == [PostRead("r1", ENGINE, 1, (0, 1), 1)]
-
-
-def test_read_refused_when_lease_too_short_fails_and_releases(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29; 23.6 + 5 + 0.5 > 29
-    assert consumer.schedule("r1", 23.6) == [
-        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "lease_short")]
-
-
-def test_admit_with_too_little_lease_left_fails_and_releases(consumer: Consumer) -> None:
-    ready(consumer)
-    assert consumer.admit("r1", params(1, term=6.0), 0.0) == [
-        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "lease_short")]
-
-
-def test_tick_fails_and_releases_a_queued_request_whose_lease_ran_short(
-        make_consumer: ConsumerFactory) -> None:
-    consumer = make_consumer(peer_timeout=60.0)  # P silent, but not yet declared lost
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.tick(0.0)  # heartbeat sent, never acknowledged
-    assert finished(consumer.tick(23.5)) == []
-    assert consumer.tick(23.6) == [SendRelease("r1", ENGINE, 1, 1),
-                                   Finished("r1", D_FAILED, "lease_lost")]
-
-
-def test_tick_keeps_a_renewed_request(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(20.0))
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 20.4)
-    assert finished(consumer.tick(23.6)) == []
-    assert consumer.state("r1") == WAITING
-
-
-# ---------------------------------------------------------------------------
-# Leases from acks
-# ---------------------------------------------------------------------------
-
-
-def test_lease_updated_from_ack_send_time_plus_term_less_drift(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29
-    (hb,) = heartbeats(consumer.tick(10.0))
-    assert hb == SendHeartbeat(ENGINE, hb.seq, (1,), 1)
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 12.0) == []
-    assert consumer.lease_end("r1") == 29.5  # sent at 10 (not received at 12) + 20 - 0.5
-
-
-def test_ack_never_shortens_the_lease(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(1.0))
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 1.5)
-    assert consumer.lease_end("r1") == 29.0
-
-
-def test_ack_of_unknown_sequence_is_counted(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
-    assert consumer.ack(ENGINE, hb.seq + 1, 20.0, (), 11.0) == []
-    consumer.ack(ENGINE, hb.seq, 20.0, (), 11.0)
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 11.0) == []  # acked twice
-    assert consumer.counters["ack_unknown"] == 2
-
-
-def test_refused_in_ack_fails_a_waiting_request(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.admit("r2", params(2), 0.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
-    # P refused (aborted, expired or freed): release, so an aborted request frees now
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (1,), 10.5) == [
-        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "revoked")]
-    assert consumer.state("r2") == WAITING
-    assert consumer.lease_end("r2") == 29.5
-
-
-def test_refused_in_ack_lets_an_in_flight_read_finish(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    (hb,) = heartbeats(consumer.tick(10.0))
-    assert hb.handles == (1,)  # reading requests are renewed too
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (1,), 10.5) == []
-    assert consumer.state("r1") == READING
-    assert consumer.read_result("r1", True, 11.0) == [Finished("r1", D_DONE, "pulled")]
-
-
-# ---------------------------------------------------------------------------
-# Aborts on D
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("handshaken", [True, False])
-def test_abort_before_read_releases_at_once(consumer: Consumer, handshaken: bool) -> None:
-    if handshaken:
-        ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert consumer.abort("r1", 1.0) == [SendRelease("r1", ENGINE, 1, 1),
-                                         Finished("r1", D_FAILED, "aborted")]
-
-
-def test_abort_during_read_never_releases_until_the_read_finishes(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    assert consumer.abort("r1", 1.5) == []
-    assert consumer.state("r1") == READING
-    assert releases(consumer.tick(2.0)) == []
-    assert consumer.peer_lost(ENGINE, 2.5) == []  # the READ reports its own failure
-    assert consumer.state("r1") == READING
-    # the READ landed: its done notification went with it; no release is ever sent
-    assert consumer.read_result("r1", True, 3.0) == [Finished("r1", D_FAILED, "aborted")]
-
-
-def test_abort_during_read_releases_after_the_read_failed(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.schedule("r1", 1.0)
-    consumer.abort("r1", 1.5)
-    assert consumer.read_result("r1", False, 3.0) == [
-        SendRelease("r1", ENGINE, 1, 1), Finished("r1", D_FAILED, "transfer_error")]
-
-
-# ---------------------------------------------------------------------------
 # Heartbeats: every request still to be pulled, per engine, chunked
 # ---------------------------------------------------------------------------
-
-
-def test_heartbeat_includes_queued_and_reading_requests(consumer: Consumer) -> None:
-    ready(consumer)
-    for h in (3, 1, 2):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    consumer.schedule("r2", 0.5)  # reading; r1 and r3 still queued behind the scheduler
-    assert heartbeats(consumer.tick(1.0)) == [SendHeartbeat(ENGINE, 1, (1, 2, 3), 1)]
-
-
-def test_heartbeat_skips_requests_still_handshaking(consumer: Consumer) -> None:
-    consumer.admit("r1", params(1), 0.0)
-    assert heartbeats(consumer.tick(1.0)) == []
-
-
-def test_heartbeat_is_sent_once_per_interval(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    assert len(heartbeats(consumer.tick(1.0))) == 1
-    assert heartbeats(consumer.tick(5.9)) == []
-    assert [hb.seq for hb in heartbeats(consumer.tick(6.0))] == [2]
-
-
-def test_heartbeats_are_batched_per_engine(consumer: Consumer) -> None:
-    ready(consumer, "P0")
-    ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
-    assert sorted((hb.engine, hb.handles) for hb in hbs) == [("P0", (1, 2)), ("P1", (1,))]
-
-
-def test_heartbeats_are_batched_per_expected_reader_count(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("a", params(1, expected=1), 0.0)
-    consumer.admit("b", params(2, expected=2), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
-    assert sorted((hb.expected, hb.handles) for hb in hbs) == [(1, (1,)), (2, (2,))]
-
-
-def test_heartbeats_are_chunked_by_the_caller(make_consumer: ConsumerFactory) -> None:
-    consumer = make_consumer(heartbeat_chunk=2)
-    ready(consumer)
-    for h in range(1, 6):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(1.0))
-    assert [(hb.seq, hb.handles) for hb in hbs] == [(1, (1, 2)), (2, (3, 4)), (3, (5,))]
-    # each chunk is acknowledged on its own
-    consumer.ack(ENGINE, 2, 40.0, (), 1.5)
-    assert [consumer.lease_end(f"r{h}") for h in range(1, 6)] == [29.0, 29.0, 40.5, 40.5, 29.0]
-    consumer.ack(ENGINE, 2, 40.0, (), 1.5)
-    assert consumer.counters["ack_unknown"] == 1
 
 
 def test_every_heartbeat_fits_one_wire_message(make_consumer: ConsumerFactory) -> None:
@@ -392,124 +127,8 @@ def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
 
 
 # ---------------------------------------------------------------------------
-# Handshake failure and lost peers fail only the affected requests
+# The table
 # ---------------------------------------------------------------------------
-
-
-def test_handshake_failure_fails_only_that_engines_requests(consumer: Consumer) -> None:
-    ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    assert consumer.handshake_result("P0", False, 0.5, reason="version") == [
-        Finished("a", D_FAILED, "version"), Finished("b", D_FAILED, "version")]
-    assert consumer.state("c") == WAITING
-    assert consumer.finished == {"failed:version": 2}
-
-
-def test_admit_after_failed_handshake_retries_it(consumer: Consumer) -> None:
-    consumer.admit("a", params(1), 0.0)
-    consumer.handshake_result(ENGINE, False, 0.5)
-    assert consumer.admit("b", params(2), 1.0) == [StartHandshake(ENGINE)]
-
-
-def test_peer_lost_fails_waiting_requests_promptly(consumer: Consumer) -> None:
-    ready(consumer, "P0")
-    ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0"), 0.0)
-    consumer.admit("b", params(2, engine="P0"), 0.0)
-    consumer.admit("c", params(1, engine="P1"), 0.0)
-    consumer.schedule("b", 0.5)
-    assert consumer.peer_lost("P0", 1.0) == [Finished("a", D_FAILED, "peer_lost")]
-    assert consumer.state("b") == READING
-    assert consumer.state("c") == WAITING
-    # no more heartbeats to the lost engine until it is handshaken again
-    assert [hb.engine for hb in heartbeats(consumer.tick(2.0))] == ["P1"]
-
-
-def test_peer_lost_fails_handshaking_requests(consumer: Consumer) -> None:
-    consumer.admit("a", params(1), 0.0)
-    assert consumer.peer_lost(ENGINE, 0.5) == [Finished("a", D_FAILED, "peer_lost")]
-
-
-# ---------------------------------------------------------------------------
-# Sibling groups: at most one READ per group
-# ---------------------------------------------------------------------------
-
-
-def test_at_most_one_read_per_sibling_group(consumer: Consumer) -> None:
-    ready(consumer)
-    for h in (1, 2, 3):
-        consumer.admit(f"{h}_p", params(h, group="p"), 0.0)
-    assert consumer.schedule("1_p", 1.0) == [PostRead("1_p", ENGINE, 1, (0, 1), 1)]
-    assert consumer.read_result("1_p", True, 2.0) == [Finished("1_p", D_DONE, "pulled")]
-    for h in (2, 3):
-        assert consumer.schedule(f"{h}_p", 3.0) == [
-            SendRelease(f"{h}_p", ENGINE, h, 1), Finished(f"{h}_p", D_DONE, "sibling_local")]
-    assert consumer.finished == {"done:pulled": 1, "done:sibling_local": 2}
-
-
-def test_no_second_read_while_a_sibling_is_reading(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    assert not any(isinstance(e, PostRead) for e in consumer.schedule("2_p", 1.5))
-
-
-def test_sibling_waits_while_the_group_read_is_in_flight(consumer: Consumer) -> None:
-    """Regression: a sibling used to finish done/sibling_local while the group's only
-    READ was still in flight (and could still fail)."""
-    ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    assert consumer.schedule("2_p", 1.5) == []
-    assert consumer.state("2_p") == WAITING
-    assert consumer.counters["sibling_in_flight"] == 1
-    (hb,) = heartbeats(consumer.tick(2.0))
-    assert hb.handles == (1, 2)  # the waiting sibling is still renewed
-
-
-def test_sibling_reads_itself_when_the_group_read_failed(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.schedule("2_p", 1.5)
-    consumer.read_result("1_p", False, 2.0)
-    assert consumer.schedule("2_p", 2.5) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
-
-
-def test_landed_read_aborted_meanwhile_still_serves_the_group(consumer: Consumer) -> None:
-    """P was told done (the notification travelled with the READ) and may free the other
-    members, so they must not be read again: they are served from the landed prefix."""
-    ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.abort("1_p", 1.2)
-    assert consumer.read_result("1_p", True, 2.0) == [Finished("1_p", D_FAILED, "aborted")]
-    assert consumer.schedule("2_p", 2.5) == [
-        SendRelease("2_p", ENGINE, 2, 1), Finished("2_p", D_DONE, "sibling_local")]
-
-
-def test_sibling_groups_are_per_engine(consumer: Consumer) -> None:
-    ready(consumer, "P0")
-    ready(consumer, "P1")
-    consumer.admit("a", params(1, engine="P0", group="g"), 0.0)
-    consumer.admit("b", params(1, engine="P1", group="g"), 0.0)
-    consumer.schedule("a", 1.0)
-    assert consumer.schedule("b", 1.0) == [PostRead("b", "P1", 1, (0, 1), 1)]
-
-
-def test_failed_group_read_lets_another_sibling_read(consumer: Consumer) -> None:
-    ready(consumer)
-    consumer.admit("1_p", params(1, group="p"), 0.0)
-    consumer.admit("2_p", params(2, group="p"), 0.0)
-    consumer.schedule("1_p", 1.0)
-    consumer.read_result("1_p", False, 2.0)
-    assert consumer.schedule("2_p", 3.0) == [PostRead("2_p", ENGINE, 2, (0, 1), 1)]
 
 
 def test_consumer_table_rows_are_unique() -> None:
@@ -567,17 +186,6 @@ def test_non_finite_time_is_refused_and_counted(consumer: Consumer, bad: float) 
     assert finished(consumer.tick(40.0)) == [("r1", "failed", "lease_lost")]
 
 
-def test_a_stale_time_never_lets_a_read_start_on_a_lease_that_ran_out(consumer: Consumer
-                                                                      ) -> None:
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)  # lease end 29 (term 30 - max_delay 1)
-    consumer.admit("r2", params(2), 26.0)  # the clock reads 26: 26 + 5 + 0.5 > 29
-    effects = consumer.schedule("r1", 1.0)  # a stale reading of the clock
-    assert consumer.counters["clock_regression"] == 1
-    assert not any(isinstance(e, PostRead) for e in effects)
-    assert finished(effects) == [("r1", "failed", "lease_short")]
-
-
 def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
     ready(consumer)
     for h in range(1, 3001):
@@ -588,34 +196,6 @@ def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
 # ---------------------------------------------------------------------------
 # Ack silence: Config.peer_timeout drives peer loss (the machine decides, not the adapter)
 # ---------------------------------------------------------------------------
-
-
-def test_ack_silence_for_peer_timeout_loses_the_peer(make_consumer: ConsumerFactory) -> None:
-    consumer = make_consumer(peer_timeout=8.0)
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    consumer.admit("r2", params(2), 0.0)
-    consumer.schedule("r2", 0.5)  # in flight: the READ reports its own fate
-    (hb,) = heartbeats(consumer.tick(1.0))
-    assert finished(consumer.tick(8.9)) == []  # silent 8.9 s since the handshake: not yet
-    out = consumer.tick(9.1)
-    assert ("r1", D_FAILED, "peer_lost") in finished(out)
-    assert any(isinstance(e, lifecycle.DropPeer) and e.engine == ENGINE for e in out)
-    assert releases(out) == []  # peer loss never releases: P expires what D held
-    assert consumer.state("r2") == READING
-    assert consumer.peer_state(ENGINE) == lifecycle.PEER_UNKNOWN
-    assert consumer.ack(ENGINE, hb.seq, 20.0, (), 9.2) == []  # forgotten with the peer
-
-
-def test_acks_keep_a_slow_but_answering_peer(make_consumer: ConsumerFactory) -> None:
-    consumer = make_consumer(peer_timeout=8.0)
-    ready(consumer)
-    consumer.admit("r1", params(1), 0.0)
-    for t in range(0, 40, 5):
-        for hb in heartbeats(consumer.tick(float(t))):
-            consumer.ack(ENGINE, hb.seq, 20.0, (), t + 2.0)  # max_delay each way
-    assert consumer.state("r1") == WAITING
-    assert consumer.peer_state(ENGINE) == lifecycle.PEER_READY
 
 
 def test_peer_timeout_is_a_timing_rule() -> None:

@@ -1,7 +1,11 @@
 """P's lifecycle machine (``kvproto.lifecycle.Ledger``), its block pool and its config.
 
-Each test is named after a behaviour users expect (issue 2, section 1) and asserts the
-exact effects, states and counters, so it fails when that behaviour breaks.
+Each test is named after a behaviour users expect and asserts the exact effects, states
+and counters, so it fails when that behaviour breaks. The protocol's stories (several
+readers, leases, aborts, staging, sibling groups, late and stale messages, rejections,
+the pool) are interaction scripts under ``tests/testdata/ledger/`` (run by
+``test_interaction.py``); this file holds what a script cannot say: several ledgers,
+properties, costs, caps at scale, non-finite times and the configuration.
 """
 
 from __future__ import annotations
@@ -18,15 +22,10 @@ from hypothesis import strategies as st
 
 from kvproto import lifecycle
 from kvproto.lifecycle import (
-    ABORTED,
-    EXPIRED,
-    FREED,
     LEASED,
-    NOTIFIED,
     P_TRANSITIONS,
     REGISTERED,
     UNREGISTERED,
-    Ack,
     BlockPool,
     Config,
     ConfigError,
@@ -41,59 +40,8 @@ from kvproto.lifecycle import (
 
 
 # ---------------------------------------------------------------------------
-# Multiple readers (heterogeneous TP fan-in, several P ranks)
+# Several P ranks
 # ---------------------------------------------------------------------------
-
-
-def test_blocks_freed_only_when_every_expected_reader_reported_done(ledger: Ledger) -> None:
-    assert ledger.register(1, "req", (0, 1), 0.0, expected=3) == []
-    assert ledger.done("d0", 1, 3, 1.0) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.done("d1", 1, 3, 2.0) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.pool.held_count == 2
-    effects = ledger.done("d2", 1, 3, 3.0)
-    assert effects == [Free(1, "req", "transferred", (0, 1), (0, 1), 30.0)]
-    assert ledger.state(1) == FREED
-    assert ledger.pool.held_count == 0
-    assert ledger.frees["transferred"] == 1
-
-
-def test_duplicated_done_from_one_reader_never_counts_twice(ledger: Ledger) -> None:
-    """The vLLM message-counting bug: two notifications from d0 must not free blocks
-    that d1 is still pulling."""
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    assert ledger.done("d0", 1, 2, 1.0) == []
-    assert ledger.done("d0", 1, 2, 1.1) == []
-    assert ledger.done("d0", 1, 2, 1.2) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.pool.refcount(0) == 1
-    assert ledger.counters["duplicate"] == 2
-    assert frees(ledger.done("d1", 1, 2, 2.0)) == [(1, "transferred")]
-
-
-def test_duplicated_release_from_one_reader_never_counts_twice(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    assert ledger.release("d0", (1,), 2, 1.0) == []
-    assert ledger.release("d0", (1,), 2, 1.5) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.counters["duplicate"] == 1
-    assert frees(ledger.done("d1", 1, 2, 2.0)) == [(1, "released")]
-
-
-def test_done_and_release_from_the_same_reader_count_once(ledger: Ledger) -> None:
-    """A failed READ sends release and its notification may still arrive: one reader."""
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    ledger.release("d0", (1,), 2, 1.0)
-    assert ledger.done("d0", 1, 2, 1.1) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.counters["duplicate"] == 1
-
-
-def test_every_reader_released_frees_with_reason_released(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    assert ledger.release("d0", (1,), 2, 1.0) == []
-    assert frees(ledger.release("d1", (1,), 2, 2.0)) == [(1, "released")]
 
 
 def test_each_p_rank_counts_its_own_readers(make_ledger: LedgerFactory) -> None:
@@ -107,187 +55,9 @@ def test_each_p_rank_counts_its_own_readers(make_ledger: LedgerFactory) -> None:
     assert p1.pool.held_count == 1
 
 
-def test_readers_announced_late_by_done(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)  # P does not know its readers yet
-    assert ledger.done("d0", 1, 2, 1.0) == []
-    assert ledger.snapshot()[1][1] == 2
-    assert frees(ledger.done("d1", 1, 2, 2.0)) == [(1, "transferred")]
-
-
-def test_readers_announced_late_by_heartbeat(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.heartbeat("d0", 1, (1,), 2, 1.0)
-    assert ledger.snapshot()[1][1] == 2
-    assert ledger.done("d0", 1, 2, 2.0) == []
-    assert frees(ledger.done("d1", 1, 2, 3.0)) == [(1, "transferred")]
-
-
-def test_readers_announced_late_by_release(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    assert ledger.release("d0", (1,), 2, 1.0) == []
-    assert ledger.snapshot()[1][1] == 2
-    assert frees(ledger.done("d1", 1, 2, 2.0)) == [(1, "released")]
-
-
-def test_announced_readers_max_wins(ledger: Ledger) -> None:
-    """A smaller announcement never lowers the count (it is counted as a conflict)."""
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    ledger.heartbeat("d0", 1, (1,), 3, 1.0)
-    assert ledger.snapshot()[1][1] == 3
-    assert ledger.counters["expected_raised"] == 1
-    ledger.done("d0", 1, 1, 2.0)
-    assert ledger.counters["expected_conflict"] == 1
-    assert ledger.done("d1", 1, 2, 2.0) == []
-    assert ledger.state(1) == NOTIFIED
-    assert frees(ledger.done("d2", 1, 3, 3.0)) == [(1, "transferred")]
-
-
-def test_register_without_readers_never_frees_on_done_without_count(ledger: Ledger) -> None:
-    """expected 0 means unknown: a done carrying no count cannot free anything."""
-    ledger.register(1, "req", (0,), 0.0)
-    assert ledger.done("d0", 1, 0, 1.0) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.pool.held_count == 1
-
-
 # ---------------------------------------------------------------------------
-# Leases
+# Leases: renewed leases never hide expired ones (the upstream sweep bug, vllm #58222)
 # ---------------------------------------------------------------------------
-
-
-def test_register_starts_the_initial_lease(ledger: Ledger, cfg: Config) -> None:
-    ledger.register(1, "req", (0,), 5.0)
-    assert ledger.state(1) == REGISTERED
-    assert ledger.deadline(1) == 5.0 + cfg.initial_lease
-
-
-def test_heartbeat_extends_lease_to_now_plus_extension(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)  # deadline 30
-    effects = ledger.heartbeat("d0", 9, (1,), 1, 15.0)
-    assert effects == [Ack("d0", 9, 20.0, ())]
-    assert ledger.deadline(1) == 35.0
-    assert ledger.state(1) == LEASED
-
-
-def test_heartbeat_never_shortens_the_lease(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)  # deadline 30 > 5 + 20
-    assert ledger.heartbeat("d0", 1, (1,), 1, 5.0) == [Ack("d0", 1, 20.0, ())]
-    assert ledger.deadline(1) == 30.0
-    ledger.heartbeat("d0", 2, (1,), 1, 20.0)
-    assert ledger.deadline(1) == 40.0
-    ledger.heartbeat("d0", 3, (1,), 1, 19.0)  # late clock reading: clamped, not shortened
-    assert ledger.deadline(1) == 40.0
-
-
-def test_heartbeat_renews_a_notified_request(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    ledger.done("d0", 1, 2, 1.0)
-    ledger.heartbeat("d1", 1, (1,), 2, 25.0)
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.deadline(1) == 45.0
-
-
-def test_tick_frees_expired_exactly_when_the_deadline_passes(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0, 1), 0.0)
-    assert ledger.tick(29.999) == []
-    assert ledger.state(1) == REGISTERED
-    assert ledger.tick(30.0) == [Free(1, "req", "expired", (0, 1), (0, 1), 30.0)]
-    assert ledger.state(1) == EXPIRED
-    assert ledger.pool.held_count == 0
-    assert ledger.frees["expired"] == 1
-    assert ledger.tick(100.0) == []
-
-
-def test_tick_respects_a_renewed_deadline(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.heartbeat("d0", 1, (1,), 1, 25.0)  # deadline 45
-    assert ledger.tick(30.0) == []
-    assert ledger.tick(44.9) == []
-    assert frees(ledger.tick(45.0)) == [(1, "expired")]
-
-
-def test_tick_never_frees_a_renewed_lease_before_its_new_deadline(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.heartbeat("d0", 1, (1,), 1, 10.001)  # renewed just past the initial deadline
-    deadline = ledger.deadline(1)
-    assert deadline is not None and 30.0 < deadline < 30.01
-    assert ledger.tick(30.0) == []  # the initial deadline's heap entry comes due here
-    assert ledger.state(1) == LEASED
-    assert frees(ledger.tick(deadline)) == [(1, "expired")]
-
-
-@pytest.mark.parametrize("kind", ["heartbeat", "done", "release"])
-def test_message_after_expiry_is_late_and_never_resurrects(ledger: Ledger, kind: str) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    assert frees(ledger.tick(30.0)) == [(1, "expired")]
-    if kind == "heartbeat":
-        assert ledger.heartbeat("d0", 1, (1,), 1, 31.0) == [Ack("d0", 1, 20.0, (1,))]
-    elif kind == "done":
-        assert ledger.done("d0", 1, 1, 31.0) == []
-    else:
-        assert ledger.release("d0", (1,), 1, 31.0) == []
-    assert ledger.counters["late"] == 1
-    assert ledger.state(1) == EXPIRED
-    assert ledger.held_requests == 0
-    assert ledger.pool.held_count == 0
-    assert ledger.frees == {"transferred": 0, "expired": 1, "aborted": 0, "released": 0,
-                            "sibling": 0}
-    assert ledger.tick(100.0) == []
-
-
-@pytest.mark.parametrize("kind", ["heartbeat", "done", "release"])
-def test_message_after_free_is_stale_and_never_frees_again(ledger: Ledger, kind: str) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    assert frees(ledger.done("d0", 1, 1, 1.0)) == [(1, "transferred")]
-    if kind == "heartbeat":
-        assert ledger.heartbeat("d1", 4, (1,), 1, 2.0) == [Ack("d1", 4, 20.0, (1,))]
-    elif kind == "done":
-        assert ledger.done("d1", 1, 1, 2.0) == []
-    else:
-        assert ledger.release("d1", (1,), 1, 2.0) == []
-    assert ledger.counters["stale"] == 1
-    assert ledger.state(1) == FREED
-    assert ledger.pool.held_count == 0
-    assert sum(ledger.frees.values()) == 1
-    assert ledger.tick(100.0) == []
-
-
-def test_abort_after_free_is_counted_and_changes_nothing(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    ledger.done("d0", 1, 1, 1.0)
-    assert ledger.abort("req", 2.0) == []
-    assert ledger.counters["stale"] == 1
-    assert "unknown_request" not in ledger.counters
-    assert ledger.state(1) == FREED
-    assert sum(ledger.frees.values()) == 1
-    assert ledger.tick(100.0) == []
-
-
-def test_abort_after_expiry_is_counted_stale_as_the_table_says(ledger: Ledger) -> None:
-    """Regression: the (expired|freed, abort, stale) rows were unreachable because the
-    request-id map was cleared on free; tombstones now remember request ids."""
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.tick(30.0)
-    assert ledger.abort("req", 31.0) == []
-    assert ledger.counters.get("stale") == 1
-
-
-# ---------------------------------------------------------------------------
-# Renewed leases never hide expired ones (the upstream sweep bug, vllm #58222)
-# ---------------------------------------------------------------------------
-
-
-def test_renewed_lease_never_hides_an_expired_one(make_ledger: LedgerFactory) -> None:
-    ledger = make_ledger(initial_lease=10.0, lease_extension=100.0, abort_grace=100.0)
-    ledger.register(1, "A", (0,), 0.0)  # deadline 10
-    ledger.register(2, "B", (1,), 1.0)  # deadline 11
-    ledger.heartbeat("d0", 1, (1,), 1, 5.0)  # A renewed far: deadline 105
-    assert ledger.tick(5.0) == []
-    # A's old deadline (10) is still first in line when B's (11) passes
-    assert frees(ledger.tick(11.0)) == [(2, "expired")]
-    assert ledger.state(1) == LEASED
-    assert ledger.tick(104.9) == []
-    assert frees(ledger.tick(105.0)) == [(1, "expired")]
 
 
 def test_expired_leases_behind_many_renewed_ones_all_expire_on_time(
@@ -305,174 +75,8 @@ def test_expired_leases_behind_many_renewed_ones_all_expire_on_time(
 
 
 # ---------------------------------------------------------------------------
-# Abort after finish
-# ---------------------------------------------------------------------------
-
-
-def test_abort_of_held_request_does_not_free_at_once(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    assert ledger.abort("req", 5.0) == []
-    assert ledger.state(1) == ABORTED
-    assert ledger.pool.refcount(0) == 1
-    assert ledger.deadline(1) == 30.0
-
-
-def test_abort_stops_renewals_and_the_ack_refuses_them(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.register(2, "other", (1,), 0.0)
-    ledger.abort("req", 5.0)
-    assert ledger.heartbeat("d0", 3, (1, 2), 1, 20.0) == [Ack("d0", 3, 20.0, (1,))]
-    assert ledger.counters["refused"] == 1
-    assert ledger.deadline(1) == 30.0  # not renewed
-    assert ledger.deadline(2) == 40.0
-    assert ledger.state(1) == ABORTED
-
-
-def test_aborted_request_frees_on_done(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    ledger.abort("req", 1.0)
-    assert ledger.done("d0", 1, 2, 2.0) == []
-    assert ledger.state(1) == ABORTED
-    assert frees(ledger.done("d1", 1, 2, 3.0)) == [(1, "transferred")]
-
-
-def test_aborted_request_frees_on_release_of_every_reader(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=2)
-    ledger.abort("req", 1.0)
-    assert ledger.release("d0", (1,), 2, 2.0) == []
-    assert frees(ledger.release("d1", (1,), 2, 3.0)) == [(1, "released")]
-
-
-def test_aborted_request_frees_at_the_deadline_with_reason_aborted(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0, 1), 0.0)
-    ledger.heartbeat("d0", 1, (1,), 1, 15.0)  # deadline 35
-    ledger.abort("req", 16.0)
-    assert ledger.tick(34.9) == []
-    assert ledger.tick(35.0) == [Free(1, "req", "aborted", (0, 1), (0, 1), 35.0)]
-    assert ledger.state(1) == FREED
-    assert ledger.frees["aborted"] == 1
-
-
-def test_second_abort_is_a_noop(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    ledger.abort("req", 1.0)
-    before = ledger.snapshot()
-    assert ledger.abort("req", 2.0) == []
-    assert ledger.snapshot() == before
-    assert ledger.counters["duplicate_abort"] == 1
-    assert frees(ledger.tick(30.0)) == [(1, "aborted")]
-
-
-def test_abort_of_unknown_request_id_is_counted_never_a_keyerror(ledger: Ledger) -> None:
-    assert ledger.abort("never-registered", 1.0) == []
-    assert ledger.counters["unknown_request"] == 1
-    assert ledger.held_requests == 0
-
-
-def test_abort_racing_completion_done_first(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    assert frees(ledger.done("d0", 1, 1, 1.0)) == [(1, "transferred")]
-    assert ledger.abort("req", 1.0) == []
-    assert ledger.counters["stale"] == 1
-    assert sum(ledger.frees.values()) == 1
-    assert_conserved(ledger)
-
-
-def test_abort_racing_completion_abort_first(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    assert ledger.abort("req", 1.0) == []
-    assert frees(ledger.done("d0", 1, 1, 1.0)) == [(1, "transferred")]
-    assert ledger.tick(100.0) == []
-    assert sum(ledger.frees.values()) == 1
-    assert_conserved(ledger)
-
-
-def test_abort_before_registration_falls_back_to_the_lease(ledger: Ledger) -> None:
-    """Abort racing prefill completion (vllm #25562): never a KeyError, never a leak."""
-    assert ledger.abort("req", 0.0) == []
-    assert ledger.register(1, "req", (0,), 0.5) == []
-    assert frees(ledger.tick(30.5)) == [(1, "expired")]
-
-
-# ---------------------------------------------------------------------------
 # Early messages (staging)
 # ---------------------------------------------------------------------------
-
-
-def test_early_done_is_staged_and_applied_at_registration(ledger: Ledger) -> None:
-    assert ledger.done("d0", 1, 1, 0.0) == []
-    assert ledger.staged_count == 1
-    assert ledger.state(1) == UNREGISTERED
-    effects = ledger.register(1, "req", (0,), 0.5, expected=1)
-    assert frees(effects) == [(1, "transferred")]
-    assert ledger.staged_count == 0
-    assert ledger.counters["staged_applied"] == 1
-
-
-def test_early_release_is_staged_and_applied_at_registration(ledger: Ledger) -> None:
-    ledger.release("d0", (1,), 1, 0.0)
-    assert frees(ledger.register(1, "req", (0,), 0.5, expected=1)) == [(1, "released")]
-
-
-def test_early_heartbeat_is_staged_neither_granted_nor_refused(ledger: Ledger) -> None:
-    assert ledger.heartbeat("d0", 1, (1,), 1, 0.0) == [Ack("d0", 1, 20.0, (), (1,))]
-    assert ledger.staged_count == 1
-    ledger.register(1, "req", (0,), 15.0)
-    assert ledger.state(1) == LEASED
-    assert ledger.deadline(1) == 45.0  # max(15 + 30, 0 + 20)
-
-
-def test_staged_heartbeat_renews_from_its_arrival_time(make_ledger: LedgerFactory) -> None:
-    """Applied at registration as if it had been applied when it arrived: D computes its
-    lease from the heartbeat's send time, so P grants arrival + extension, no more."""
-    ledger = make_ledger(initial_lease=10.0, lease_extension=20.0, abort_grace=20.0)
-    ledger.heartbeat("d0", 1, (1,), 1, 2.0)
-    ledger.register(1, "req", (0,), 5.0)
-    assert ledger.deadline(1) == 22.0  # max(5 + 10, 2 + 20)
-    assert ledger.state(1) == LEASED
-
-
-def test_early_done_announces_readers_at_registration(ledger: Ledger) -> None:
-    ledger.done("d0", 1, 2, 0.0)
-    assert ledger.register(1, "req", (0,), 0.5) == []
-    assert ledger.state(1) == NOTIFIED
-    assert ledger.snapshot()[1][1] == 2
-    assert frees(ledger.done("d1", 1, 2, 1.0)) == [(1, "transferred")]
-
-
-def test_early_heartbeat_announces_readers_at_registration(ledger: Ledger) -> None:
-    """Regression: a staged heartbeat's reader count was dropped at registration."""
-    ledger.heartbeat("d0", 1, (1,), 2, 0.0)
-    ledger.register(1, "req", (0,), 0.5)
-    assert ledger.snapshot()[1][1] == 2
-
-
-def test_staging_bounded_by_count_drops_oldest_and_falls_back_to_lease(
-        make_ledger: LedgerFactory) -> None:
-    ledger = make_ledger(max_staged=2)
-    ledger.done("d0", 1, 1, 0.0)
-    ledger.done("d0", 2, 1, 0.1)
-    ledger.done("d0", 3, 1, 0.2)  # at the cap: handle 1's entry is dropped
-    assert ledger.staged_count == 2
-    assert ledger.counters["staged_dropped"] == 1
-    assert ledger.register(1, "r1", (0,), 1.0, expected=1) == []
-    assert ledger.state(1) == REGISTERED
-    assert frees(ledger.register(2, "r2", (1,), 1.0, expected=1)) == [(2, "transferred")]
-    assert ledger.tick(30.9) == []
-    assert frees(ledger.tick(31.0)) == [(1, "expired")]
-
-
-def test_staging_bounded_by_age_dropped_on_tick(make_ledger: LedgerFactory) -> None:
-    ledger = make_ledger(max_staged_age=5.0)
-    ledger.done("d0", 1, 1, 0.0)
-    ledger.tick(4.9)
-    assert ledger.staged_count == 1
-    ledger.tick(5.0)
-    assert ledger.staged_count == 0
-    assert ledger.counters["staged_expired"] == 1
-    assert ledger.register(1, "req", (0,), 6.0, expected=1) == []
-    assert ledger.state(1) == REGISTERED
-    assert frees(ledger.tick(36.0)) == [(1, "expired")]
 
 
 def test_staged_messages_per_handle_are_bounded(ledger: Ledger) -> None:
@@ -483,79 +87,8 @@ def test_staged_messages_per_handle_are_bounded(ledger: Ledger) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Sibling groups (parallel sampling, n > 1)
-# ---------------------------------------------------------------------------
-
-
-def test_transferred_member_frees_every_registered_sibling(ledger: Ledger) -> None:
-    for h in (1, 2, 3):
-        ledger.register(h, f"{h}_parent", (0, 1, 9 + h), 0.0, group="parent", expected=1)
-    assert ledger.pool.refcount(0) == 3
-    effects = ledger.done("d0", 2, 1, 1.0)
-    assert frees(effects) == [(2, "transferred"), (1, "sibling"), (3, "sibling")]
-    assert ledger.pool.held_count == 0
-    assert ledger.frees["sibling"] == 2
-    # the shared blocks are reclaimed exactly once, by the last holder
-    reclaimed = [b for e in effects if isinstance(e, Free) for b in e.reclaimed]
-    assert sorted(reclaimed) == [0, 1, 10, 11, 12]
-
-
-def test_sibling_registered_after_transfer_is_freed_at_registration(ledger: Ledger) -> None:
-    ledger.register(1, "0_p", (0,), 0.0, group="p", expected=1)
-    ledger.done("d0", 1, 1, 1.0)
-    effects = ledger.register(2, "1_p", (0, 1), 2.0, group="p", expected=1)
-    assert effects == [Free(2, "1_p", "sibling", (0, 1), (0, 1), 32.0)]
-    assert ledger.state(2) == FREED
-    assert_conserved(ledger)
-
-
-def test_sibling_cascade_spares_a_member_a_reader_reported_on(ledger: Ledger) -> None:
-    ledger.register(1, "0_p", (0,), 0.0, group="p", expected=2)
-    ledger.register(2, "1_p", (1,), 0.0, group="p", expected=2)
-    ledger.done("d0", 2, 2, 1.0)  # d0 pulled member 2; d1 still pulling it
-    ledger.done("d0", 1, 2, 1.0)
-    assert frees(ledger.done("d1", 1, 2, 2.0)) == [(1, "transferred")]
-    assert ledger.state(2) == NOTIFIED
-    assert ledger.pool.refcount(1) == 1
-    assert frees(ledger.done("d1", 2, 2, 3.0)) == [(2, "transferred")]
-
-
-def test_sibling_cascade_frees_an_aborted_member(ledger: Ledger) -> None:
-    ledger.register(1, "0_p", (0,), 0.0, group="p", expected=1)
-    ledger.register(2, "1_p", (1,), 0.0, group="p", expected=1)
-    ledger.abort("1_p", 0.5)
-    assert frees(ledger.done("d0", 1, 1, 1.0)) == [(1, "transferred"), (2, "sibling")]
-
-
-def test_released_member_does_not_free_its_siblings(ledger: Ledger) -> None:
-    ledger.register(1, "0_p", (0,), 0.0, group="p", expected=1)
-    ledger.register(2, "1_p", (1,), 0.0, group="p", expected=1)
-    assert frees(ledger.release("d0", (1,), 1, 1.0)) == [(1, "released")]
-    assert ledger.state(2) == REGISTERED
-
-
-def test_other_groups_are_untouched_by_a_transfer(ledger: Ledger) -> None:
-    ledger.register(1, "0_p", (0,), 0.0, group="p", expected=1)
-    ledger.register(2, "0_q", (1,), 0.0, group="q", expected=1)
-    assert frees(ledger.done("d0", 1, 1, 1.0)) == [(1, "transferred")]
-    assert ledger.state(2) == REGISTERED
-
-
-# ---------------------------------------------------------------------------
 # Block pool
 # ---------------------------------------------------------------------------
-
-
-def test_shared_blocks_are_refcounted(ledger: Ledger) -> None:
-    ledger.register(1, "a", (0, 1), 0.0, expected=1)
-    ledger.register(2, "b", (1, 2), 0.0, expected=1)
-    assert [ledger.pool.refcount(b) for b in (0, 1, 2)] == [1, 2, 1]
-    assert ledger.pool.held_count == 3
-    assert ledger.done("d0", 1, 1, 1.0) == [Free(1, "a", "transferred", (0, 1), (0,), 30.0)]
-    assert ledger.pool.refcount(1) == 1
-    assert not ledger.pool.is_free(1)
-    assert ledger.done("d0", 2, 1, 1.0) == [Free(2, "b", "transferred", (1, 2), (1, 2), 30.0)]
-    assert ledger.pool.held_count == 0
 
 
 def test_double_free_raises_in_strict_mode() -> None:
@@ -624,45 +157,6 @@ def test_held_plus_free_equals_capacity_after_every_operation(
 # ---------------------------------------------------------------------------
 
 
-def test_duplicate_register_same_handle_is_a_counted_rejection(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    before = (ledger.snapshot(), ledger.pool.held_count, ledger.pool.refcount(0))
-    effects = ledger.register(1, "other", (0, 1), 1.0)
-    assert len(effects) == 1 and isinstance(effects[0], Rejected)
-    assert (effects[0].reason, effects[0].handle) == ("duplicate_register", 1)
-    assert ledger.counters["duplicate_register"] == 1
-    assert (ledger.snapshot(), ledger.pool.held_count, ledger.pool.refcount(0)) == before
-    assert ledger.handle_of("other") is None
-
-
-def test_duplicate_live_request_id_is_a_counted_rejection(ledger: Ledger) -> None:
-    """sglang #40125: a duplicate client-supplied id crashed the scheduler."""
-    ledger.register(1, "dup", (0,), 0.0)
-    effects = ledger.register(2, "dup", (1,), 1.0)
-    assert [(e.reason, e.handle) for e in effects if isinstance(e, Rejected)] == [
-        ("duplicate_register", 2)]
-    assert ledger.state(2) == UNREGISTERED
-    assert ledger.handle_of("dup") == 1
-    assert ledger.pool.held_count == 1
-    assert ledger.counters["duplicate_register"] == 1
-
-
-def test_register_of_a_freed_handle_is_rejected(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    ledger.done("d0", 1, 1, 1.0)
-    effects = ledger.register(1, "req", (0,), 2.0)
-    assert [e.reason for e in effects if isinstance(e, Rejected)] == ["duplicate_register"]
-    assert ledger.state(1) == FREED
-    assert ledger.pool.held_count == 0
-
-
-def test_request_id_may_be_reused_after_free(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0, expected=1)
-    ledger.done("d0", 1, 1, 1.0)
-    assert ledger.register(2, "req", (0,), 2.0) == []
-    assert ledger.handle_of("req") == 2
-
-
 @pytest.mark.parametrize("blocks", [(64,), (-1,), (0, 0), (True,), (1.0,)])
 def test_invalid_block_ids_are_rejected(ledger: Ledger, blocks: tuple[Any, ...]) -> None:
     effects = ledger.register(1, "req", blocks, 0.0)
@@ -670,39 +164,6 @@ def test_invalid_block_ids_are_rejected(ledger: Ledger, blocks: tuple[Any, ...])
     assert ledger.counters["invalid_register"] == 1
     assert ledger.state(1) == UNREGISTERED
     assert ledger.pool.held_count == 0
-
-
-@pytest.mark.parametrize(("handle", "expected"), [(-1, 0), (1, -1), (1, 70000)])
-def test_invalid_handle_or_reader_count_is_rejected(ledger: Ledger, handle: int,
-                                                    expected: int) -> None:
-    effects = ledger.register(handle, "req", (0,), 0.0, expected=expected)
-    assert [e.reason for e in effects if isinstance(e, Rejected)] == ["invalid_register"]
-    assert ledger.pool.held_count == 0
-
-
-def test_time_going_backwards_is_clamped_and_counted(ledger: Ledger) -> None:
-    ledger.tick(10.0)
-    ledger.register(1, "req", (0,), 5.0)  # a stale clock reading
-    assert ledger.counters["clock_regression"] == 1
-    assert ledger.now == 10.0
-    assert ledger.deadline(1) == 40.0  # 10 + initial, not 5 + initial
-    ledger.heartbeat("d0", 1, (1,), 1, 3.0)
-    assert ledger.counters["clock_regression"] == 2
-    assert ledger.deadline(1) == 40.0
-    assert ledger.tick(39.0) == []
-
-
-def test_tombstone_cap_evicts_oldest_and_counts(make_ledger: LedgerFactory) -> None:
-    ledger = make_ledger(max_tombstones=2)
-    for h in (1, 2, 3):
-        ledger.register(h, f"r{h}", (h,), 0.0, expected=1)
-        ledger.done("d0", h, 1, 1.0)
-    assert ledger.tombstone_count == 2
-    assert ledger.counters["tombstone_evicted"] == 1
-    assert ledger.state(1) == UNREGISTERED  # forgotten
-    assert (ledger.state(2), ledger.state(3)) == (FREED, FREED)
-    ledger.done("d1", 3, 1, 2.0)
-    assert ledger.counters["stale"] == 1
 
 
 def test_next_deadline_is_the_earliest_lease_or_staging_age(make_ledger: LedgerFactory) -> None:
@@ -714,15 +175,6 @@ def test_next_deadline_is_the_earliest_lease_or_staging_age(make_ledger: LedgerF
     assert ledger.next_deadline() == 7.0
     ledger.tick(7.0)
     assert ledger.next_deadline() == 30.0
-
-
-def test_adapter_rejection_is_counted_and_changes_nothing(ledger: Ledger) -> None:
-    ledger.register(1, "req", (0,), 0.0)
-    before = ledger.snapshot()
-    assert ledger.reject("bad_magic", "d0", "b'XX'", 1.0) == [
-        Rejected("bad_magic", "d0", None, "b'XX'")]
-    assert ledger.counters["rejected:bad_magic"] == 1
-    assert ledger.snapshot() == before
 
 
 # ---------------------------------------------------------------------------

@@ -293,6 +293,75 @@ def test_layout_mismatch_fails_requests() -> None:
         p.close()
 
 
+@pytest.mark.parametrize("checked_by", ["P", "D"])
+def test_model_identity_mismatch_fails_requests_before_any_read(
+        checked_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P and D send different model identities (other weights): the handshake is refused
+    before any READ, counted on both sides, logged with the field that differed, and the
+    request fails with ``model_mismatch``. With ``checked_by="D"`` P skips its own check
+    (an older or lenient P): D's check of P's reply refuses it alike."""
+    if checked_by == "D":
+        import kvproto.nixl.driver_p as producer_mod  # P's handshake checks live there
+        from kvproto import wire
+
+        def no_identity(hs: object, role: str, layout: object, identity: object) -> None:
+            wire.check_peer(hs, role, layout, getattr(hs, "identity", None))  # type: ignore[arg-type]
+
+        monkeypatch.setattr(producer_mod, "check_peer", no_identity)
+    same = {"architecture": "LlamaForCausalLM", "dtype": "bfloat16"}
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=8, block_bytes=BB,
+                        identity={**same, "weights": "sha256:aaaa"})
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB,
+                        identity={**same, "weights": "sha256:bbbb"})
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        params = prefill(p, "mm", 1)
+        d.admit("mm", params)
+        d.schedule("mm")
+        comps = pump(p, [d], lambda: bool(d.counters.get("handshake_failed:model_mismatch")))
+        comps = pump(p, [d], lambda: bool(comps), sink=comps)
+        assert [(c.state, c.reason) for c in comps] == [("failed", "model_mismatch")]
+        assert d.counters.get("handshake_retry", 0) == 0  # final: never retried
+        assert d.counters.get("data_reads", 0) == 0 and d.counters.get("stamp_reads", 0) == 0
+        refused_by_p = 1 if checked_by == "P" else 0
+        assert p.counters.get("rejected:handshake_model_mismatch", 0) == refused_by_p
+        assert p.ledger.counters.get("rejected:handshake_model_mismatch", 0) == refused_by_p
+    finally:
+        d.close(1.0)
+        p.close()
+
+
+def test_model_identity_mismatch_is_logged_with_the_field(
+        caplog: pytest.LogCaptureFixture) -> None:
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=8, block_bytes=BB,
+                        identity={"weights": "sha256:aaaa", "dtype": "bfloat16"})
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB,
+                        identity={"weights": "sha256:bbbb", "dtype": "bfloat16"})
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        d.admit("lg", prefill(p, "lg", 1))
+        with caplog.at_level("WARNING", logger="kvproto.nixl"):
+            pump(p, [d], lambda: bool(d.counters.get("handshake_failed:model_mismatch")))
+        lines = [r.getMessage() for r in caplog.records if "model_mismatch" in r.getMessage()]
+        assert any("weights: P has 'sha256:aaaa', D has 'sha256:bbbb'" in m for m in lines), lines
+        assert not any("dtype" in m for m in lines)
+        # Same identity: the handshake passes.
+        d2 = ConsumerAdapter(uniq("D"), CFG, num_blocks=8, block_bytes=BB,
+                             identity=dict(p.identity))
+        try:
+            d2.add_engine(p.name, p.host, p.port)
+            d2.admit("ok", prefill(p, "ok", 1))
+            d2.schedule("ok")
+            comps = pump(p, [d2], lambda: bool(d2.counters.get("handshakes")))
+            comps = pump(p, [d2], lambda: bool(comps), sink=comps)
+            assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
+        finally:
+            d2.close(1.0)
+    finally:
+        d.close(1.0)
+        p.close()
+
+
 def test_fan_in_two_readers_and_siblings() -> None:
     p = ProducerAdapter(uniq("P"), CFG, num_blocks=32, block_bytes=BB)
     d0 = ConsumerAdapter(uniq("D0"), CFG, num_blocks=32, block_bytes=BB, tp_rank=0, tp_size=2)

@@ -1,9 +1,12 @@
 """Bad input reaching a real vLLM engine that runs KVProtoConnector: malformed
 ``kv_transfer_params`` from a client and params naming a P that does not answer are
-counted, logged rejections. The requests prefill locally (the output equals the same
-engine's plain output), the engine keeps serving, and nothing crashes.
+counted, logged rejections. Under ``kv_load_failure_policy`` "recompute" the requests
+prefill locally (the output equals the same engine's plain output); under "fail"
+(vLLM 0.32's default) they end with an error. The engines keep serving, and nothing
+crashes.
 
-One engine (about 20 s to start), in its own process, via ``kvproto.vllm.harness``.
+Two engines (one per policy, started together), each in its own process, via
+``kvproto.vllm.harness``.
 """
 
 from __future__ import annotations
@@ -26,18 +29,27 @@ PROMPTS = h.make_prompts(4, seed=21, lengths=[40, 64, 100, 7])
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[h.Engine]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, h.Engine]]:
     wd = tmp_path_factory.mktemp("vllm_bad")
     model = str(h.build_tiny_model(wd / "model").path)
-    cfg = dict(h.KVPROTO_CONNECTOR)
-    cfg["kv_connector_extra_config"] = {"handshake_timeout": 0.5, "handshake_attempts": 2}
-    spec = h.EngineSpec(name="BAD", model=model, kv_transfer_config=cfg,
-                        env=h.engine_env(), log_path=str(Path(wd) / "BAD.log"))
-    (e,) = h.start_engines([spec])
+    specs = []
+    for policy in ("recompute", "fail"):
+        cfg = {**h.KVPROTO_CONNECTOR, "kv_load_failure_policy": policy,
+               "kv_connector_extra_config": {"handshake_timeout": 0.5,
+                                             "handshake_attempts": 2}}
+        specs.append(h.EngineSpec(name=f"BAD-{policy}", model=model, kv_transfer_config=cfg,
+                                  env=h.engine_env(), log_path=str(Path(wd) / f"{policy}.log")))
+    started = h.start_engines(specs)
     try:
-        yield e
+        yield dict(zip(("recompute", "fail"), started, strict=True))
     finally:
-        e.close()
+        for e in started:
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def engine(engines: dict[str, h.Engine]) -> h.Engine:
+    return engines["recompute"]
 
 
 def _closed_port() -> int:
@@ -81,5 +93,29 @@ def test_malformed_and_unreachable_params_prefill_locally(engine: h.Engine) -> N
     assert delta("rejected_params") == 3, after  # two malformed, one mismatched
     assert delta("handshake_failures") >= 1, after  # a handshake is per P engine
     # and the engine still serves
+    again = engine.generate({"again": PROMPTS[0]}, max_tokens=6)
+    assert again["again"].tokens == plain["plain0"].tokens
+
+
+def test_fail_policy_fails_what_cannot_be_loaded(engines: dict[str, h.Engine]) -> None:
+    """kv_load_failure_policy "fail": the same bad params end each request with an error
+    (finish reason "error"), none is prefilled locally; plain requests still decode."""
+    engine = engines["fail"]
+    plain = engine.generate({f"plain{i}": p for i, p in enumerate(PROMPTS)}, max_tokens=6)
+    bad: dict[str, dict[str, Any]] = {
+        "no_mapping": {"do_remote_prefill": True},
+        "junk": {"do_remote_prefill": True, PARAMS_KEY: {"engine": 5, "blocks": "x"}},
+        "mismatch": _good_shape("p-c", _closed_port(), 999),
+        "nobody": _good_shape("p-d", _closed_port(), len(PROMPTS[3])),
+    }
+    prompts = dict(zip(bad, PROMPTS, strict=True))
+    for rid, p in prompts.items():
+        engine.submit(rid, p, max_tokens=6, kv_transfer_params=bad[rid])
+    out = engine.wait(prompts, 120)
+    for rid in prompts:
+        r = out[rid]
+        assert r.finish_reasons[:1] == ["error"] or r.error, (rid, r)
+        assert r.tokens == [], (rid, r)
+    assert engine.connector_stats().get("rejected_params", 0) >= 3
     again = engine.generate({"again": PROMPTS[0]}, max_tokens=6)
     assert again["again"].tokens == plain["plain0"].tokens

@@ -164,7 +164,7 @@ def test_bad_orders_and_layout_mismatch_end_cleanly() -> None:
     try:
         params = pr.prefill("x", [1], 4)
         pr.ds.new_request("x", params)
-        pr.pump(lambda: pr.ds.state("x") == "local")  # ended before a load: prefill locally
+        pr.pump(lambda: pr.ds.state("x") == "failed")  # ended before a load: prefill locally
         assert pr.ds.matched_tokens("x", 4, 0) == (0, False)
         assert pr.d.counters()["handshake_failures"] == 1
         # A load order for a request the worker never admitted completes at once, failed.
@@ -261,3 +261,347 @@ def test_shared_kvproto_metrics_registry() -> None:
         assert v("kvproto_frees_total", reason="expired") == 1
     finally:
         pr.close()
+
+
+def _connector_over(dw: _DWorker) -> Any:
+    """A KVProtoConnector whose worker side is ``dw`` (D only), without a vLLM config:
+    enough for the worker hooks that report to vLLM."""
+    from kvproto.vllm.connector import KVProtoConnector
+
+    c = object.__new__(KVProtoConnector)
+    c.pw, c.dw = None, dw
+    c._stamps, c._invalid, c._failed, c._ended = {}, set(), set(), []
+    return c
+
+
+def test_rejected_register_bumps_stamps_so_its_params_never_match() -> None:
+    """P's ledger rejects a register after the scheduler already handed D the params:
+    vLLM frees and reuses the blocks, and D's READ with those params must be fenced
+    (the rejected register bumped the stamps, and the mirror learned them)."""
+    from dataclasses import replace
+
+    pr = Pair()
+    try:
+        params = pr.prefill("rj", [4, 6], 8)
+        (order,) = pr.ps._orders
+        pr.ps._orders = [replace(order, expected=0x10000)]  # out of range: rejected
+        pr.step()
+        assert "rj" in pr.sent, "a rejected register returns the blocks to vLLM"
+        assert pr.p.adapter.counters.get("register_rejected") == 1
+        assert [pr.ps.mirror[b] for b in (4, 6)] == [1, 1]  # bumped, and reported
+        for t in pr.pk:  # vLLM reuses the blocks for another prompt
+            t[4].fill_(7.0)
+            t[6].fill_(7.0)
+        pr.ds.new_request("rj", params)
+        pr.step()
+        assert pr.ds.matched_tokens("rj", 8, 0) == (8, True)
+        pr.ds.allocated("rj", [1, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "rj" in pr.recv)
+        assert pr.invalid == {1, 2}, "D served blocks that P had already reused"
+        assert pr.d.counters()["reads_ok"] == 0
+        # Params minted after the bump snapshot the new stamps and pull normally.
+        params2 = pr.prefill("ok", [4, 6], 8)
+        pr.ds.new_request("ok", params2)
+        pr.step()
+        pr.ds.matched_tokens("ok", 8, 0)
+        pr.ds.allocated("ok", [3, 5], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "ok" in pr.recv and "ok" in pr.sent)
+        assert pr.invalid == {1, 2} and torch.equal(pr.dk[0][3], pr.pk[0][4])
+    finally:
+        pr.close()
+
+
+def test_load_with_no_local_blocks_is_reported_failed() -> None:
+    """vLLM parked a request for a load, but no block the READ could land in was
+    allocated: the load must be reported failed (failed_recving), so that vLLM never
+    computes on blocks nothing was written to."""
+    pr = Pair()
+    try:
+        params = pr.prefill("nb", [1, 2], 8)
+        pr.ds.new_request("nb", params)
+        pr.step()
+        assert pr.ds.matched_tokens("nb", 8, 0) == (8, True)
+        pr.ds.allocated("nb", [], local_prefix_blocks=0, num_external_tokens=8)
+        orders = pr.ds.drain()
+        assert [ld.local_blocks for ld in orders.loads] == [()]
+        pr.d.apply(orders)
+        c = _connector_over(pr.d)
+        res = c.get_transfer_results(set())
+        assert res.finished_recving == {"nb"} and res.failed_recving == {"nb"}
+        assert c.get_block_ids_with_load_errors() == set()  # nothing to name by block
+        # An ordinary fenced load is reported by request as well as by block.
+        pr.d.apply(Orders(loads=[LoadOrder("ghost", (3,))]))
+        res = c.get_transfer_results(set())
+        assert (res.finished_recving, res.failed_recving) == ({"ghost"}, {"ghost"})
+        assert c.get_block_ids_with_load_errors() == {3}
+    finally:
+        pr.close()
+
+
+def test_duplicate_detection_keys_on_the_epoch() -> None:
+    """Handles restart at 1 when P restarts (new epoch): the same (engine, handle) under
+    another epoch is another transfer and is admitted; the same triple twice (n>1
+    children sharing params) is pulled once: the scheduler sends the second one to a
+    local prefill, so the worker never admits it."""
+    import copy
+
+    pr = Pair()
+    try:
+        params = pr.prefill("a", [1], 4)
+        restarted = copy.deepcopy(params)
+        restarted["kvproto"]["epoch"] = params["kvproto"]["epoch"] + 1
+        pr.ds.new_request("a", params)
+        pr.ds.new_request("b", restarted)
+        pr.ds.new_request("c", copy.deepcopy(params))
+        pr.d.apply(pr.ds.drain())
+        assert set(pr.d.admitted) == {"a", "b"}
+        assert pr.ds.counters.get("shared_handle") == 1
+    finally:
+        pr.close()
+
+
+def _step_d(pr: Pair) -> None:
+    """One step of D's engine only (P's engine thread is busy elsewhere)."""
+    orders = pr.ds.drain()
+    pr.d.apply(orders)
+    pr.d.poll()
+    recv, inv, ended = pr.d.take()
+    pr.ds.on_failed(ended)
+    pr.recv |= recv
+    pr.invalid |= inv
+
+
+def test_handshake_answered_while_p_engine_thread_is_blocked() -> None:
+    """P's listener answers from its own thread: D's handshake completes while P's
+    engine thread runs no step at all (a long forward pass); the handshake takes effect
+    on P at its next step, and the transfer then goes through."""
+    from kvproto.lifecycle import PEER_READY
+
+    pr = Pair(handshake_timeout=0.5, handshake_attempts=2)
+    try:
+        params = pr.prefill("hs", [2, 3], 8)
+        pr.p.apply(Orders(registers=pr.ps.drain()))  # P's last step before it blocks
+        pr.ds.new_request("hs", params)
+        end = time.monotonic() + 15.0
+        engine = pr.p.adapter.name
+        while time.monotonic() < end:
+            _step_d(pr)
+            e = pr.d.adapter.engines.get(engine)
+            if e is not None and e.state == PEER_READY:
+                break
+            time.sleep(0.001)
+        e = pr.d.adapter.engines[engine]
+        assert e.state == PEER_READY, pr.d.adapter.counters
+        assert pr.d.counters()["handshake_failures"] == 0
+        assert pr.p.adapter.peers == {}  # nothing changed on P's state off its thread
+        pr.step()  # P's engine thread steps again: the handshake takes effect
+        assert set(pr.p.adapter.peers) == {pr.d.adapter.name}
+        assert pr.p.adapter.counters.get("handshakes") == 1
+        assert pr.ds.matched_tokens("hs", 8, 0) == (8, True)
+        pr.ds.allocated("hs", [6, 7], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "hs" in pr.recv and "hs" in pr.sent)
+        assert pr.invalid == set() and pr.p.adapter.ledger.frees["transferred"] == 1
+    finally:
+        pr.close()
+
+
+def test_release_decided_before_the_handshake_reaches_p() -> None:
+    """A client abort while the request is queued and params D refuses (a prompt that
+    P's blocks do not match), both decided before D's handshake with P completed: the
+    releases wait for the handshake and P frees both requests as released, not by
+    lease expiry. Under kv_load_failure_policy "fail" the refused request's load fails
+    at once (its blocks as load errors, the request as a failed receive)."""
+    import threading
+
+    pr = Pair()
+    pr.ds = DScheduler(block_size=4, load_failure_policy="fail")
+    server = pr.p.adapter.server
+    answer = server.handler
+    gate = threading.Event()
+
+    def slow(conn: int, payload: bytes, authed: bool) -> tuple[bytes, str]:
+        gate.wait(10.0)  # P's answer is late: D's handshake cannot complete before
+        return answer(conn, payload, authed)
+
+    server.handler = slow
+    try:
+        pa = pr.prefill("ab", [2, 3], 8)
+        pm = pr.prefill("mm", [4, 5], 8)
+        pr.p.apply(Orders(registers=pr.ps.drain()))
+        pr.ds.new_request("ab", pa)
+        pr.ds.new_request("mm", pm)
+        pr.ds.finished("ab")  # the client aborts while "ab" is queued
+        assert pr.ds.matched_tokens("mm", 9, 0) == (9, True)  # 9 tokens: not P's 8
+        pr.ds.allocated("mm", [8, 9, 10], local_prefix_blocks=0, num_external_tokens=9)
+        for _ in range(3):  # admits, the abort and the refusal, during the handshake
+            _step_d(pr)
+        assert pr.d.adapter.engines[pr.p.adapter.name].state == "handshaking"
+        assert pr.recv == {"mm"} and pr.invalid == {8, 9, 10}
+        assert pr.d.take_failed() == {"mm"}
+        gate.set()
+        pr.pump(lambda: {"ab", "mm"} <= pr.sent)
+        frees = pr.p.adapter.ledger.frees
+        assert frees.get("released") == 2 and not frees.get("expired"), frees
+        assert pr.p.adapter.check_invariants() == []
+    finally:
+        gate.set()
+        pr.close()
+
+
+def test_fail_policy_fails_a_request_ended_before_its_load() -> None:
+    """kv_load_failure_policy "fail": the handshake fails (D's cache has another layout),
+    so the request ends before any load; it is then failed through vLLM's load-failure
+    path (a failed receive and its blocks as load errors), never prefilled locally."""
+    pr = Pair(p_layers=2, d_layers=3)
+    pr.ds = DScheduler(block_size=4, load_failure_policy="fail")
+    try:
+        params = pr.prefill("x", [1], 4)
+        pr.ds.new_request("x", params)
+        pr.pump(lambda: pr.ds.state("x") == "failed")
+        assert pr.d.counters()["handshake_failures"] == 1
+        assert pr.ds.matched_tokens("x", 4, 0) == (4, True)
+        pr.ds.allocated("x", [6], local_prefix_blocks=0, num_external_tokens=4)
+        pr.step()
+        assert pr.recv == {"x"} and pr.invalid == {6}
+        assert pr.d.take_failed() == {"x"}
+        assert pr.d.counters()["reads_ok"] == 0
+    finally:
+        pr.close()
+
+
+def _two_free_ports() -> int:
+    """A port p such that p and p + 1 are free now."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = int(a.getsockname()[1])
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+                return p
+    raise AssertionError("no two consecutive free ports")
+
+
+def _vllm_config(dp_rank: int, extra: dict[str, Any]) -> Any:
+    from types import SimpleNamespace
+
+    ktc = SimpleNamespace(kv_connector_extra_config={"lease": LEASE, **extra},
+                          kv_role="kv_both", engine_id=f"dp-{os.getpid()}-{next(_ids)}",
+                          kv_load_failure_policy="fail")
+    return SimpleNamespace(kv_transfer_config=ktc,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                           data_parallel_index=dp_rank),
+                           cache_config=SimpleNamespace(block_size=4))
+
+
+def test_data_parallel_ranks_bind_port_plus_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two data-parallel ranks of one engine on one host, with a fixed handshake_port
+    and metrics_port: rank r binds port + r (both start; each advertises its own). The
+    model identity needs a whole VllmConfig (tests/test_vllm_identity.py covers it);
+    here it is a fixed map, as for an engine whose revision is pinned."""
+    from types import SimpleNamespace
+
+    from kvproto.vllm import identity
+
+    monkeypatch.setattr(identity, "model_identity",
+                        lambda *a, **k: {"weights": "pinned:test"})
+    from urllib.request import urlopen
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvproto.vllm.connector import KVProtoConnector
+
+    hp, mp = _two_free_ports(), _two_free_ports()
+    conns = []
+    try:
+        for rank in (0, 1):
+            c = KVProtoConnector(_vllm_config(rank, {"handshake_port": hp, "metrics_port": mp}),
+                                 KVConnectorRole.WORKER, SimpleNamespace(num_blocks=NB))
+            conns.append(c)
+            c.register_kv_caches({f"layer.{i}": t for i, t in enumerate(caches())})
+        ports = []
+        for c in conns:
+            md = c.get_handshake_metadata()
+            assert md is not None
+            ports.append(md.port)  # type: ignore[attr-defined]
+        assert ports == [hp, hp + 1]
+        for rank in (0, 1):
+            with urlopen(f"http://127.0.0.1:{mp + rank}/metrics", timeout=5) as r:
+                assert b"kvproto_" in r.read()
+    finally:
+        for c in conns:
+            c.shutdown()
+
+
+def test_held_blocks_never_stall_running_prefills(tmp_path: Any) -> None:
+    """vLLM 0.32's own scheduler with KVProtoConnector as P: two requests are held for D
+    (nobody reads them) and two long prompts prefill in chunks until the cache is full.
+    The scheduler preempts one of the two (vLLM's answer to a full cache) and the other
+    finishes its prefill; it does not wait for the held blocks, which only D's reads or
+    the lease's end would bring back (spec/VLLM.md, "Held blocks and preemption")."""
+    import torch as _torch
+    from vllm import EngineArgs, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvproto.vllm import harness as h
+    from kvproto.vllm.connector import KVProtoConnector, KVProtoHandshakeMetadata
+
+    model = h.build_tiny_model(tmp_path / "model")
+    bs, nb = 32, 12  # 11 usable blocks (vLLM keeps one as its null block)
+    cfg = EngineArgs(model=str(model.path), skip_tokenizer_init=True, enforce_eager=True,
+                     block_size=bs, max_model_len=1024, max_num_seqs=8,
+                     max_num_batched_tokens=64, long_prefill_token_threshold=bs,
+                     enable_prefix_caching=False, dtype="float32", seed=0,
+                     kv_transfer_config=KVTransferConfig(**h.KVPROTO_CONNECTOR)
+                     ).create_engine_config()
+    cfg.cache_config.num_gpu_blocks = nb
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=4, head_size=32, dtype=_torch.float32)
+    kcc = KVCacheConfig(num_blocks=nb, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+    s = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
+                  structured_output_manager=StructuredOutputManager(cfg), block_size=bs,
+                  log_stats=False)
+    conn = s.connector
+    assert isinstance(conn, KVProtoConnector) and conn.psched is not None
+    conn.set_xfer_handshake_metadata({0: KVProtoHandshakeMetadata(
+        engine="P", epoch=3, host="127.0.0.1", port=1)})
+
+    def add(rid: str, n: int, max_tokens: int, remote: bool) -> None:
+        extra = {"kv_transfer_params": {"do_remote_decode": True}} if remote else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        s.add_request(Request(rid, list(range(3, 3 + n)), sp, None, arrival_time=time.time()))
+
+    def step() -> dict[str, int]:
+        """One engine step; the model "samples" a token once a prompt is computed."""
+        so = s.schedule()
+        ids = list(so.num_scheduled_tokens)
+        done = [s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens
+                for r in ids]  # vLLM counts the scheduled tokens as computed already
+        s.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] if d else [] for d in done]))
+        return dict(so.num_scheduled_tokens)
+
+    add("H1", 2 * bs, 1, True)
+    add("H2", 2 * bs, 1, True)
+    for _ in range(4):
+        step()
+    assert set(conn.psched.held) == {"H1", "H2"}  # 4 blocks held for a D that never reads
+    add("A", 5 * bs, 16, False)
+    add("B", 5 * bs, 16, False)
+    steps = [step() for _ in range(8)]
+    assert all(steps), f"a step scheduled nothing: P stalled on held blocks {steps}"
+    assert sum(st.get("A", 0) for st in steps) > 5 * bs, steps  # prefilled, then decoded
+    assert s.requests["B"].num_preemptions == 1, steps
+    assert set(conn.psched.held) == {"H1", "H2"}  # nobody freed the held blocks meanwhile

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -163,10 +164,14 @@ def test_p_scheduler_handles_stamps_and_orders() -> None:
     assert set(ps.held) == {"r2"}
 
 
+def _remote(handle: int, num_tokens: int = 10) -> dict[str, Any]:
+    """D's params for one of P's requests (3 blocks of 4 tokens by default)."""
+    return encode_remote_params(replace(TP, handle=handle), "127.0.0.1", 4000, num_tokens)
+
+
 def test_d_scheduler_admit_load_abort() -> None:
     ds = DScheduler(block_size=4)
-    good = encode_remote_params(TP, "127.0.0.1", 4000, 10)  # 3 blocks of 4 tokens
-    ds.new_request("a", good)
+    ds.new_request("a", _remote(1))
     ds.new_request("bad", {"do_remote_prefill": True, PARAMS_KEY: {"engine": 1}})
     ds.new_request("plain", None)
     assert ds.counters == {"rejected_params": 1}
@@ -181,14 +186,88 @@ def test_d_scheduler_admit_load_abort() -> None:
     ds.finished("a")  # client abort while loading: the worker must answer it
     assert ds.drain().aborts == ["a"]
     # A prompt that does not match P's blocks, and a full local hit, go local and tell P.
-    ds.new_request("m", good)
-    ds.new_request("h", good)
+    ds.new_request("m", _remote(2))
+    ds.new_request("h", _remote(3))
     assert ds.matched_tokens("m", 11, 0) == (0, False)
     assert ds.matched_tokens("h", 10, 12) == (0, False)
     assert ds.drain().aborts == ["m", "h"]
     ds.finished("m")
     assert not ds.drain()  # already told P
     # Ended on the worker before any load: prefill locally.
-    ds.new_request("e", good)
+    ds.new_request("e", _remote(4))
     ds.on_failed(["e", "unknown"])
     assert ds.matched_tokens("e", 10, 0) == (0, False)
+
+
+def test_d_scheduler_one_request_pulls_a_handle() -> None:
+    """vLLM's n>1 children carry their parent's params: the first pulls, the others
+    prefill locally without an admit, under either policy (not a failure)."""
+    for policy in ("recompute", "fail"):
+        ds = DScheduler(block_size=4, load_failure_policy=policy)
+        ds.new_request("0_r", _remote(5))
+        ds.new_request("1_r", _remote(5))
+        assert [a.request_id for a in ds.drain().admits] == ["0_r"]
+        assert ds.state("1_r") == "local" and ds.counters == {"shared_handle": 1}
+        assert ds.matched_tokens("1_r", 10, 0) == (0, False)
+        ds.finished("1_r")
+        assert not ds.drain()
+        ds.finished("0_r")  # the handle is free again
+        assert ds.drain().aborts == ["0_r"]
+        ds.new_request("again", _remote(5))
+        assert [a.request_id for a in ds.drain().admits] == ["again"]
+
+
+def test_d_scheduler_fail_policy_fails_what_cannot_be_loaded() -> None:
+    """kv_load_failure_policy "fail": a request whose remote KV cannot be loaded (bad
+    params, a prompt P's blocks do not match, ended by the worker before a load) is
+    answered as an asynchronous load that fails at once (vLLM then ends it with an
+    error), never prefilled locally. A full local prefix hit is no failure."""
+    ds = DScheduler(block_size=4, load_failure_policy="fail")
+    ds.new_request("bad", {"do_remote_prefill": True, PARAMS_KEY: {"engine": 1}})
+    ds.new_request("m", _remote(1))
+    ds.new_request("e", _remote(2))
+    ds.new_request("h", _remote(3))
+    assert [a.request_id for a in ds.drain().admits] == ["m", "e", "h"]
+    ds.on_failed(["e"])  # e.g. the handshake with P failed, or the lease ran out
+    assert ds.matched_tokens("bad", 10, 0) == (10, True)
+    assert ds.matched_tokens("m", 11, 4) == (7, True)  # P holds 10 tokens, not 11
+    assert ds.matched_tokens("e", 10, 0) == (10, True)
+    assert ds.matched_tokens("h", 10, 12) == (0, False)  # all local already
+    assert ds.drain().aborts == ["m", "h"]  # told P (the worker releases)
+    ds.allocated("bad", [7, 8, 9], local_prefix_blocks=0, num_external_tokens=10)
+    ds.allocated("m", [3, 2], local_prefix_blocks=1, num_external_tokens=7)
+    ds.allocated("e", [1, 0, 6], local_prefix_blocks=0, num_external_tokens=10)
+    assert ds.drain().loads == [LoadOrder("bad", (7, 8, 9), fail=True),
+                                LoadOrder("m", (3, 2), fail=True),
+                                LoadOrder("e", (1, 0, 6), fail=True)]
+    assert {ds.state(r) for r in ("bad", "m", "e")} == {"loading"}
+    # A load whose allocation does not fit P's blocks fails too, naming every new block.
+    ds.new_request("x", _remote(4))
+    ds.drain()
+    assert ds.matched_tokens("x", 10, 0) == (10, True)
+    ds.allocated("x", [11], local_prefix_blocks=0, num_external_tokens=10)
+    assert ds.drain().loads == [LoadOrder("x", (11,), fail=True)]
+    # The same requests under "recompute" prefill locally.
+    dr = DScheduler(block_size=4, load_failure_policy="recompute")
+    dr.new_request("bad", {"do_remote_prefill": True, PARAMS_KEY: {"engine": 1}})
+    dr.new_request("m", _remote(1))
+    dr.new_request("e", _remote(2))
+    dr.on_failed(["e"])
+    assert [dr.matched_tokens(r, n, 0) for r, n in (("bad", 10), ("m", 11), ("e", 10))] \
+        == [(0, False)] * 3
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        DScheduler(block_size=4, load_failure_policy="retry")
+
+
+def test_options_for_data_parallel_ranks() -> None:
+    """Every data-parallel rank is an engine of its own on the same host: a fixed port
+    is port + rank, a journal gets the rank in its name; 0 (any free port) stays."""
+    o = opts(handshake_port=5600, metrics_port=9100, journal="/var/log/kv/P.jsonl")
+    assert o.for_dp_rank(0) is o
+    r2 = o.for_dp_rank(2)
+    assert (r2.handshake_port, r2.metrics_port, r2.journal) == (5602, 9102,
+                                                               "/var/log/kv/P.dp2.jsonl")
+    free = opts(metrics_port=0).for_dp_rank(3)
+    assert (free.handshake_port, free.metrics_port, free.journal) == (0, 0, None)
+    with pytest.raises(ValueError, match="handshake_port 65535"):
+        opts(handshake_port=65535).for_dp_rank(1)

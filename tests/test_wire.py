@@ -576,3 +576,63 @@ def test_handshake_agent_metadata_is_base64_in_json() -> None:
     d = handshake_dict()
     assert base64.b64decode(d["agent_metadata"]) == b"\x00meta\xff"
     assert d["kvproto"] == wire.HANDSHAKE_VERSION
+
+
+IDENT = {"weights": "sha256:aa", "dtype": "bfloat16", "num_layers": "2"}
+
+
+@settings(max_examples=60)
+@given(st.dictionaries(st.text(max_size=wire.MAX_IDENTITY_NAME),
+                       st.text(max_size=wire.MAX_IDENTITY_VALUE), min_size=1, max_size=5))
+def test_handshake_identity_round_trips(identity: dict[str, str]) -> None:
+    hs = Handshake("P0", 3, LAYOUT, b"m", "producer", {}, identity=identity)
+    assert wire.decode_handshake(hs.encode()) == hs
+
+
+@pytest.mark.parametrize("identity", [
+    [1, 2], "x", {"weights": 3}, {"weights": None}, {"w": "v" * (wire.MAX_IDENTITY_VALUE + 1)},
+    {"k" * (wire.MAX_IDENTITY_NAME + 1): "v"},
+    {f"f{i}": "v" for i in range(wire.MAX_IDENTITY_FIELDS + 1)},
+])
+def test_handshake_with_bad_identity_is_rejected(identity: Any) -> None:
+    assert decode_reason(handshake_dict(identity=identity)) == "malformed_handshake"
+
+
+def test_old_handshake_version_is_refused_with_a_clear_reason() -> None:
+    with pytest.raises(WireError) as info:
+        wire.decode_handshake(json.dumps(handshake_dict(kvproto=2)).encode())
+    assert info.value.reason == "version"
+    assert "predates the model identity" in info.value.detail
+
+
+def test_identity_mismatch_names_every_differing_field() -> None:
+    wire.check_identity(IDENT, dict(IDENT))  # equal: no exception
+    wire.check_identity(None, {})
+    other = {**IDENT, "weights": "sha256:bb", "extra": "x"}
+    del other["dtype"]
+    with pytest.raises(WireError) as info:
+        wire.check_identity(IDENT, other, "D", "P")
+    assert info.value.reason == "model_mismatch"
+    d = info.value.detail
+    assert "3 identity field(s) differ" in d
+    assert "weights: D has 'sha256:aa', P has 'sha256:bb'" in d
+    assert "dtype: D has 'bfloat16', P has nothing" in d
+    assert "extra: D has nothing, P has 'x'" in d
+    assert "num_layers" not in d
+    with pytest.raises(WireError):  # a side that sends no identity matches no side that does
+        wire.check_identity({}, IDENT)
+
+
+def test_check_peer_checks_role_layout_and_identity() -> None:
+    hs = Handshake("P0", 3, LAYOUT, b"m", "producer", {}, identity=IDENT)
+    wire.check_peer(hs, "producer", LAYOUT, IDENT)
+    for role, layout, ident, reason in [
+            ("consumer", LAYOUT, IDENT, "malformed_handshake"),
+            ("producer", Layout(1024, 32768, "bfloat16", 0, 2), IDENT, "layout_mismatch"),
+            ("producer", LAYOUT, {**IDENT, "weights": "revision:v2"}, "model_mismatch")]:
+        with pytest.raises(WireError) as info:
+            wire.check_peer(hs, role, layout, ident)
+        assert info.value.reason == reason
+    with pytest.raises(WireError) as info:
+        wire.check_peer(hs, "producer", LAYOUT, {**IDENT, "weights": "revision:v2"})
+    assert "weights: D has 'revision:v2', P has 'sha256:aa'" in info.value.detail

@@ -1,7 +1,10 @@
 """The handshake side channel: length-prefixed frames over non-blocking TCP on loopback.
 
-No threads: both ends are polled from the adapters' step loops, so nothing here can
-block an engine. A frame is ``length u32 | status u8 | payload``; status 0 carries a
+Both ends are non-blocking and polled from the adapters' step loops, so nothing here can
+block an engine; P's listener can instead run on a thread of its own (``threaded=True``),
+so that handshakes are answered while the engine thread is busy (a long forward pass):
+its handler then runs on that thread and must touch no state of the engine thread's
+(P's answers from data fixed at start-up and queues the rest). A frame is ``length u32 | status u8 | payload``; status 0 carries a
 ``wire.Handshake`` JSON payload, status 1 a JSON ``{"reason", "detail"}`` refusal. The
 connection stays open after the exchange: its close is how a crashed peer is noticed
 promptly on the same host (lease expiry and ack silence cover the rest).
@@ -27,8 +30,12 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +50,7 @@ ST_CHALLENGE = 2
 ST_AUTH = 3
 _STATUSES = (ST_OK, ST_REFUSED, ST_CHALLENGE, ST_AUTH)
 MAX_CONNS = 512
+SERVE_WAIT_S = 0.1  # the listener thread's longest sleep (request timeouts, stop)
 NONCE_BYTES = 16
 MAC_BYTES = 32
 SECRET_ENV = "KVPROTO_HANDSHAKE_SECRET"
@@ -119,18 +127,25 @@ class Server:
     """P's handshake listener. ``handler(conn_id, payload, authenticated) ->
     (reply_frame, peer_name)``; ``authenticated`` is True only when the request carried a
     valid MAC under ``secret``. ``is_open(conn_id)`` says whether that peer's connection
-    is still up."""
+    is still up.
+
+    With ``threaded`` a daemon thread serves the listener (``poll`` does nothing) and
+    calls ``handler`` and ``on_close`` on that thread; ``is_open`` and ``drop`` may be
+    called from any thread. Otherwise ``poll`` serves it on the caller's thread."""
 
     def __init__(self, handler: Handler, *,
                  host: str = "127.0.0.1", port: int = 0, request_timeout: float = 5.0,
                  on_close: Callable[[str], None] | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, threaded: bool = False) -> None:
         self.handler = handler
         self.on_close = on_close
         self.request_timeout = request_timeout
         self.secret = secret
         self._ids = itertools.count(1)
+        # Connection ids open now: written by the serving thread only; a membership test
+        # from another thread is one atomic set look-up.
         self._open: set[int] = set()
+        self._to_drop: deque[int] = deque()  # ids to close, from any thread (<= MAX_CONNS)
         self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind((host, port))
@@ -138,8 +153,73 @@ class Server:
         self.lsock.setblocking(False)
         self.host, self.port = self.lsock.getsockname()[:2]
         self.conns: dict[int, _Conn] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        if threaded:
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._thread = threading.Thread(target=self._serve_forever, daemon=True,
+                                            name=f"kvproto-handshake-{self.port}")
+            self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
 
     def poll(self, now: float) -> None:
+        """Serve pending connections once (nothing when the listener has its thread)."""
+        if self._thread is None:
+            self._serve(now)
+
+    def drop(self, cid: int) -> None:
+        """Close connection ``cid`` (the peer sees its handshake channel close): at once,
+        or by the listener thread when it has one."""
+        if cid in self._open:
+            self._to_drop.append(cid)
+            if self._thread is not None:
+                self._wake()
+            else:
+                self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        while self._to_drop:
+            cid = self._to_drop.popleft()
+            for fd, c in list(self.conns.items()):
+                if c.cid == cid:
+                    self._drop(fd, c)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # a full wake-up buffer already wakes the thread
+            pass
+
+    def _serve_forever(self) -> None:
+        while not self._stop.is_set():
+            p = select.poll()
+            p.register(self.lsock, select.POLLIN)
+            p.register(self._wake_r, select.POLLIN)
+            for fd, c in self.conns.items():
+                p.register(fd, select.POLLIN | (select.POLLOUT if c.outbuf else 0))
+            try:
+                p.poll(SERVE_WAIT_S * 1000)
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:  # pragma: no cover - the wake-up pair is gone: closing
+                return
+            if self._stop.is_set():
+                return
+            try:
+                self._serve(time.monotonic())
+            except Exception:  # a bug must not end the listener: logged, served on
+                log.exception("handshake listener failed; serving on")
+
+    def _serve(self, now: float) -> None:
+        if self._to_drop:
+            self._drop_queued()
         for _ in range(64):
             try:
                 s, _addr = self.lsock.accept()
@@ -232,6 +312,12 @@ class Server:
             self.on_close(c.peer)
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._wake()
+            self._thread.join(5.0)
+            self._wake_r.close()
+            self._wake_w.close()
         for fd, c in list(self.conns.items()):
             del self.conns[fd]
             c.sock.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,14 +52,15 @@ class ConsumerAdapter(DDriver):
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None,
+                 handshake_secret: bytes | None = None, identity: Mapping[str, str] | None = None,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (see ``KVRegion``) and so
         are the local blocks: ``schedule`` names the blocks each READ lands in.
         ``handshake_secret``: authenticate handshakes (and require P's reply to be
         authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``.
         ``sink`` receives every machine event and its effects (a D journal:
-        ``JournalWriter(..., reader=name).sink``). Prometheus (opt-in), as on P:
+        ``JournalWriter(..., reader=name).sink``). ``identity``: the model identity sent in
+        the handshake (``kvproto.vllm.identity``). Prometheus (opt-in), as on P:
         ``metrics`` shares a registry, ``metrics_port`` (0: any free port) serves it on
         127.0.0.1 and becomes the chosen port."""
         secret = handshake_secret if handshake_secret is not None else secret_from_env()
@@ -75,7 +76,7 @@ class ConsumerAdapter(DDriver):
                          handshake_timeout=handshake_timeout,
                          handshake_attempts=handshake_attempts, backoff=backoff,
                          peer_timeout=peer_timeout, fault_hook=fault_hook,
-                         phase_hook=phase_hook, metrics=metrics, sink=sink)
+                         phase_hook=phase_hook, metrics=metrics, identity=identity, sink=sink)
         self.handshake_secret = secret
         self._exporter: Exporter | None = None
         self.metrics_port: int | None = None

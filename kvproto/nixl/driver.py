@@ -74,6 +74,9 @@ class PTransport(Protocol):
     """What P's driver needs from the world."""
 
     metadata: bytes  # this agent's metadata, sent in P's handshake
+    # Handshakes are served on a thread of the transport's own: the handler and the
+    # closed callback then run on it and must touch no state of the engine thread's.
+    threaded: bool
 
     def layout(self) -> Layout:
         """The local KV cache's layout (checked against every D's)."""
@@ -88,7 +91,10 @@ class PTransport(Protocol):
         """Serve the handshake listener once (calls the handler); never blocks."""
 
     def conn_open(self, conn: int) -> bool:
-        """Whether a peer's handshake connection is still up."""
+        """Whether a peer's handshake connection is still up (from any thread)."""
+
+    def drop_conn(self, conn: int) -> None:
+        """Close a peer's handshake connection (it sees its channel close)."""
 
     def receive(self) -> list[tuple[str, bytes]]:
         """The notifications that arrived since the last call, in order, as (peer,

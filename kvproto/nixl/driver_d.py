@@ -14,8 +14,9 @@ Effects and what they become:
 * ``SendDone``       -> collected, and sent right after the stamps that verified them as
   one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
   hears ``done`` only after the data and the stamps landed;
-* ``SendRelease``/``SendHeartbeat`` -> encoded and sent (releases batched per step;
-  heartbeats chunked by the machine so that every message fits ``max_message_bytes``);
+* ``SendRelease``/``SendHeartbeat`` -> encoded and sent (releases batched per step, held
+  while their P engine's handshake runs: one handle per request, for a bounded time;
+  heartbeats chunked by the machine so that each fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed;
@@ -38,7 +39,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -71,7 +72,7 @@ from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
     WireError,
-    check_layouts,
+    check_peer,
     decode_handshake,
     encode_done_batch,
     encode_heartbeat,
@@ -102,6 +103,7 @@ _RETRY = frozenset((WAITING, HANDSHAKING, D_NEW))
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
+          "model_mismatch": "model_mismatch",
           "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
           "wrong_name": "handshake_wrong_peer", "unauthenticated": "handshake_unauthenticated"}
 
@@ -229,10 +231,13 @@ class DDriver:
                  handshake_attempts: int = 4, backoff: float = 0.1,
                  peer_timeout: float | None = None, fault_hook: OutHook | None = None,
                  phase_hook: PhaseHook | None = None, metrics: Metrics | None = None,
+                 identity: Mapping[str, str] | None = None,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
-        """``sink`` receives every machine event and its effects (a D journal:
-        ``JournalWriter(..., reader=name).sink``)."""
+        """``identity``: the model identity sent in the handshake (as on P: a P engine
+        whose identity differs is refused, ``model_mismatch``). ``sink`` receives every
+        machine event and its effects (a D journal: ``JournalWriter(..., reader=name).sink``)."""
         self.name = name
+        self.identity = dict(identity or {})
         if peer_timeout is not None:  # kept for callers: the machine reads the config
             config = replace(config, peer_timeout=peer_timeout)
         self.config = config.validate()
@@ -474,17 +479,18 @@ class DDriver:
         pending, self._releases = self._releases, {}
         for (engine, epoch, expected), handles in pending.items():
             e = self.engines.get(engine)
-            if e is None or e.state != PEER_READY:
-                continue  # nobody to tell: P frees on expiry
-            for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
-                self._send("release", engine, m)
+            if e is not None and e.state == PEER_HANDSHAKING:  # sent once it completes
+                self._releases[(engine, epoch, expected)] = handles
+            elif e is not None and e.state == PEER_READY:  # else nobody to tell: P expires
+                for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
+                    self._send("release", engine, m)
 
     # -- handshakes ----------------------------------------------------------------------
     def _payload(self) -> bytes:
         t = self.transport
         return Handshake(engine=self.name, epoch=0, layout=t.layout(),
                          agent_metadata=t.metadata, role="consumer", extra={},
-                         version=self.handshake_version).encode()
+                         version=self.handshake_version, identity=self.identity).encode()
 
     def _x_handshake(self, eff: StartHandshake, now: float) -> None:
         self._start_handshake(eff.engine, now)
@@ -531,11 +537,9 @@ class DDriver:
             return
         try:
             hs = decode_handshake(payload)
-            if hs.role != "producer":
-                raise WireError("malformed_handshake", f"role {hs.role!r}")
+            check_peer(hs, "producer", t.layout(), self.identity)  # role, layout, identity
             if hs.engine != e.name:
                 raise WireError("wrong_name", f"expected {e.name!r}, got {hs.engine!r}")
-            check_layouts(t.layout(), hs.layout)
         except WireError as ex:
             self._fail_handshake(e, now, _FINAL.get(ex.reason, "handshake_malformed"), ex.detail)
             return

@@ -13,12 +13,24 @@ one port (``kvproto.port.p_receive``). What it does with effects:
 Bad input (unknown peer, malformed bytes, wrong epoch or version, oversized) goes to
 ``Ledger.reject`` and never raises into the engine.
 
-Handshakes change nothing until the claim is checked (``on_handshake``): the agent name
-is read out of the peer's metadata and must be the claimed name before anything is
-loaded; a peer already known is replaced only when its old handshake connection has
-closed (a restarted D) or the new claim is authenticated; with a shared secret every
-handshake must be authenticated (the transport verifies the HMAC), else it is refused,
-counted, journaled (``reject handshake_<reason>``) and logged.
+Handshakes change nothing until the claim is checked (``on_handshake``): the role, the
+layout and the model identity (``wire.check_peer``), and the agent name read out of the
+peer's metadata, which must be the claimed name before anything is loaded; a peer
+already known is replaced only when its old handshake connection has closed (a restarted
+D) or the new claim is authenticated; with a shared secret every handshake must be
+authenticated (the transport verifies the HMAC), else it is refused, counted, journaled
+(``reject handshake_<reason>``) and logged.
+
+When the transport serves handshakes on a thread of its own (``PTransport.threaded``: it
+answers while the engine thread is busy in a long forward pass, which would otherwise
+outlast D's handshake budget), that thread runs only the checks that depend on the
+request and on data fixed at start-up (decoding, role, version, layout, identity,
+authentication, the agent name in the metadata), answers from P's handshake payload
+prepared at start-up, and queues the outcome; ``poll`` (the engine thread) then does
+everything that changes state: the peer table, the loaded peers, and the ledger's
+records of refusals. A claim refused only there (a live peer has the name, or the
+metadata cannot be loaded) has its connection closed, which D notices as a lost peer.
+The ledger and the driver's state are touched by the engine thread only.
 
 Standard library only (the transport holds the NIXL and torch parts).
 """
@@ -28,7 +40,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvproto.lifecycle import (
@@ -48,7 +61,7 @@ from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
     WireError,
-    check_layouts,
+    check_peer,
     decode_handshake,
     encode_ack,
 )
@@ -59,6 +72,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
+# Handshake outcomes the listener thread may queue for the engine thread; beyond it a
+# handshake is refused as "busy" (D retries) and a closed channel goes uncounted.
+MAX_HANDSHAKE_QUEUE = 4096
 
 Clock = Callable[[], float]
 # Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
@@ -78,11 +94,15 @@ class PDriver:
                  fault_hook: InHook | None = None, strict_pool: bool = True,
                  observer: EffectObserver | None = None, metrics: Metrics | None = None,
                  handshake_secret: bytes | None = None,
+                 identity: Mapping[str, str] | None = None,
                  ledger_cls: type[Ledger] = Ledger) -> None:
         """``handshake_secret``: when set, every handshake must be authenticated (the
-        transport verifies the MAC and says so). ``ledger_cls``: the machine (a subclass
-        in tests: a mutant, or one observed by the fuzzer's oracle)."""
+        transport verifies the MAC and says so). ``identity``: the model identity
+        (``kvproto.vllm.identity``) sent in the handshake; a D whose identity differs in
+        any field is refused (``model_mismatch``). ``ledger_cls``: the machine (a
+        subclass in tests: a mutant, or one observed by the fuzzer's oracle)."""
         self.name = name
+        self.identity = dict(identity or {})
         self.config = config.validate()
         self.clock = clock
         self.epoch = epoch if epoch is not None else random.SystemRandom().randrange(1, 1 << 31)
@@ -101,7 +121,16 @@ class PDriver:
         if self.metrics is not None:
             pool, ledger = self.pool, self.ledger
             self.metrics.track_holdings(lambda: pool.held_count, lambda: ledger.held_requests)
-        transport.attach(self.on_handshake, self._on_channel_closed)
+        # Listener thread -> engine thread: (conn, accepted handshake | None, authed,
+        # (reason, peer, detail) of a refusal | None); a closed channel is (-1, None,
+        # False, ("", peer, "")). At most MAX_HANDSHAKE_QUEUE entries; poll empties it.
+        self._hs_queue: deque[tuple[int, Handshake | None, bool,
+                                    tuple[str, str, str] | None]] = deque()
+        self._hs_ok = self.handshake_payload().encode()  # fixed at start-up
+        if transport.threaded:
+            transport.attach(self._answer_handshake, self._queue_channel_closed)
+        else:
+            transport.attach(self.on_handshake, self._on_channel_closed)
 
     # -- helpers ---------------------------------------------------------------------
     def _now(self) -> float:
@@ -123,7 +152,7 @@ class PDriver:
         t = self.transport
         return Handshake(engine=self.name, epoch=self.epoch, layout=t.layout(),
                          agent_metadata=t.metadata, role="producer", extra=t.extra(),
-                         version=self.handshake_version)
+                         version=self.handshake_version, identity=self.identity)
 
     def stamps(self, blocks: Sequence[int]) -> tuple[int, ...]:
         """The generation stamps ``blocks`` carry now (what D's READ must find)."""
@@ -164,12 +193,24 @@ class PDriver:
         rejected = any(isinstance(e, Rejected) for e in effects)
         if not rejected:  # the ledger's hold replaces the engine's pins
             self.pool.unpin([b for b in blocks if self.pool.pinned(b)])
+        else:
+            # The engine may reuse these blocks now, and transfer params for them may
+            # already exist (an engine's scheduler snapshots stamps before the register
+            # reaches the ledger): bump their stamps so that no such params ever match.
+            cap = self.pool.capacity
+            self.fence([b for b in blocks if isinstance(b, int) and 0 <= b < cap])
         if rejected or any(isinstance(e, Free) for e in effects):
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.initial_lease,
                               expected=max(1, expected), group=group, generations=gens)
+
+    def fence(self, blocks: Sequence[int]) -> None:
+        """Bump the generation stamps of ``blocks``: every READ whose params carry the old
+        stamps fails its stamp check from now on (fail closed)."""
+        if blocks:
+            self.transport.bump(blocks)
 
     def abort(self, request_id: str) -> None:
         now = self._now()
@@ -188,6 +229,10 @@ class PDriver:
             self._count("notif_poll_error")
             log.warning("receiving notifications failed: %s", type(e).__name__)
             notifs = []
+        if self._hs_queue:
+            # After fetching the messages: a D that sent one had its handshake answered,
+            # so its handshake is in the queue by now and is applied before its message.
+            self._apply_handshakes(now)
         hook = self.fault_hook
         for peer, m in notifs:
             for m2 in (hook(peer, m) if hook is not None else (m,)):
@@ -261,37 +306,84 @@ class PDriver:
     def _refuse(self, reason: str, peer: str, detail: str, now: float) -> Refuse:
         """Refuse a handshake: counted, journaled (``handshake_<reason>``), logged."""
         self._count("handshake_refused")
+        if reason == "unauthenticated":
+            self._count("handshake_unauthenticated")
         self.execute(self.ledger.reject("handshake_" + reason, peer[:64], detail, now), now)
         log.warning("handshake refused (%s) from %r: %s", reason, peer[:64], detail)
         return Refuse(reason, detail)
 
-    def on_handshake(self, conn: int, payload: bytes, authed: bool = False) -> Accept | Refuse:
-        """Check the claim completely before changing any state: nothing is loaded or
-        unloaded for a handshake that is malformed, unauthenticated (when a secret is
-        set), names another agent in its metadata than it claims, or claims the name of
-        a live peer without proof."""
-        now = self._now()
+    def _check_handshake(self, payload: bytes, authed: bool
+                         ) -> Handshake | tuple[str, str, str]:
+        """The checks that depend only on the request and on data fixed at start-up
+        (safe on the listener thread): the handshake, or a refusal (reason, claimed
+        peer, detail). Nothing is loaded for a handshake that is malformed,
+        unauthenticated (when a secret is set) or names another agent in its metadata
+        than it claims."""
         t = self.transport
         try:
             hs = decode_handshake(payload)
-            if hs.role != "consumer":
-                raise WireError("malformed_handshake", f"role {hs.role!r}, expected consumer")
             if self.handshake_version != HANDSHAKE_VERSION:  # test hook
                 raise WireError("version", f"this side speaks {self.handshake_version}")
-            check_layouts(t.layout(), hs.layout)
+            check_peer(hs, "consumer", t.layout(), self.identity)  # role, layout, identity
         except WireError as e:
-            return self._refuse(e.reason, "", e.detail, now)
+            return e.reason, "", e.detail
         if self.handshake_secret is not None and not authed:
-            self._count("handshake_unauthenticated")
-            return self._refuse("unauthenticated", hs.engine,
-                                "no valid HMAC under the shared secret", now)
+            return "unauthenticated", hs.engine, "no valid HMAC under the shared secret"
         md_name = t.metadata_name(hs.agent_metadata)
         if md_name is None:
-            return self._refuse("metadata", hs.engine, "agent metadata of an unknown shape",
-                                now)
+            return "metadata", hs.engine, "agent metadata of an unknown shape"
         if md_name != hs.engine:
-            return self._refuse("wrong_name", hs.engine, f"metadata names {md_name[:64]!r}",
-                                now)
+            return "wrong_name", hs.engine, f"metadata names {md_name[:64]!r}"
+        return hs
+
+    def on_handshake(self, conn: int, payload: bytes, authed: bool = False) -> Accept | Refuse:
+        """The handshake handler on the engine thread: check the claim completely before
+        changing any state."""
+        now = self._now()
+        hs = self._check_handshake(payload, authed)
+        if isinstance(hs, tuple):
+            return self._refuse(*hs, now)
+        refused = self._accept_handshake(conn, hs, authed, now)
+        if refused is not None:
+            return refused
+        return Accept(self._hs_ok, hs.engine)
+
+    def _answer_handshake(self, conn: int, payload: bytes, authed: bool = False
+                          ) -> Accept | Refuse:
+        """The handshake handler on the listener's own thread: check, answer from the
+        payload fixed at start-up, and queue the rest for the engine thread (``poll``)."""
+        if len(self._hs_queue) >= MAX_HANDSHAKE_QUEUE:
+            return Refuse("busy", "too many handshakes queued; retry")
+        hs = self._check_handshake(payload, authed)
+        if isinstance(hs, tuple):
+            self._hs_queue.append((conn, None, authed, hs))
+            return Refuse(hs[0], hs[2])
+        self._hs_queue.append((conn, hs, authed, None))
+        return Accept(self._hs_ok, hs.engine)
+
+    def _queue_channel_closed(self, peer: str) -> None:
+        if len(self._hs_queue) < MAX_HANDSHAKE_QUEUE:
+            self._hs_queue.append((-1, None, False, ("", peer, "")))
+
+    def _apply_handshakes(self, now: float) -> None:
+        """Engine thread: apply what the listener thread answered and saw."""
+        q = self._hs_queue
+        while q:
+            conn, hs, authed, refused = q.popleft()
+            if refused is not None:
+                if conn < 0:
+                    self._on_channel_closed(refused[1])
+                else:
+                    self._refuse(*refused, now)
+            elif hs is not None and self._accept_handshake(conn, hs, authed, now) is not None:
+                self.transport.drop_conn(conn)  # answered "ok" already: D sees it close
+
+    def _accept_handshake(self, conn: int, hs: Handshake, authed: bool, now: float
+                          ) -> Refuse | None:
+        """Load a checked claim (engine thread): None when accepted, else the refusal.
+        A peer already known is replaced only when its old handshake connection has
+        closed (a restarted D) or the new claim is authenticated."""
+        t = self.transport
         old = self.peers.get(hs.engine)
         if old is not None and old.agent_metadata == hs.agent_metadata:
             # A retry of the same peer: nothing to reload. The live connection stays the
@@ -327,7 +419,7 @@ class PDriver:
         self._count("handshakes")
         log.info("handshake with %s (epoch %d) ok%s", hs.engine, hs.epoch,
                  " (authenticated)" if authed else "")
-        return Accept(self.handshake_payload().encode(), hs.engine)
+        return None
 
     def _on_channel_closed(self, peer: str) -> None:
         # Informational only: P never frees on a peer's disappearance; leases do.

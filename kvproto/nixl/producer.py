@@ -5,21 +5,30 @@ It owns P's agent, the registered KV cache and its generation stamps, the block
 allocator and the handshake listener; what it does with each effect, and how it checks
 handshakes, is the driver's (see there). With a shared secret (``handshake_secret=``, or
 the ``KVPROTO_HANDSHAKE_SECRET`` environment variable) every handshake must carry a valid
-HMAC (``kvproto.nixl.channel``), else it is refused, counted and logged.
+HMAC (``kvproto.nixl.channel``), else it is refused, counted and logged. With
+``handshake_thread`` the listener runs on a thread of its own and answers while the
+engine thread is busy (the driver's docstring says what runs where).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvproto.lifecycle import Config, Effect, Event
 from kvproto.nixl.channel import Server, secret_from_env
-from kvproto.nixl.driver_p import TIME_DECIMALS, Clock, EffectObserver, InHook, PDriver
+from kvproto.nixl.driver_p import (
+    MAX_HANDSHAKE_QUEUE,
+    TIME_DECIMALS,
+    Clock,
+    EffectObserver,
+    InHook,
+    PDriver,
+)
 from kvproto.nixl.transport import NixlPTransport
 
 if TYPE_CHECKING:
@@ -27,7 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIME_DECIMALS", "Clock", "EffectObserver", "InHook", "ProducerAdapter"]
+__all__ = ["MAX_HANDSHAKE_QUEUE", "TIME_DECIMALS", "Clock", "EffectObserver", "InHook",
+           "ProducerAdapter"]
 
 
 class ProducerAdapter(PDriver):
@@ -44,20 +54,26 @@ class ProducerAdapter(PDriver):
                  progress_thread: bool = False, metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None,
+                 identity: Mapping[str, str] | None = None,
+                 handshake_thread: bool = False) -> None:
         """With ``kv_tensors`` the KV cache is the engine's own (registered in place, see
         ``KVRegion``) and so is the block allocator: reclaimed blocks get their stamps
         bumped, and the engine learns of each ``Free`` through ``observer`` (called after
         the bump) instead of this adapter's free list.
         ``handshake_secret``: require authenticated handshakes (HMAC-SHA256 under this
         shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none.
+        ``identity``: the model identity (``kvproto.vllm.identity``) sent in the handshake;
+        a D whose identity differs in any field is refused (``model_mismatch``).
+        ``handshake_thread``: serve the handshake listener from a thread of its own.
         Prometheus (opt-in): pass ``metrics`` to share a registry, ``metrics_port`` (0:
         any free port) to serve it on 127.0.0.1; ``metrics_port`` is then the chosen one."""
         secret = handshake_secret if handshake_secret is not None else secret_from_env()
         transport = NixlPTransport(name, num_blocks=num_blocks, block_bytes=block_bytes,
                                    device=device, tp_rank=tp_rank, tp_size=tp_size, host=host,
                                    port=port, progress_thread=progress_thread,
-                                   kv_tensors=kv_tensors, handshake_secret=secret)
+                                   kv_tensors=kv_tensors, handshake_secret=secret,
+                                   threaded=handshake_thread)
         if metrics_port is not None and metrics is None:
             from kvproto.metrics import Metrics
 
@@ -65,7 +81,7 @@ class ProducerAdapter(PDriver):
         super().__init__(name, config, transport, num_blocks=num_blocks, epoch=epoch,
                          clock=clock, sink=sink, fault_hook=fault_hook,
                          strict_pool=strict_pool, observer=observer, metrics=metrics,
-                         handshake_secret=secret)
+                         handshake_secret=secret, identity=identity)
         self.external_allocator = bool(kv_tensors)
         self.host = transport.host
         self.port = transport.port

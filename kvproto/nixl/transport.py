@@ -61,7 +61,9 @@ class NixlPTransport:
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  progress_thread: bool = False,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None, threaded: bool = False) -> None:
+        """``threaded``: serve the handshake listener from a thread of its own (see
+        ``PTransport.threaded``)."""
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
@@ -69,10 +71,11 @@ class NixlPTransport:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.metadata: bytes = self.agent.get_agent_metadata()
+        self.threaded = threaded
         self._handler: HandshakeHandler | None = None
         self._on_closed: Callable[[str], None] | None = None
         self.server = Server(self._handle, host=host, port=port, on_close=self._closed,
-                             secret=handshake_secret)
+                             secret=handshake_secret, threaded=threaded)
         self.host = self.server.host
         self.port = self.server.port
         self._closed_down = False
@@ -105,6 +108,9 @@ class NixlPTransport:
 
     def conn_open(self, conn: int) -> bool:
         return self.server.is_open(conn)
+
+    def drop_conn(self, conn: int) -> None:
+        self.server.drop(conn)
 
     def metadata_name(self, metadata: bytes) -> str | None:
         return metadata_agent_name(metadata)

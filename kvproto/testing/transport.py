@@ -395,6 +395,8 @@ class FuzzWorld(World):
 class SimPTransport:
     """P's transport over the world (``PTransport``)."""
 
+    threaded = False
+
     def __init__(self, world: World, name: str, capacity: int) -> None:
         self.world = world
         self.name = name
@@ -419,6 +421,9 @@ class SimPTransport:
 
     def conn_open(self, conn: int) -> bool:
         return conn in self.world.conns
+
+    def drop_conn(self, conn: int) -> None:
+        self.world.conns.pop(conn, None)
 
     def receive(self) -> list[tuple[str, bytes]]:
         return self.world.inbox.pop(self.name, [])

@@ -44,6 +44,12 @@ P (prefill engine)
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
     the worker (``kv_connector_no_forward``), which polls the adapter (handshakes,
     notifications, acks, expiry ticks).
+  * The handshake listener answers from a thread of its own, so a long forward pass does
+    not outlast D's handshake budget; the handshakes take effect on the engine thread at
+    its next poll (``ProducerAdapter(handshake_thread=True)``).
+  * ``has_pending_block_frees`` is false: held blocks come back at D's pace (a read or
+    the lease's end), so vLLM preempts a running request rather than wait for them.
+  * Data-parallel rank r binds a fixed ``handshake_port``/``metrics_port`` as port + r.
 
 Why P is fail-closed. Claim: if D's stamp READ (posted after its data READ completed)
 returns the generations of the transfer params, the data D read is the data the request
@@ -62,7 +68,7 @@ epoch differs from the one P's handshake announced.
 
 D (decode engine)
   * ``on_new_request`` validates the client's ``kv_transfer_params`` (bad ones are a
-    counted, logged rejection: the request prefills locally) and orders an admit; the
+    counted, logged rejection) and orders an admit; the
     worker's ``Consumer`` admits it on the next step, so heartbeats start while the
     request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
     per P engine), so one dead P never delays another.
@@ -71,18 +77,30 @@ D (decode engine)
     of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
-  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also
-    reports the request's local blocks from ``get_block_ids_with_load_errors``; with
-    ``kv_load_failure_policy="recompute"`` (vLLM's default) vLLM recomputes them, with
-    "fail" the request fails with an error. The bad data is never computed on.
-  * Requests the machine ends before a load (lease lost while queued, handshake failed,
-    P lost) are reported as worker metadata; ``get_num_new_matched_tokens`` then answers
-    0 and vLLM prefills locally. P dead: the handshake fails, the channel closes or acks
-    stop, so every request ends within the handshake/lease bounds.
+  * Every ordered load ends in ``finished_recving``. A failed or fenced READ also names
+    the request in ``failed_recving`` and its local blocks in
+    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
+    recomputes it, with "fail" (vLLM 0.32's default) the request fails with an error.
+    The bad data is never computed on.
+  * Requests whose KV cannot be loaded before any load order (params rejected, P's
+    tokens not the prompt's, or ended by the machine: lease lost while queued, handshake
+    failed, P lost; the worker reports those as metadata) follow the same policy: under
+    "recompute" ``get_num_new_matched_tokens`` answers 0 and vLLM prefills locally;
+    under "fail" it answers an asynchronous load that fails at once. P dead: the
+    handshake fails, the channel closes or acks stop, so every request ends within the
+    handshake/lease bounds.
   * A client abort (``request_finished`` on D) orders an abort: release when no READ is
-    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``).
-  * D's n>1 children carry the same params (one handle): the first pulls, the others are
-    ended before a load and prefill locally (or hit D's prefix cache).
+    in flight, otherwise after it (vLLM keeps the blocks until ``finished_recving``). A
+    release decided while D's handshake with P still runs is sent once it completes.
+  * D's n>1 children carry the same params (one handle): the first pulls, the others
+    prefill locally (or hit D's prefix cache), under either policy.
+
+Model identity: ``register_kv_caches`` (after vLLM loaded the weights) computes this
+worker's identity once (``kvproto.vllm.identity``: architecture, configuration, weights
+fingerprint or ``model_revision``, dtype, KV geometry and layout, cache groups, parallel
+layout, speculative decoding, versions); P's and D's adapters send it in the handshake and
+refuse a peer whose identity differs in any field before any READ (``model_mismatch``,
+counted and logged with the fields). Its requests then end like any failed handshake.
 
 Bounds: every per-request structure (scheduler and worker) holds only requests vLLM itself
 holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
@@ -108,6 +126,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -192,8 +211,8 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 # ---------------------------------------------------------------------------
 
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
-# recomputed_blocks, handshake_failures, rejected_params, rejected_messages, reads_ok,
-# reads_failed, stale_stamp_snapshots.
+# recomputed_blocks, handshake_failures, model_mismatches, rejected_params,
+# rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
 
 
 @dataclass
@@ -245,6 +264,8 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
         "fenced_reads": ("kvproto:fenced_reads", "D: READs whose stamps changed (never served)"),
         "recomputed_blocks": ("kvproto:recomputed_blocks", "D: blocks reported as load errors"),
         "handshake_failures": ("kvproto:handshake_failures", "D: handshakes that failed"),
+        "model_mismatches": ("kvproto:model_mismatches",
+                             "handshakes refused: the peer's model identity differs"),
         "rejected": ("kvproto:rejected", "bad input rejected (params, messages)"),
     }
 
@@ -286,7 +307,8 @@ class _PWorker:
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, port: int, metrics: Metrics | None = None) -> None:
+                 num_blocks: int, port: int, metrics: Metrics | None = None,
+                 identity: dict[str, str] | None = None) -> None:
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -305,7 +327,7 @@ class _PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics)
+            metrics=metrics, identity=identity, handshake_thread=True)
         self._gen = self.adapter.region.gen
 
     def _observe(self, e: Effect, now: float) -> None:
@@ -326,9 +348,14 @@ class _PWorker:
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
                             handle=o.handle)
             if a.ledger.state(o.handle) == UNREGISTERED:
-                # Rejected: the ledger holds nothing, so vLLM may free the blocks now.
+                # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
+                # adapter bumped their stamps (D may already hold params for them); the
+                # mirror learns the new stamps before vLLM frees the blocks.
                 a._count("register_rejected")
                 log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
+                valid = [b for b in o.blocks if 0 <= b < len(self._gen)]
+                for b, g in zip(valid, self._gen[valid].tolist(), strict=True):
+                    self.stamps[b] = int(g)
                 self.finished_sending.add(o.request_id)
                 continue
             self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
@@ -356,6 +383,7 @@ class _PWorker:
         ac = self.adapter.counters
         c["handshake_failures"] = float(ac.get("handshake_refused", 0)
                                         + ac.get("handshake_metadata_error", 0))
+        c["model_mismatches"] = float(ac.get("rejected:handshake_model_mismatch", 0))
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
         return c
@@ -370,10 +398,13 @@ class _DWorker:
     """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, metrics: Metrics | None = None) -> None:
+                 num_blocks: int, metrics: Metrics | None = None,
+                 identity: dict[str, str] | None = None, fail: bool = False) -> None:
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
+        self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
+            else "prefilling locally"
         hook = None
         if opts.test_read_stall_s > 0:
             stall = opts.test_read_stall_s
@@ -395,16 +426,19 @@ class _DWorker:
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
-            metrics=metrics, sink=self.writer.sink if self.writer is not None else None)
+            metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
+            identity=identity)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
-        # Admitted and not finished: request id -> (P engine, handle), and those keys.
-        self.admitted: dict[str, tuple[str, int]] = {}
-        self.handles: set[tuple[str, int]] = set()
+        # Admitted and not finished: request id -> (P engine, epoch, handle), and those
+        # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
+        self.admitted: dict[str, tuple[str, int, int]] = {}
+        self.handles: set[tuple[str, int, int]] = set()
         self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
         self.ended_before_load = 0
         self.finished_recving: set[str] = set()
+        self.failed: set[str] = set()  # of finished_recving: the loads that failed
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0}
@@ -412,7 +446,7 @@ class _DWorker:
     def apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
-            key = (ad.params.engine, ad.params.handle)
+            key = (ad.params.engine, ad.params.epoch, ad.params.handle)
             if ad.request_id in self.admitted or key in self.handles:
                 # The same handle twice (e.g. D's n>1 children share P's params): one
                 # pulls, the others prefill locally.
@@ -424,7 +458,7 @@ class _DWorker:
             a.admit(ad.request_id, ad.params)
         for ld in orders.loads:
             rid = ld.request_id
-            if rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
+            if ld.fail or rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
                 self.ended.pop(rid, None)
                 a.abort(rid)  # releases to P if the machine still holds it
                 a.free_local(rid)
@@ -466,6 +500,9 @@ class _DWorker:
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
+                if c.reason != "aborted":
+                    log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
+                                c.request_id, c.state, c.reason, self.outcome)
                 self._ended(c.request_id)
                 continue
             self._complete(c.request_id, local, ok=c.state == D_DONE and c.reason == "pulled")
@@ -479,6 +516,7 @@ class _DWorker:
         if ok:
             self.stats["reads_ok"] += 1
         else:
+            self.failed.add(rid)
             self.stats["reads_failed"] += 1
             self.stats["recomputed_blocks"] += len(local)
             self.invalid.update(local)
@@ -489,6 +527,11 @@ class _DWorker:
         er, self.ended_report = self.ended_report, []
         return fr, inv, er
 
+    def take_failed(self) -> set[str]:
+        """The failed loads among the requests ``take`` reported (taken together)."""
+        out, self.failed = self.failed, set()
+        return out
+
     def counters(self) -> dict[str, float]:
         c = dict(self.stats)
         ac = self.adapter.counters
@@ -498,6 +541,7 @@ class _DWorker:
         c["peer_lost"] = float(ac.get("peer_lost", 0))
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
+        c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))
         for k, n in ac.items():
             if k.startswith("rejected:"):
                 c["rejected_" + k[9:]] = c.get("rejected_" + k[9:], 0.0) + n
@@ -522,8 +566,13 @@ class KVProtoConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
         ktc = vllm_config.kv_transfer_config
-        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role)
-        tp = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        # Each data-parallel rank is an engine of its own: fixed ports become port + rank.
+        self.dp_rank = int(getattr(pc, "data_parallel_index", 0) or 0)
+        self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role
+                                           ).for_dp_rank(self.dp_rank)
+        self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+        tp = pc.tensor_parallel_size
         if tp != 1:
             raise ValueError(f"kvproto: tensor_parallel_size {tp} is not supported by this "
                              "version of KVProtoConnector (use 1)")
@@ -540,14 +589,16 @@ class KVProtoConnector(KVConnectorBase_V1):
         # Worker: this step's outputs, handed to vLLM by the hooks below.
         self._stamps: dict[int, int] = {}
         self._invalid: set[int] = set()
+        self._failed: set[str] = set()
         self._ended: list[str] = []
         if role == KVConnectorRole.SCHEDULER:
             if self.opts.producer:
                 self.psched = PScheduler(self.opts, self.num_blocks)
             if self.opts.consumer:
-                self.dsched = DScheduler(self.block_size)
-        log.info("kvproto connector (%s, %s) for engine %s", role.name.lower(), self.opts.role,
-                 self.engine_id)
+                self.dsched = DScheduler(self.block_size, self.load_failure_policy)
+        log.info("kvproto connector (%s, %s) for engine %s, data-parallel rank %d, "
+                 "kv_load_failure_policy %s", role.name.lower(), self.opts.role,
+                 self.engine_id, self.dp_rank, self.load_failure_policy)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -564,15 +615,36 @@ class KVProtoConnector(KVConnectorBase_V1):
             from kvproto.metrics import Metrics, serve
 
             metrics = Metrics(labels={"engine": self.engine_id})
+        identity = self._identity(tensors, num_blocks)
         if self.opts.producer:
             self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
-                               self.opts.handshake_port, metrics)
+                               self.opts.handshake_port, metrics, identity)
         if self.opts.consumer:
             self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
-                               metrics)
+                               metrics, identity, fail=self.load_failure_policy == "fail")
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
+
+    def _identity(self, tensors: list[torch.Tensor], num_blocks: int) -> dict[str, str]:
+        """This worker's model identity, computed once here: register_kv_caches runs after
+        vLLM loaded the weights, so the fingerprint is of the files this engine loaded (a
+        checkpoint replaced in place afterwards does not change it)."""
+        from kvproto.vllm.identity import FingerprintError, model_identity
+
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no distributed state (a bare worker): one rank
+            rank = 0
+        try:
+            ident = model_identity(self._vllm_config, self._kv_cache_config, tensors,
+                                   num_blocks, tp_rank=rank, pinned=self.opts.model_revision)
+        except FingerprintError as e:
+            raise ValueError(f"kvproto: cannot identify the model's weights ({e})") from None
+        log.info("kvproto: model identity %s", ident)
+        return ident
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.pw is None:
@@ -615,9 +687,19 @@ class KVProtoConnector(KVConnectorBase_V1):
             self.dw.poll()
             r, inv, ended = self.dw.take()
             self._invalid |= inv
+            self._failed |= self.dw.take_failed()
             self._ended += ended
             recving = r or None
         return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` plus the failed loads by request: vLLM then recomputes them
+        from scratch or fails them (``kv_load_failure_policy``), whatever their blocks."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -750,4 +832,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self.psched is not None and self.psched.held)
+        # False: a held request's blocks come back when D pulls them or the lease ends,
+        # at D's pace, not soon; waiting for them would stall P's running prefills for up
+        # to a lease, where preempting one (vLLM's answer to a full cache) lets the others
+        # go on. Preemption never touches held blocks: held requests are finished.
+        return False

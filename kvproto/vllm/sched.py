@@ -18,7 +18,8 @@ import logging
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import PurePath
 from typing import Any
 
 from kvproto.lifecycle import Config, ConfigError, TransferParams
@@ -40,7 +41,7 @@ EXTRA_KEYS: dict[str, str] = {
     "lease": "lifecycle Config fields (initial_lease, lease_extension, heartbeat_interval, "
              "abort_grace, max_delay, max_read_time, clock_drift, ...), seconds",
     "handshake_host": "address P's handshake listener binds and advertises (127.0.0.1)",
-    "handshake_port": "P's handshake port (0: ephemeral; rank r uses port + r)",
+    "handshake_port": "P's handshake port (0: ephemeral; data-parallel rank r uses port + r)",
     "expected_readers": "decode ranks that pull each request from one P rank (1)",
     "journal": "path of P's event journal (JSON lines, `kvproto validate`); none by default",
     "journal_flush_every": "journal lines per flush (1)",
@@ -48,9 +49,13 @@ EXTRA_KEYS: dict[str, str] = {
     "handshake_attempts": "D: attempts before a handshake fails (4)",
     "group_siblings": "P: register vLLM's n>1 children as one sibling group (true)",
     "metrics_port": "serve kvproto's own Prometheus metrics (kvproto.metrics, P and D) on "
-                    "127.0.0.1:<port> from the worker (0: any free port; default: off)",
+                    "127.0.0.1:<port> from the worker (0: any free port; data-parallel rank "
+                    "r uses port + r; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
+    "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
+                      "the start-up fingerprint of the weight files in the handshake's model "
+                      "identity (default: fingerprint)",
     "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
                          "the stamp READ (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
@@ -74,6 +79,7 @@ class ConnectorOptions:
     group_siblings: bool = True
     progress_thread: bool = True
     metrics_port: int | None = None
+    model_revision: str | None = None
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
 
@@ -122,6 +128,11 @@ class ConnectorOptions:
         prog = extra.get("progress_thread", True)
         if not isinstance(prog, bool):
             raise ValueError(f"kvproto: progress_thread must be true or false, got {prog!r}")
+        revision = extra.get("model_revision")
+        if revision is not None and (not isinstance(revision, str) or not revision
+                                     or len(revision) > MAX_NAME):
+            raise ValueError(f"kvproto: model_revision must be a non-empty string of at most "
+                             f"{MAX_NAME} characters, got {str(revision)[:40]!r}")
         return cls(role=role, config=config, handshake_host=host,
                    handshake_port=num("handshake_port", 0, 0, 65535, True),
                    expected_readers=num("expected_readers", 1, 1, 0xFFFF, True),
@@ -132,8 +143,34 @@ class ConnectorOptions:
                    group_siblings=group, progress_thread=prog,
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
+                   model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
+
+    def for_dp_rank(self, rank: int) -> ConnectorOptions:
+        """The options of data-parallel rank ``rank``: every rank is its own engine with
+        its own worker on the same host, so a fixed port becomes port + rank (0 stays 0,
+        any free port) and a journal path gains ``.dp<rank>`` before its suffix (rank 0
+        keeps the given names). Raise ValueError with one line when a port overflows."""
+        if rank == 0:
+            return self
+
+        def shifted(key: str, v: int | None) -> int | None:
+            if not v:
+                return v
+            if v + rank > 65535:
+                raise ValueError(f"kvproto: {key} {v} + data-parallel rank {rank} exceeds "
+                                 "65535")
+            return v + rank
+
+        handshake_port = shifted("handshake_port", self.handshake_port)
+        assert handshake_port is not None
+        journal = self.journal
+        if journal is not None:
+            j = PurePath(journal)
+            journal = str(j.with_name(f"{j.stem}.dp{rank}{j.suffix}"))
+        return replace(self, handshake_port=handshake_port,
+                       metrics_port=shifted("metrics_port", self.metrics_port), journal=journal)
 
 
 class ParamsError(ValueError):
@@ -256,10 +293,12 @@ class AdmitOrder:
 
 @dataclass(frozen=True)
 class LoadOrder:
-    """D: READ the request's KV into ``local_blocks`` (vLLM allocated them)."""
+    """D: READ the request's KV into ``local_blocks`` (vLLM allocated them); with
+    ``fail`` the load fails at once (its remote KV is lost: policy "fail")."""
 
     request_id: str
     local_blocks: tuple[int, ...]
+    fail: bool = False
 
 
 @dataclass
@@ -357,15 +396,33 @@ class PScheduler:
 # D request states on the scheduler side.
 S_ADMITTED = "admitted"  # admit order sent; no blocks yet
 S_LOADING = "loading"  # load order sent; vLLM waits for finished_recving
-S_LOCAL = "local"  # nothing to pull (failed before a load, or a local prefix hit)
+S_LOCAL = "local"  # nothing to pull (a full local prefix hit, or a duplicate of P's handle)
+S_FAILED = "failed"  # P's KV cannot be loaded; policy "fail": a load that fails at once
+
+LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy values
 
 
 class DScheduler:
-    """D's scheduler side: which requests pull remote KV, and the orders for the worker."""
+    """D's scheduler side: which requests pull remote KV, and the orders for the worker.
 
-    def __init__(self, block_size: int) -> None:
+    ``load_failure_policy`` is vLLM's ``kv_load_failure_policy``. A request whose remote
+    KV cannot be loaded (params rejected, P's prompt length differs, or the worker's
+    machine ended it before a load: handshake failed, lease lost, P lost) prefills
+    locally under "recompute"; under "fail" it is answered as an asynchronous load that
+    fails at once, so that vLLM ends it with an error (the connector names its blocks
+    as load errors and the request as a failed receive). A full local prefix hit and a
+    second request carrying a handle already in use (vLLM's n>1 children share their
+    parent's params) are not failures: they prefill locally under either policy."""
+
+    def __init__(self, block_size: int, load_failure_policy: str = "recompute") -> None:
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kvproto: kv_load_failure_policy must be one of "
+                             f"{LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
         self.block_size = block_size
-        self.reqs: dict[str, tuple[str, RemoteParams]] = {}
+        self.fail = load_failure_policy == "fail"
+        self.reqs: dict[str, tuple[str, RemoteParams | None]] = {}
+        # (P engine, epoch, handle) -> the request pulling it (one per handle; bounded by reqs)
+        self.pulling: dict[tuple[str, int, int], str] = {}
         self._orders = Orders()
         self.counters: dict[str, int] = {}
 
@@ -380,38 +437,56 @@ class DScheduler:
         """vLLM's on_new_request: admit at once, so heartbeats start while queued."""
         if not isinstance(kv_params, Mapping) or not kv_params.get("do_remote_prefill"):
             return
+        if request_id in self.reqs:
+            self._count("duplicate_request")
+            return
         try:
             rp = parse_remote_params(kv_params)
         except ParamsError as e:
             self._count("rejected_params")
-            log.warning("kvproto: request %s: rejected kv_transfer_params (%s); "
-                        "prefilling locally", request_id, e)
+            log.warning("kvproto: request %s: rejected kv_transfer_params (%s); %s",
+                        request_id, e, self._outcome())
+            if self.fail:
+                self.reqs[request_id] = (S_FAILED, None)
             return
-        if request_id in self.reqs:
-            self._count("duplicate_request")
+        # The epoch belongs to the key: a restarted P mints handles from 1 again.
+        key = (rp.params.engine, rp.params.epoch, rp.params.handle)
+        if key in self.pulling:  # another request pulls this handle: prefill locally
+            self._count("shared_handle")
+            self.reqs[request_id] = (S_LOCAL, rp)
             return
+        self.pulling[key] = request_id
         self.reqs[request_id] = (S_ADMITTED, rp)
         self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port))
+
+    def _outcome(self) -> str:
+        return "failing it (kv_load_failure_policy fail)" if self.fail \
+            else "prefilling locally"
 
     def matched_tokens(self, request_id: str, num_prompt_tokens: int, num_computed: int
                        ) -> tuple[int, bool]:
         """vLLM's get_num_new_matched_tokens: (tokens to load, asynchronously)."""
         r = self.reqs.get(request_id)
-        if r is None or r[0] != S_ADMITTED:
+        if r is None:
+            return 0, False
+        count = num_prompt_tokens - num_computed
+        if r[0] == S_FAILED:
+            return (count, True) if self.fail and count > 0 else (0, False)
+        if r[0] != S_ADMITTED:
             return 0, False
         rp = r[1]
+        assert rp is not None
         nb = len(rp.params.blocks)
         if rp.num_tokens != num_prompt_tokens or \
                 nb != (num_prompt_tokens + self.block_size - 1) // self.block_size:
             self._count("rejected_params")
             log.warning("kvproto: request %s: P holds %d tokens in %d blocks, the prompt has "
-                        "%d tokens (block size %d); prefilling locally", request_id,
-                        rp.num_tokens, nb, num_prompt_tokens, self.block_size)
-            self._to_local(request_id)
-            return 0, False
-        count = num_prompt_tokens - num_computed
+                        "%d tokens (block size %d); %s", request_id, rp.num_tokens, nb,
+                        num_prompt_tokens, self.block_size, self._outcome())
+            self._give_up(request_id, S_FAILED)
+            return (count, True) if self.fail and count > 0 else (0, False)
         if count <= 0:  # everything is local already (prefix cache): tell P
-            self._to_local(request_id)
+            self._give_up(request_id, S_LOCAL)
             return 0, False
         return count, True
 
@@ -420,42 +495,59 @@ class DScheduler:
         """vLLM's update_state_after_alloc: ``unhashed_blocks`` are the new blocks (the
         READ lands there), ``local_prefix_blocks`` the ones D's prefix cache supplied."""
         r = self.reqs.get(request_id)
-        if r is None or r[0] != S_ADMITTED:
+        if r is None:
+            return
+        if r[0] == S_FAILED and self.fail and num_external_tokens > 0:
+            # A load that fails at once: its blocks are reported as load errors.
+            self.reqs[request_id] = (S_LOADING, r[1])
+            self._orders.loads.append(LoadOrder(request_id, tuple(unhashed_blocks), fail=True))
+            return
+        if r[0] != S_ADMITTED:
             return
         if num_external_tokens <= 0:
-            self._to_local(request_id)
+            self._give_up(request_id, S_LOCAL)
             return
-        nb = len(r[1].params.blocks)
-        need = nb - local_prefix_blocks
+        rp = r[1]
+        assert rp is not None
+        need = len(rp.params.blocks) - local_prefix_blocks
+        self.reqs[request_id] = (S_LOADING, rp)
         if not 0 < need <= len(unhashed_blocks):
             # vLLM parks the request for a load anyway: order one that fails at once.
             self._count("alloc_mismatch")
             log.error("kvproto: request %s: %d new blocks allocated, %d needed",
                       request_id, len(unhashed_blocks), need)
-        local = tuple(unhashed_blocks[:need]) if 0 < need <= len(unhashed_blocks) else ()
-        self.reqs[request_id] = (S_LOADING, r[1])
-        self._orders.loads.append(LoadOrder(request_id, local))
+            self._orders.loads.append(LoadOrder(request_id, tuple(unhashed_blocks), fail=True))
+            return
+        self._orders.loads.append(LoadOrder(request_id, tuple(unhashed_blocks[:need])))
 
-    def _to_local(self, request_id: str) -> None:
+    def _give_up(self, request_id: str, state: str) -> None:
+        """An admitted request will not pull: tell the worker (it releases to P)."""
         r = self.reqs.get(request_id)
         if r is not None and r[0] == S_ADMITTED:
-            self.reqs[request_id] = (S_LOCAL, r[1])
+            self.reqs[request_id] = (state, r[1])
             self._orders.aborts.append(request_id)
 
     def finished(self, request_id: str) -> None:
         """vLLM's request_finished on D (done, or aborted by the client)."""
         r = self.reqs.pop(request_id, None)
-        if r is not None and r[0] in (S_ADMITTED, S_LOADING):
+        if r is None:
+            return
+        rp = r[1]
+        if rp is not None:
+            key = (rp.params.engine, rp.params.epoch, rp.params.handle)
+            if self.pulling.get(key) == request_id:
+                del self.pulling[key]
+        if r[0] in (S_ADMITTED, S_LOADING):
             # Loading: the worker answers finished_recving once no READ is in flight.
             self._orders.aborts.append(request_id)
 
     def on_failed(self, request_ids: list[str]) -> None:
-        """The worker's machine ended these requests before any load order: they will
-        prefill locally (get_num_new_matched_tokens returns 0)."""
+        """The worker's machine ended these requests before any load order: they prefill
+        locally (policy "recompute") or fail (policy "fail")."""
         for rid in request_ids:
             r = self.reqs.get(rid)
             if r is not None and r[0] == S_ADMITTED:
-                self.reqs[rid] = (S_LOCAL, r[1])
+                self.reqs[rid] = (S_FAILED, r[1])
 
     def drain(self) -> Orders:
         out, self._orders = self._orders, Orders()
