@@ -668,6 +668,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The next ``n`` messages sent (by anyone) are lost."""
         self.sim.net.drop_next = n
 
+    @precondition(lambda self: self.sim.busy())
+    @rule(n=st.integers(min_value=1, max_value=3))
+    def slow_burst(self, n: int) -> None:
+        """The next ``n`` READ transfers posted (by any rank) land late, past
+        max_read_time: a stalled link."""
+        self.sim.world.slow_next = n
+
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)
     def drop_params(self, i: int) -> None:

@@ -367,7 +367,9 @@ class FuzzNetwork(Network):
 class FuzzWorld(World):
     """Nothing random: a handshake waits for the fuzzer's answer (``decide``), and a READ
     lands when the fuzzer says or at its bound (``read_bound``; ``late_bound`` once the
-    fuzzer made it late)."""
+    fuzzer made it late: ``slow``, or while ``slow_next`` is positive when it is posted)."""
+
+    slow_next: int = 0
 
     def start_handshake(self, rank: str, payload: bytes) -> None:
         self.attempts[rank] = HsAttempt(rank, payload, math.inf, self._next())
@@ -384,6 +386,9 @@ class FuzzWorld(World):
         x = SimXfer(rank, tuple(local), tuple(remote), stamps, self.now,
                     self.now + self.read_bound(), seq=self._next())
         self.xfers.append(x)
+        if self.slow_next > 0:
+            self.slow_next -= 1
+            self.slow(x)
         return x
 
     def slow(self, x: SimXfer) -> None:
