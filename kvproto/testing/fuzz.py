@@ -13,8 +13,8 @@ and by ``kvproto fuzz``:
   machines. The timing assumptions are enforced, not sampled: a message not delivered,
   dropped or duplicated by ``sent + max_delay`` is delivered then, a READ transfer lands
   by its bound (a data and a stamp transfer fit ``max_read_time``) unless the fuzzer
-  made it late (``slow_read``: outside the assumption, where only the stamps protect
-  the data), and so do transfer params (``max_delay`` after hand-out) and lagging P
+  made it late (``slow_read``, ``slow_burst``: outside the assumption, where only the
+  stamps protect the data), and so do transfer params (``max_delay`` after hand-out) and lagging P
   registrations. The engine overwrites every freed block at once. NoFreeUnderRead is
   checked twice: a free of blocks under a READ started less than ``max_read_time`` ago,
   and a READ that D starts within its lease on blocks freed since P handed them out;
