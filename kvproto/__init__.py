@@ -9,6 +9,9 @@ The public API is the sans-I/O core, which needs only the standard library:
   :class:`StartHandshake` ... :class:`Finished`;
 * :class:`Config` (validated; :class:`ConfigError`), :class:`TransferParams` (what P hands
   D), the transition tables ``P_TABLE`` and ``D_TABLE``;
+* the errors: :class:`KVProtoError`, with :class:`UsageError` (the caller's mistake,
+  raised) and :class:`RemoteInputError` (a peer's bad input, counted and journaled,
+  never raised out of a machine or port) below it;
 * the one intake for remote bytes on each side (:mod:`kvproto.port`), the wire format
   (:mod:`kvproto.wire`) and the journal writer (:class:`JournalWriter`).
 
@@ -19,6 +22,7 @@ Adapters live in :mod:`kvproto.nixl` and :mod:`kvproto.vllm` (extras), verificat
 
 from __future__ import annotations
 
+from kvproto.errors import KVProtoError, RemoteInputError, UsageError
 from kvproto.journal import JournalError, JournalWriter
 from kvproto.lifecycle import (
     D_TABLE,
@@ -48,6 +52,7 @@ from kvproto.lifecycle import (
     HandshakeOk,
     Heartbeat,
     Ledger,
+    MissingRow,
     PeerLost,
     PostRead,
     ReadFailed,
@@ -96,7 +101,9 @@ __all__ = [
     "Heartbeat",
     "JournalError",
     "JournalWriter",
+    "KVProtoError",
     "Ledger",
+    "MissingRow",
     "PeerLost",
     "PostRead",
     "ReadFailed",
@@ -105,6 +112,7 @@ __all__ = [
     "Reject",
     "Rejected",
     "Release",
+    "RemoteInputError",
     "Schedule",
     "SendDone",
     "SendHeartbeat",
@@ -113,5 +121,6 @@ __all__ = [
     "TableError",
     "Tick",
     "TransferParams",
+    "UsageError",
     "WireError",
 ]

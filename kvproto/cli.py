@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from kvproto.errors import KVProtoError
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -46,6 +48,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvproto.bench.transfer", "raw NIXL READs vs the kvproto-managed path"),
     "wire": ("kvproto.bench.wire", "wire decode/encode vs the ledger's handling, same run"),
     "vllm": ("kvproto.bench.vllm", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
+    "idle": ("kvproto.bench.idle", "real vLLM P holding blocks: CPU per idle second, "
+             "idle wait on vs off"),
     "fingerprint": ("kvproto.bench.fingerprint",
                     "model weights fingerprint at start-up vs reading the files once"),
 }
@@ -95,7 +99,7 @@ EXTRA_OF: dict[str, str] = {
 }
 
 
-class MissingExtra(ImportError):
+class MissingExtra(KVProtoError, ImportError):
     """A command needs a module that one of kvproto's extras installs."""
 
 

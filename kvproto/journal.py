@@ -1,13 +1,18 @@
 """The event journal (flight recorder) of both machines: writer and defensive reader.
 
 Format (spec/PROTOCOL.md, "Journal"): JSON Lines. Line 1 is a header
-``{"kvproto_journal": 1, "config": {...}, "capacity": N, "meta": {...}}`` for P's ledger,
-or ``{"kvproto_journal": 1, "side": "D", "reader": "d0", "config": {...}, "meta": {...}}``
+``{"kvproto_journal": 2, "config": {...}, "capacity": N, "meta": {...}}`` for P's ledger,
+or ``{"kvproto_journal": 2, "side": "D", "reader": "d0", "config": {...}, "meta": {...}}``
 for one D rank's ``Consumer``; every further line is one input event of that machine and
 the effects it produced::
 
     {"n": 7, "event": {"type": "done", "reader": "d0", "handle": 3, "expected": 2,
-     "now": 12.5}, "effects": [{"type": "free", "handle": 3, ...}]}
+     "now": 12500}, "effects": [{"type": "free", "handle": 3, ...}]}
+
+Times (``now``, a free's ``deadline``, an ack's ``term``, the params' ``initial_term``)
+are integer milliseconds, as the machines see them; the header's config keeps the user's
+seconds. Version 1 journals (times in float seconds) are still read: each time is turned
+into milliseconds at read time, and must be a whole number of them.
 
 ``kvproto replay`` (:mod:`kvproto.verify.replay`) feeds the events to a fresh machine of
 the journal's side and compares effects line by line.
@@ -29,6 +34,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any, Final
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle import (
     MAX_POOL_BLOCKS,
     Abort,
@@ -67,11 +73,17 @@ from kvproto.lifecycle import (
     StartHandshake,
     Tick,
     TransferParams,
+    is_whole_ms,
+    to_ms,
 )
 
 log = logging.getLogger(__name__)
 
-JOURNAL_VERSION: Final = 1
+JOURNAL_VERSION: Final = 2  # written; READ_VERSIONS are read
+READ_VERSIONS: Final = (1, 2)  # 1: times in float seconds, 2: in integer milliseconds
+# Version 1 time fields, turned into milliseconds when read: of events and effects, and
+# of the transfer params an admit carries.
+_V1_TIMES: Final = ("now", "term", "deadline")
 MAX_LINE_BYTES: Final = 16 << 20  # a heartbeat of a 1 MiB message is about 8 MiB of JSON
 MAX_JSON_DEPTH: Final = 8  # the format needs 4 (line, effects list, effect, blocks list)
 MAX_CAPACITY: Final = MAX_POOL_BLOCKS  # blocks in the header (BlockPool's own cap)
@@ -97,7 +109,7 @@ _TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPE
 SIDES: Final = ("P", "D")
 
 
-class JournalError(ValueError):
+class JournalError(UsageError, ValueError):
     """A journal line that cannot be read. ``line`` is 1-based."""
 
     def __init__(self, line: int, msg: str) -> None:
@@ -141,7 +153,7 @@ def _check_type(name: str, v: Any, annotation: str) -> Any:
             v = TransferParams.from_dict(v) if isinstance(v, dict) else None
         except (KeyError, TypeError, ValueError):
             v = None
-        ok = v is not None and all(math.isfinite(x) for x in (v.initial_term,))
+        ok = v is not None
     elif annotation == "tuple[int, ...]":
         ok = isinstance(v, list) and all(is_int(x) for x in v)
         v = tuple(v) if ok else v
@@ -171,11 +183,15 @@ def _from_json(d: Any, table: dict[str, type], what: str) -> Any:
     return cls(**kwargs)
 
 
-def event_from_json(d: Any) -> Event:
+def _check_now(d: Any) -> None:
     if isinstance(d, dict) and "now" in d:
         now = d["now"]
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            raise ValueError(f"event time must be a finite number, got {now!r}")
+        if isinstance(now, bool) or not isinstance(now, int):
+            raise ValueError(f"event time must be an int of milliseconds, got {now!r}")
+
+
+def event_from_json(d: Any) -> Event:
+    _check_now(d)
     ev: Event = _from_json(d, _EVENT_TYPES, "event")
     return ev
 
@@ -186,10 +202,7 @@ def effect_from_json(d: Any) -> Effect:
 
 
 def d_event_from_json(d: Any) -> DEvent:
-    if isinstance(d, dict) and "now" in d:
-        now = d["now"]
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            raise ValueError(f"event time must be a finite number, got {now!r}")
+    _check_now(d)
     ev: DEvent = _from_json(d, _D_EVENT_TYPES, "event")
     return ev
 
@@ -346,8 +359,10 @@ def read_journal_objects(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[b
     except StopIteration:
         raise JournalError(1, "empty journal (no header line)") from None
     header = parse_line(first, 1, "header is ")
-    if not isinstance(header, dict) or header.get("kvproto_journal") != JOURNAL_VERSION:
-        raise JournalError(1, f"not a kvproto journal (version {JOURNAL_VERSION}) header")
+    version = header.get("kvproto_journal") if isinstance(header, dict) else None
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        raise JournalError(1, "not a kvproto journal header (version "
+                              f"{' or '.join(map(str, READ_VERSIONS))})")
 
     def body() -> Iterator[tuple[int, dict[str, Any]]]:
         for lineno, raw in enumerate(it, start=2):
@@ -356,9 +371,37 @@ def read_journal_objects(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[b
             d = parse_line(raw, lineno)
             if not isinstance(d, dict) or "event" not in d:
                 raise JournalError(lineno, "line must be an object with an 'event'")
+            if version == 1:
+                _v1_to_ms(lineno, d)
             yield lineno, d
 
     return header, body()
+
+
+def _v1_ms(lineno: int, what: str, v: Any) -> Any:
+    """A version 1 time (float seconds) as integer milliseconds; a value that is not a
+    number is left for the field check to report."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
+    if not math.isfinite(v) or not is_whole_ms(v):
+        raise JournalError(lineno, f"version 1 {what} {v!r} s is not a whole number of "
+                                   "milliseconds (times are read as integer milliseconds)")
+    return to_ms(v)
+
+
+def _v1_to_ms(lineno: int, d: dict[str, Any]) -> None:
+    """Turn a version 1 line's times (seconds) into version 2's (milliseconds), in place."""
+    objs = [d["event"], *(d.get("effects") or [])] if isinstance(d.get("effects", []), list) \
+        else [d["event"]]
+    for o in objs:
+        if not isinstance(o, dict):
+            continue
+        for k in _V1_TIMES:
+            if k in o:
+                o[k] = _v1_ms(lineno, f"{o.get('type')} {k}", o[k])
+        p = o.get("params")
+        if isinstance(p, dict) and "initial_term" in p:
+            p["initial_term"] = _v1_ms(lineno, "initial_term", p["initial_term"])
 
 
 def read_journal(lines: Iterable[str] | Iterable[bytes] | IO[str] | IO[bytes]

@@ -154,13 +154,14 @@ class Metrics:
         self._in_flight = gauge("reads_in_flight", "D READs not finished yet")
 
     # -- P --------------------------------------------------------------------------------
-    def p_effect(self, e: Effect, now: float, registered_at: float | None = None) -> None:
+    def p_effect(self, e: Effect, now: int, registered_at: int | None = None) -> None:
         """Count one effect of a P ``Ledger``, as the P adapter applies it (a connector
-        that drives a ``Ledger`` itself calls this too). ``registered_at``: for a
-        ``Free``, the request's registration time (its stranded block-seconds when an
-        expiry or abort freed it); one ``Ack`` is one heartbeat the ledger handled."""
+        that drives a ``Ledger`` itself calls this too). ``now`` and ``registered_at`` are
+        the ledger's times (ms); ``registered_at``: for a ``Free``, the request's
+        registration time (its stranded block-seconds when an expiry or abort freed it);
+        one ``Ack`` is one heartbeat the ledger handled."""
         if isinstance(e, Free):
-            stranded = ((now - registered_at) * len(e.blocks)
+            stranded = ((now - registered_at) / 1000 * len(e.blocks)
                         if registered_at is not None and e.reason in _STRANDED else 0.0)
             self.free(e.reason, len(e.reclaimed), stranded)
         elif isinstance(e, Ack):

@@ -10,19 +10,29 @@ dispatches one way: an unknown peer, bytes that do not decode (malformed, trunca
 oversized, another epoch or version), or a message kind the side does not take are
 recorded rejections (``Ledger.reject``, ``Consumer.reject``: counted and journaled),
 never a crash. Standard library only.
+
+:func:`now_ms` is the adapters' one reading of their clock as the machines' time.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger
+from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
 from kvproto.wire import KIND_ACK, KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
 
 log = logging.getLogger(__name__)
 
 
-def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool, epoch: int,
+def now_ms(clock: Callable[[], float]) -> int:
+    """``clock()`` (seconds, e.g. ``time.monotonic``) as the machines' time: whole
+    milliseconds (``to_ms``). Every adapter reads its clock through here, once per step,
+    and hands the same integer to its machine, its journal and its own timers."""
+    return to_ms(clock())
+
+
+def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
               max_bytes: int) -> list[Effect]:
     """Feed P's ledger the event one incoming message stands for; return its effects.
 
@@ -53,7 +63,7 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: float, *, known: bool,
     return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
 
 
-def d_receive(consumer: Consumer, peer: str, buf: bytes, now: float, *, known: bool,
+def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: bool,
               epoch: int, max_bytes: int) -> list[DEffect]:
     """Feed one D rank's machine the event one incoming message stands for (an ack of
     one of its heartbeats); return its effects.
@@ -72,4 +82,4 @@ def d_receive(consumer: Consumer, peer: str, buf: bytes, now: float, *, known: b
         return consumer.reject("malformed", peer, type(e).__name__, now)
     if msg.kind != KIND_ACK:
         return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
-    return consumer.ack(peer, msg.seq, msg.term_ms / 1000.0, msg.handles, now, msg.pending)
+    return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

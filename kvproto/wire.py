@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from typing import Any, Final, NamedTuple
 
+from kvproto.errors import RemoteInputError
+
 MAGIC: Final = b"KV"
 VERSION: Final = 1
 HEADER: Final = struct.Struct(">2sBBI")
@@ -40,7 +42,7 @@ MAX_SEQ: Final = 0xFFFFFFFF
 MAX_VARINT_BYTES: Final = 10
 
 
-class WireError(ValueError):
+class WireError(RemoteInputError, ValueError):
     """A message that cannot be decoded. ``reason`` is a stable counter name."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -228,13 +230,14 @@ def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: in
     return _batched(KIND_DONE_BATCH, epoch, (expected,), hs, max_bytes)
 
 
-def encode_ack_reference(epoch: int, seq: int, term: float, refused: Iterable[int],
+def encode_ack_reference(epoch: int, seq: int, term: int, refused: Iterable[int],
                          max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
-    """Reference encoder. ``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
+    """Reference encoder. ``ack``: answer heartbeat ``seq``; the granted term (an int of
+    milliseconds, as the ledger's ``Ack.term``) travels as a u32 duration.
     Two handle lists follow: refused, then pending (not registered yet). Every chunk
     repeats seq and term, so any chunk alone is valid."""
     _check_range("seq", seq, MAX_SEQ)
-    term_ms = int(term * 1000)
+    term_ms = term
     _check_range("term_ms", term_ms, 0xFFFFFFFF)
     out: list[bytes] = []
     refused_l = _sorted_unique(refused)
@@ -446,9 +449,10 @@ def encode_done_batch(epoch: int, handles: Iterable[int], expected: int,
     return encode_done_batch_reference(epoch, handles, expected, max_bytes)
 
 
-def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
+def encode_ack(epoch: int, seq: int, term: int, refused: Iterable[int],
                max_bytes: int, pending: Iterable[int] = ()) -> list[bytes]:
-    """``ack``: answer heartbeat ``seq``; the granted term travels as a duration (ms).
+    """``ack``: answer heartbeat ``seq``; the granted term (an int of milliseconds)
+    travels as a u32 duration.
     Two handle lists follow: refused, then pending (not registered yet). Every chunk
     repeats seq and term, so any chunk alone is valid. Same bytes as
     ``encode_ack_reference``; the fast path is the common ack (nothing refused or
@@ -456,8 +460,8 @@ def encode_ack(epoch: int, seq: int, term: float, refused: Iterable[int],
     if (not refused and not pending and type(epoch) is int and type(seq) is int
             and 0 <= epoch <= 0xFFFFFFFF and 0 <= seq <= MAX_SEQ
             and max_bytes >= _RESERVE + 5 + MAX_VARINT_BYTES):
-        term_ms = int(term * 1000)
-        if 0 <= term_ms <= 0xFFFFFFFF:
+        term_ms = term
+        if type(term_ms) is int and 0 <= term_ms <= 0xFFFFFFFF:
             return [_HEAD.pack(_ACK_PREFIX, epoch) + _varint_bytes(seq) + _varint_bytes(term_ms)
                     + b"\x00\x00"]
     return encode_ack_reference(epoch, seq, term, refused, max_bytes, pending=pending)

@@ -1,6 +1,7 @@
 """Shared fixtures and helpers for the kvproto test suite.
 
-Conventions: times are plain floats (seconds); ``cfg`` is the default, validated
+Conventions: times are ints of milliseconds, as the machines count them (durations in a
+``Config`` stay seconds); ``cfg`` is the default, validated
 ``Config``; ``make_ledger`` builds a P ledger over a strict ``BlockPool`` so that any
 double free raises at once. Helpers assert exact effects rather than "something happened".
 """
@@ -85,9 +86,9 @@ def make_consumer() -> ConsumerFactory:
     return factory
 
 
-def params(handle: int, *, engine: str = ENGINE, term: float = 30.0, expected: int = 1,
+def params(handle: int, *, engine: str = ENGINE, term: int = 30_000, expected: int = 1,
            group: str | None = None, blocks: Sequence[int] = (0, 1)) -> TransferParams:
-    """Transfer parameters as P hands them to D."""
+    """Transfer parameters as P hands them to D (``term`` in ms)."""
     return TransferParams(engine=engine, epoch=EPOCH, handle=handle, blocks=tuple(blocks),
                           initial_term=term, expected=expected, group=group)
 

@@ -1,4 +1,4 @@
-"""Handshake channel authentication and the NIXL metadata name reader (issue 11).
+"""Handshake channel authentication and the NIXL metadata name reader.
 
 No NIXL here: the channel is plain TCP on loopback, and the metadata reader works on
 bytes (their layout is nixl 1.5.1's; test_nixl*.py load real metadata).

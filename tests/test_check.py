@@ -118,7 +118,7 @@ def test_list_names_every_model_and_its_expectation(capsys: pytest.CaptureFixtur
 ])
 def test_model_option_is_the_positional_model(argv: list[str],
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """``kvproto check --model ci`` (issue 10's spelling) checks what ``check ci`` does."""
+    """``kvproto check --model ci`` checks what ``check ci`` does."""
     assert main(argv) == check.EXIT_OK
     assert capsys.readouterr().out.strip() == "would check ci (kvproto/tla/MC_ci.cfg)"
 

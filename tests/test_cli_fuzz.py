@@ -1,4 +1,4 @@
-"""No traceback from any CLI input or file (issue 11, part 1).
+"""No traceback from any CLI input or file.
 
 Hypothesis fuzzes the command line (arguments of every subcommand, with hostile numbers
 and strings) and journal files (raw bytes, and mutations of a real journal recorded by

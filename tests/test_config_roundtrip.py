@@ -1,4 +1,4 @@
-"""Every Config that ``validate()`` accepts works end to end (issue 11, part 2).
+"""Every Config that ``validate()`` accepts works end to end.
 
 A property test: such a config survives JSON and the journal header, every wire message
 whose size or fields it sets encodes and decodes within ``max_message_bytes`` (the
@@ -31,31 +31,35 @@ from kvproto.lifecycle import (
 )
 from kvproto.testing.sim import Simulator
 
-DURATION = st.one_of(
-    st.floats(MIN_DURATION, 0.01),
-    st.floats(0.01, 100.0),
-    st.floats(100.0, MAX_DURATION),
-    st.sampled_from([MIN_DURATION, 0.25, 1.0, 30.0, MAX_DURATION]),
+MAX_MS = round(MAX_DURATION * 1000)
+# Durations are whole milliseconds (what validate() accepts), drawn in ms at every scale.
+DURATION_MS = st.one_of(
+    st.integers(1, 10),
+    st.integers(10, 100_000),
+    st.integers(100_000, MAX_MS),
+    st.sampled_from([1, 250, 1000, 30_000, MAX_MS]),
 )
-SMALL = st.one_of(st.just(0.0), st.floats(MIN_DURATION, 0.5), st.floats(0.5, 1000.0))
+DURATION = DURATION_MS.map(lambda ms: ms / 1000)
+SMALL_MS = st.one_of(st.just(0), st.integers(1, 500), st.integers(500, 1_000_000))
 
 
 @st.composite
 def valid_configs(draw: st.DrawFn) -> Config:
     """Configs built to satisfy the timing rules (with margins drawn at every scale),
     then checked by validate() like any other."""
-    hb = draw(DURATION)
-    delay = draw(SMALL)
-    read = draw(DURATION)
-    drift = draw(SMALL)
+    hb = draw(DURATION_MS)
+    delay = draw(SMALL_MS)
+    read = draw(DURATION_MS)
+    drift = draw(SMALL_MS)
     need_ext = max(hb + delay + drift, read + 2 * delay + drift)
     need_init = max(read + delay + drift, hb + 2 * delay + drift)
-    ext = need_ext * draw(st.floats(1.0001, 3.0)) + draw(st.floats(MIN_DURATION, 1.0))
-    init = need_init * draw(st.floats(1.0001, 3.0)) + draw(st.floats(MIN_DURATION, 1.0))
-    grace = max(init, ext) * draw(st.floats(1.0, 2.0))
+    ext = int(need_ext * draw(st.floats(1.0001, 3.0))) + draw(st.integers(1, 1000))
+    init = int(need_init * draw(st.floats(1.0001, 3.0))) + draw(st.integers(1, 1000))
+    grace = int(max(init, ext) * draw(st.floats(1.0, 2.0)))
     cfg = Config(
-        initial_lease=init, lease_extension=ext, heartbeat_interval=hb, abort_grace=grace,
-        max_delay=delay, max_read_time=read, clock_drift=drift,
+        initial_lease=init / 1000, lease_extension=ext / 1000, heartbeat_interval=hb / 1000,
+        abort_grace=grace / 1000, max_delay=delay / 1000, max_read_time=read / 1000,
+        clock_drift=drift / 1000,
         max_staged=draw(st.integers(1, 5000)), max_staged_age=draw(DURATION),
         max_tombstones=draw(st.integers(1, 5000)),
         max_message_bytes=draw(st.one_of(st.integers(MIN_MESSAGE_BYTES, 256),
@@ -74,6 +78,7 @@ def any_configs(draw: st.DrawFn) -> Config:
     """Arbitrary numbers: most are refused; whatever validate() accepts must work."""
     hostile = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**9))
     plausible = st.one_of(st.floats(0.0005, 120.0), st.integers(0, 70000),
+                          st.integers(1, 120_000).map(lambda ms: ms / 1000),
                           st.sampled_from([MIN_DURATION, MAX_DURATION, 1e7, 1e-4]))
     kwargs: dict[str, Any] = {}
     for name in ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
@@ -103,10 +108,9 @@ def check_end_to_end(cfg: Config, seed: int) -> None:
     # Wire messages whose size or fields the config sets.
     mb = cfg.max_message_bytes
     handles = [1, 2, 3, 1000, 2**40, 2**64 - 1]
-    for chunk in wire.encode_ack(7, 5, cfg.lease_extension, handles[:3], mb, handles[3:]):
+    for chunk in wire.encode_ack(7, 5, cfg.ms.lease_extension, handles[:3], mb, handles[3:]):
         m = wire.decode(chunk, max_bytes=mb, epoch=7)
-        assert 1 <= m.term_ms <= round(cfg.lease_extension * 1000)
-        assert m.term_ms / 1000 <= cfg.lease_extension  # never more than granted
+        assert m.term_ms == cfg.ms.lease_extension >= 1  # exactly the granted term
     sent = wire.encode_heartbeat(7, 2**32 - 1, handles, 65535, mb)
     got = [h for c in sent for h in wire.decode(c, max_bytes=mb, epoch=7).handles]
     assert got == handles
@@ -115,9 +119,10 @@ def check_end_to_end(cfg: Config, seed: int) -> None:
     assert got == handles
     assert wire.decode(wire.encode_done(7, 2**64 - 1, 65535), max_bytes=mb).handles == (2**64 - 1,)
     # A short simulator run (faults on): every step fine-grained enough for the config.
-    positive = [v for v in (cfg.heartbeat_interval, cfg.max_delay, cfg.max_read_time,
-                            cfg.clock_drift, cfg.initial_lease) if v > 0]
-    dt = min(0.1, min(positive) / 10)
+    ms = cfg.ms
+    positive = [v for v in (ms.heartbeat_interval, ms.max_delay, ms.max_read_time,
+                            ms.clock_drift, ms.initial_lease) if v > 0]
+    dt = max(1, min(100, min(positive) // 10)) / 1000  # whole ms, as the simulator's clock
     sim = Simulator(seed, config=cfg, capacity=64, dt=dt, arrival_rate=2.0 / dt / 20,
                     max_queue=min(20.0, cfg.initial_lease))
     stats = sim.run(150 * dt, drain=False)
@@ -147,6 +152,7 @@ def test_whatever_validate_accepts_works_end_to_end(cfg: Config, seed: int) -> N
      "abort_grace": MAX_DURATION * 1.01},
     {"heartbeat_interval": MIN_DURATION / 2},
     {"clock_drift": MIN_DURATION / 10},
+    {"max_delay": 0.0105},  # not whole milliseconds: the machines could not count it
     {"max_message_bytes": MIN_MESSAGE_BYTES - 1},
     {"max_message_bytes": MAX_MESSAGE_BYTES + 1},
     {"max_tombstones": MAX_CAP + 1},

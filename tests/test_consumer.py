@@ -8,6 +8,7 @@ properties.
 
 Default config: initial term 30 s aged by max_delay 1 s, max_read_time 5 s, clock_drift
 0.5 s, heartbeat every 5 s. A READ may start at ``now`` iff ``now + 5.5 <= lease_end``.
+Times are ints of milliseconds (the durations above are the Config's seconds).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvproto.lifecycle import (
 )
 
 
-def ready(c: Consumer, engine: str = ENGINE, now: float = 0.0) -> None:
+def ready(c: Consumer, engine: str = ENGINE, now: int = 0) -> None:
     """Complete the handshake with ``engine`` so admitted requests go straight to waiting."""
     assert c.handshake_result(engine, True, now) == []
 
@@ -62,8 +63,8 @@ def test_every_heartbeat_fits_one_wire_message(make_consumer: ConsumerFactory) -
     ready(consumer)
     handles = [1000 + 200 * i for i in range(30)]  # two varint bytes per delta
     for h in handles:
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(0.0))
+        consumer.admit(f"r{h}", params(h), 0)
+    hbs = heartbeats(consumer.tick(0))
     assert len(hbs) >= 2
     assert [hb.seq for hb in hbs] == list(range(1, len(hbs) + 1))
     assert sorted(h for hb in hbs for h in hb.handles) == handles
@@ -84,17 +85,17 @@ def test_lost_heartbeat_message_never_lets_d_believe_an_unrenewed_lease(
     ready(consumer)
     handles = [1000 + 200 * i for i in range(30)]
     for i, h in enumerate(handles):
-        ledger.register(h, f"r{h}", (i,), 0.0, expected=1)
-        consumer.admit(f"r{h}", params(h, term=10.0), 0.0)
-    first, *lost = heartbeats(consumer.tick(0.0))
+        ledger.register(h, f"r{h}", (i,), 0, expected=1)
+        consumer.admit(f"r{h}", params(h, term=10_000), 0)
+    first, *lost = heartbeats(consumer.tick(0))
     assert lost
     for buf in wire.encode_heartbeat(EPOCH, first.seq, first.handles, first.expected,
                                      config.max_message_bytes):
         m = wire.decode(buf)  # delivered; the other messages are lost
-        (ack,) = ledger.heartbeat("d0", m.seq, m.handles, m.expected, 0.1)
+        (ack,) = ledger.heartbeat("d0", m.seq, m.handles, m.expected, 100)
         assert isinstance(ack, Ack)
-        consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.2, pending=ack.pending)
-    assert consumer.lease_end(f"r{first.handles[0]}") == 19.5  # 0 + 20 - drift 0.5
+        consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 200, pending=ack.pending)
+    assert consumer.lease_end(f"r{first.handles[0]}") == 19_500  # 0 + 20 s - drift 0.5 s
     for hb in lost:
         for h in hb.handles:
             deadline = ledger.deadline(h)
@@ -112,15 +113,15 @@ def test_staged_heartbeat_never_lets_d_believe_an_unrenewed_lease(
     consumer = make_consumer(**overrides)
     ledger = Ledger(replace(Config(), **overrides), BlockPool(8))
     ready(consumer)
-    consumer.admit("r1", params(1, term=10.0), 0.0)  # P's registration lags the params
-    (hb,) = heartbeats(consumer.tick(0.0))
-    (ack,) = ledger.heartbeat("d0", hb.seq, hb.handles, hb.expected, 0.1)
+    consumer.admit("r1", params(1, term=10_000), 0)  # P's registration lags the params
+    (hb,) = heartbeats(consumer.tick(0))
+    (ack,) = ledger.heartbeat("d0", hb.seq, hb.handles, hb.expected, 100)
     assert isinstance(ack, Ack) and (ack.refused, ack.pending) == ((), (1,))
-    ledger.done("d9", 2, 1, 0.2)  # another early message: staging cap drops handle 1
+    ledger.done("d9", 2, 1, 200)  # another early message: staging cap drops handle 1
     assert ledger.counters["staged_dropped"] == 1
-    ledger.register(1, "r1", (0,), 0.3, expected=1)
-    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 0.3, pending=ack.pending)
-    assert consumer.lease_end("r1") == 9.0  # pending: the previous estimate stands
+    ledger.register(1, "r1", (0,), 300, expected=1)
+    consumer.ack(ENGINE, ack.seq, ack.term, ack.refused, 300, pending=ack.pending)
+    assert consumer.lease_end("r1") == 9000  # pending: the previous estimate stands
     deadline, lease_end = ledger.deadline(1), consumer.lease_end("r1")
     assert deadline is not None and lease_end is not None
     assert lease_end <= deadline  # D may otherwise READ at 12 after P freed at 10.3
@@ -145,8 +146,8 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
         consumer: Consumer, monkeypatch: pytest.MonkeyPatch) -> None:
     ready(consumer)
     for h in range(1, 10_001):
-        consumer.admit(f"r{h}", params(h), 0.0)
-    hbs = heartbeats(consumer.tick(0.0))
+        consumer.admit(f"r{h}", params(h), 0)
+    hbs = heartbeats(consumer.tick(0))
     assert sorted(h for hb in hbs for h in hb.handles) == list(range(1, 10_001))
     pops = 0
     real_pop = heapq.heappop
@@ -158,40 +159,40 @@ def test_consumer_tick_does_no_heap_work_when_nothing_is_due(
 
     monkeypatch.setattr(lifecycle.consumer, "heapq", types.SimpleNamespace(
         heappop=counting_pop, heappush=heapq.heappush))
-    for t in (1.0, 2.0, 4.9):
+    for t in (1000, 2000, 4900):
         assert consumer.tick(t) == []
     assert pops == 0
 
 
-# -- hardening (issue 11): bad time, compact lease heap -------------------------------------
+# -- hardening: bad time, compact lease heap -------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_time_is_refused_and_counted(consumer: Consumer, bad: float) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1500.0, True])
+def test_time_that_is_not_an_int_is_refused_and_counted(consumer: Consumer, bad: Any) -> None:
     ready(consumer)
-    consumer.admit("r1", params(1), 1.0)
+    consumer.admit("r1", params(1), 1000)
     for call in (lambda: consumer.admit("r2", params(2), bad),
                  lambda: consumer.schedule("r1", bad),
                  lambda: consumer.tick(bad),
                  lambda: consumer.abort("r1", bad),
-                 lambda: consumer.ack(ENGINE, 1, 20.0, (), bad),
+                 lambda: consumer.ack(ENGINE, 1, 20_000, (), bad),
                  lambda: consumer.peer_lost(ENGINE, bad),
                  lambda: consumer.handshake_result(ENGINE, False, bad),
                  lambda: consumer.read_result("r1", True, bad)):
         assert call() == []
     assert consumer.counters["bad_time"] == 8
-    assert consumer.now == 1.0
+    assert consumer.now == 1000
     assert consumer.state("r1") == WAITING and consumer.state("r2") == lifecycle.D_NEW
     # The request still fails when its lease can no longer cover a READ.
-    assert finished(consumer.tick(40.0)) == [("r1", "failed", "lease_lost")]
+    assert finished(consumer.tick(40_000)) == [("r1", "failed", "lease_lost")]
 
 
 def test_lease_heap_stays_bounded_under_churn(consumer: Consumer) -> None:
     ready(consumer)
     for h in range(1, 3001):
-        consumer.admit(f"r{h}", params(h), float(h))
-        consumer.abort(f"r{h}", float(h))
-        assert len(consumer._lease_heap) <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
+        consumer.admit(f"r{h}", params(h), h * 1000)
+        consumer.abort(f"r{h}", h * 1000)
+        assert consumer.heap_entries <= max(2 * len(consumer.reqs), lifecycle.HEAP_SLACK)
     assert consumer.reqs == {}
 # ---------------------------------------------------------------------------
 # Ack silence: Config.peer_timeout drives peer loss (the machine decides, not the adapter)
@@ -205,28 +206,30 @@ def test_peer_timeout_is_a_timing_rule() -> None:
 
 
 @given(st.lists(st.tuples(st.sampled_from(["admit", "ack", "tick", "schedule"]),
-                          st.floats(0.0, 3.0)), min_size=1, max_size=40))
-def test_a_tick_before_next_deadline_changes_nothing(steps: list[tuple[str, float]]) -> None:
-    """``next_deadline`` is a lower bound of the tick's work: a tick earlier than it
-    returns no effect and leaves every request, peer and deadline as they were (so an
-    adapter may skip it, and its journal holds only the ticks that matter); a tick at it
-    is what sends the next heartbeat."""
+                          st.integers(0, 3000), st.booleans()), min_size=1, max_size=40))
+def test_a_tick_before_next_deadline_changes_nothing(
+        steps: list[tuple[str, int, bool]]) -> None:
+    """``next_deadline`` is a lower bound of the tick's work: a tick earlier than it --
+    at any time before it, down to the last millisecond before it -- returns no effect
+    and leaves every request, peer and deadline as they were (so an adapter may skip it,
+    and its journal holds only the ticks that matter); a tick at it is what sends the
+    next heartbeat."""
     c = Consumer("d0", Config(initial_lease=6.0, lease_extension=6.0, heartbeat_interval=1.0,
                               max_delay=0.5, max_read_time=1.0, clock_drift=0.25,
                               peer_timeout=3.0, abort_grace=6.0))
-    c.handshake_result(ENGINE, True, 0.0)
-    now, h = 0.0, 0
-    for kind, dt in steps:
+    c.handshake_result(ENGINE, True, 0)
+    now, h = 0, 0
+    for kind, dt, to_edge in steps:
         now += dt
         if kind == "admit":
             h += 1
-            c.admit(f"r{h}", params(h, term=6.0), now)
+            c.admit(f"r{h}", params(h, term=6000), now)
         elif kind == "schedule" and h:
             c.schedule(f"r{h}", now)
         elif kind == "ack" and c.outstanding_heartbeats(ENGINE):
-            c.ack(ENGINE, c.peers[ENGINE].seq, 6.0, (), now)
+            c.ack(ENGINE, c.peers[ENGINE].seq, 6000, (), now)
         due = c.next_deadline()
-        probe = min(now, due - 1e-6) if due > now else None
+        probe = (due - 1 if to_edge else now) if due > now else None  # 1 ms before: the edge
         if probe is not None and probe >= c.now:
             before = (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
                       c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE), due)
@@ -234,9 +237,10 @@ def test_a_tick_before_next_deadline_changes_nothing(steps: list[tuple[str, floa
             assert (dict(c.finished), {r: (c.state(r), c.lease_end(r)) for r in c.reqs},
                     c.peer_state(ENGINE), c.outstanding_heartbeats(ENGINE),
                     c.next_deadline()) == before
+            now = max(now, probe)
         if kind == "tick":
             c.tick(max(now, c.now))
     # The heartbeat is due at next_deadline at the latest: a tick there sends it.
     if any(c.state(r) == "waiting" for r in c.reqs) and c.peer_state(ENGINE) == "ready":
         t = max(c.next_deadline(), c.now)
-        assert t <= c.now + 1.0
+        assert t <= c.now + 1000

@@ -1,4 +1,4 @@
-"""D-side conformance (issue 10, part 2).
+"""D-side conformance.
 
 * The Python ``Consumer`` and the TLA+ D machine (``tla/KVConsumer.tla``) have the same
   state graph on a small model (TLC), and a changed row of ``D_TRANSITIONS`` breaks it.
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ def test_a_changed_d_row_breaks_graph_equality(model: str, key: tuple[str, str, 
     tlc = tlc_graph(model)
     m = dc.D_MODELS[model]
     assert dc.compare_d(dc.explore_python_d(m), tlc).equal  # the unchanged table agrees (small)
-    mutant = Consumer.with_rows(D_TABLE[key]._replace(**change))
+    mutant = Consumer.with_rows(replace(D_TABLE[key], **change))
     c = dc.compare_d(dc.explore_python_d(m, mutant), tlc)
     assert not c.equal
     assert c.only_py, "the changed row must show as a Python-only edge"

@@ -1,4 +1,4 @@
-"""Stateful fuzzing of P, D and the network with hypothesis (issue 4, part 1).
+"""Stateful fuzzing of P, D and the network with hypothesis.
 
 * The CI-profile run of ``kvproto.testing.fuzz.LifecycleMachine`` over the real ``Ledger`` finds
   nothing: every rule (register with shared blocks, several readers and sibling groups;
@@ -107,11 +107,10 @@ def test_ci_profile_runs_the_production_drivers(ci_coverage: dict[str, int]) -> 
 
 
 class NeverExpiresLedger(Ledger):
-    """A broken ledger: time passes, but the expiry sweep frees nothing."""
+    """A broken ledger: time passes, but the expiry sweep (hook ``sweep``) frees nothing."""
 
-    def tick(self, now: float) -> list[Effect]:
-        self._clock(now)
-        return []
+    def sweep(self, now: int, out: list[Effect]) -> None:
+        return None
 
 
 def _orphan_a_request(machine: fuzz.LifecycleMachine) -> None:

@@ -162,7 +162,7 @@ def test_describe_renders_every_effect_kind_on_one_line() -> None:
         StartHandshake,
     )
     effects: list[object] = [
-        Free(1, "r", "expired", (0, 1), (1,), 30.0), Ack("d0", 2, 20.0, (3,), (4,)),
+        Free(1, "r", "expired", (0, 1), (1,), 30_000), Ack("d0", 2, 20_000, (3,), (4,)),
         Rejected("bad_magic", "d0", None, "b'XX' at 0"), StartHandshake("P0"),
         PostRead("r", "P0", 1, (4,), 2), SendDone("r", "P0", 1, 2), SendRelease("r", "P0", 1, 2),
         SendHeartbeat("P0", 3, (1, 2), 1), Finished("r", "done", "pulled"),

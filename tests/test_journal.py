@@ -1,4 +1,4 @@
-"""Event journal and ``kvproto replay`` (issue 2, section 4).
+"""Event journal and ``kvproto replay``.
 
 A journal written by the simulator replays clean; any tampering (a changed effect, a
 dropped line, an inserted double free) exits 1 naming the line; unreadable lines exit 2
@@ -17,8 +17,10 @@ import pytest
 
 from kvproto.cli import main
 from kvproto.journal import JournalError, JournalWriter, read_journal, to_json
-from kvproto.lifecycle import BlockPool, Config, Free, Ledger
+from kvproto.lifecycle import Ack, Admit, BlockPool, Config, DAck, Free, Ledger, Tick
 from kvproto.verify.replay import replay
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +90,16 @@ def test_journal_writer_records_every_event_and_effect() -> None:
     buf = io.StringIO()
     writer = JournalWriter(buf, Config(), 8, {"source": "test"})
     ledger = Ledger(Config(), BlockPool(8), sink=writer.sink)
-    ledger.register(1, "a:b,c", (0, 1), 0.0, expected=1)
-    ledger.heartbeat("d0", 1, (1, 2), 1, 1.0)
-    ledger.abort("a:b,c", 2.0)
-    effects = ledger.done("d0", 1, 1, 3.0)
-    ledger.tick(4.0)
+    ledger.register(1, "a:b,c", (0, 1), 0, expected=1)
+    ledger.heartbeat("d0", 1, (1, 2), 1, 1000)
+    ledger.abort("a:b,c", 2000)
+    effects = ledger.done("d0", 1, 1, 3000)
+    ledger.tick(4000)
     writer.close()
     assert writer.events == 5
     lines = buf.getvalue().splitlines()
     header = json.loads(lines[0])
-    assert header["kvproto_journal"] == 1 and header["capacity"] == 8
+    assert header["kvproto_journal"] == 2 and header["capacity"] == 8
     assert header["config"] == Config().to_dict() and header["meta"] == {"source": "test"}
     body = [json.loads(x) for x in lines[1:]]
     assert [d["n"] for d in body] == [1, 2, 3, 4, 5]
@@ -114,8 +116,8 @@ def test_read_journal_yields_line_numbers_events_and_effects() -> None:
     buf = io.StringIO()
     writer = JournalWriter(buf, Config(), 4)
     ledger = Ledger(Config(), BlockPool(4), sink=writer.sink)
-    ledger.register(1, "r", (0,), 0.0, expected=1)
-    ledger.done("d0", 1, 1, 1.0)
+    ledger.register(1, "r", (0,), 0, expected=1)
+    ledger.done("d0", 1, 1, 1000)
     header, body = read_journal(io.StringIO(buf.getvalue()))
     rows = list(body)
     assert header["capacity"] == 4
@@ -208,8 +210,11 @@ def test_inserted_double_free_by_tick_is_reported(
     ('{"event": {"type": "teleport", "now": 1}}', r"line 5: unknown event type 'teleport'"),
     ('{"event": {"type": "tick"}}', r"line 5: event 'tick' lacks field 'now'"),
     ('{"event": {"type": "tick", "now": 1, "colour": 2}}', r"line 5: .*unknown fields"),
-    ('{"event": {"type": "tick", "now": "soon"}}', r"line 5: event time must be a finite"),
-    ('{"event": {"type": "tick", "now": 1e999}}', r"line 5: event time must be a finite"),
+    ('{"event": {"type": "tick", "now": "soon"}}', r"line 5: event time must be an int"),
+    ('{"event": {"type": "tick", "now": 1e999}}', r"line 5: event time must be an int"),
+    ('{"event": {"type": "tick", "now": 1500.0}}', r"line 5: event time must be an int"),
+    ('{"event": {"type": "tick", "now": 1}, "effects": [{"type": "ack", "reader": "d0", '
+     '"seq": 1, "term": 20.0, "refused": []}]}', r"line 5: field 'term' must be int"),
     ('{"event": {"type": "tick", "now": 1}, "effects": [{"type": "boom"}]}',
      r"line 5: unknown effect type 'boom'"),
 ])
@@ -228,7 +233,7 @@ def test_wrongly_typed_field_is_a_malformed_line(
     """Regression: a wrongly typed field made the machine raise during replay (exit 1)."""
     lines = list(sim_journal)
     lines[4] = json.dumps({"event": {"type": "heartbeat", "reader": "d0", "seq": 1,
-                                     "handles": 5, "expected": 1, "now": 0.35},
+                                     "handles": 5, "expected": 1, "now": 350},
                            "effects": []})
     rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
     assert rc == 2
@@ -301,19 +306,19 @@ def d_journal() -> list[str]:
     buf = io.StringIO()
     writer = JournalWriter(buf, Config(), None, {"source": "test"}, reader="d0")
     c = Consumer("d0", Config(), sink=writer.sink)
-    c.admit("r1", TransferParams("P0", 1, 1, (1, 2), 30.0, 1, "g"), 0.0)
-    c.handshake_result("P0", True, 0.1)
-    c.admit("r2", TransferParams("P0", 1, 2, (3,), 30.0, 1, "g"), 0.2)
-    c.admit("r3", TransferParams("P0", 1, 3, (4,), 30.0, 2), 0.2)
-    c.admit("r4", TransferParams("P0", 1, 4, (5,), 30.0, 1), 0.2)
-    c.schedule("r1", 1.0)
-    hbs = [e for e in c.tick(1.5) if isinstance(e, SendHeartbeat)]
+    c.admit("r1", TransferParams("P0", 1, 1, (1, 2), 30_000, 1, "g"), 0)
+    c.handshake_result("P0", True, 100)
+    c.admit("r2", TransferParams("P0", 1, 2, (3,), 30_000, 1, "g"), 200)
+    c.admit("r3", TransferParams("P0", 1, 3, (4,), 30_000, 2), 200)
+    c.admit("r4", TransferParams("P0", 1, 4, (5,), 30_000, 1), 200)
+    c.schedule("r1", 1000)
+    hbs = [e for e in c.tick(1500) if isinstance(e, SendHeartbeat)]
     for hb in hbs:
-        c.ack("P0", hb.seq, 20.0, (4,) if 4 in hb.handles else (), 1.7)
-    c.read_result("r1", True, 2.0, notif_attached=False)
-    c.schedule("r2", 2.1)
-    c.abort("r3", 2.2)
-    c.tick(40.0)
+        c.ack("P0", hb.seq, 20_000, (4,) if 4 in hb.handles else (), 1700)
+    c.read_result("r1", True, 2000, notif_attached=False)
+    c.schedule("r2", 2100)
+    c.abort("r3", 2200)
+    c.tick(40_000)
     writer.close()
     return buf.getvalue().splitlines()
 
@@ -352,3 +357,61 @@ def test_d_journal_header_must_name_its_reader(tmp_path: Path,
     lines[0] = json.dumps(h)
     rc, _, err = run_replay(tmp_path, lines, capsys)
     assert rc == 2 and "names its reader" in err
+
+
+# ---------------------------------------------------------------------------
+# Version 1 journals (times in float seconds) are still read, as milliseconds
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["journal_v1_p.jsonl", "journal_v1_d.jsonl"])
+def test_version_1_journal_replays_clean(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Committed journals written by the version 1 writer (float seconds)."""
+    path = FIXTURES / name
+    assert json.loads(path.read_text(encoding="utf-8").splitlines()[0])["kvproto_journal"] == 1
+    assert main(["-q", "replay", str(path), "--no-effects"]) == 0, capsys.readouterr().err
+
+
+def test_version_1_times_are_read_as_integer_milliseconds() -> None:
+    with open(FIXTURES / "journal_v1_p.jsonl", "rb") as f:
+        _, rows = read_journal(f)
+        got = list(rows)
+    assert all(type(ev.now) is int for _, ev, _ in got)
+    assert isinstance(got[0][1], Tick) and got[0][1].now == 100  # 0.1 s
+    acks = [e for _, _, effs in got for e in effs if isinstance(e, Ack)]
+    assert acks and {a.term for a in acks} == {20_000}  # 20.0 s
+    frees = [e for _, _, effs in got for e in effs if isinstance(e, Free)]
+    assert frees and all(type(e.deadline) is int for e in frees)
+    with open(FIXTURES / "journal_v1_d.jsonl", "rb") as f:
+        _, d_rows = read_journal(f)
+        d_got = list(d_rows)
+    admit = d_got[0][1]
+    assert isinstance(admit, Admit) and admit.params.initial_term == 30_000 and admit.now == 0
+    dack = next(ev for _, ev, _ in d_got if isinstance(ev, DAck))
+    assert (dack.term, dack.now) == (20_000, 1700)
+
+
+@pytest.mark.parametrize(("field", "value"), [("now", 0.0015), ("deadline", 30.0005)])
+def test_version_1_time_that_is_not_whole_milliseconds_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: float) -> None:
+    lines = (FIXTURES / "journal_v1_p.jsonl").read_text(encoding="utf-8").splitlines()
+    i = line_of(lines, lambda d: has_free(d))
+    d = json.loads(lines[i])
+    if field == "now":
+        d["event"]["now"] = value
+    else:
+        next(e for e in d["effects"] if e["type"] == "free")["deadline"] = value
+    lines[i] = json.dumps(d)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 2
+    assert f"line {i + 1}: version 1" in err and "not a whole number of milliseconds" in err
+
+
+def test_version_2_refuses_float_times_that_version_1_accepts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = (FIXTURES / "journal_v1_d.jsonl").read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    header["kvproto_journal"] = 2
+    lines[0] = json.dumps(header)
+    rc, _, err = run_replay(tmp_path, lines, capsys, "--no-effects")
+    assert rc == 2 and "line 2:" in err

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "kvproto"
 # Lowest first. ``cli`` holds the argument helpers every command uses and loads commands
 # by name (importlib), so it sits at the bottom with the wire format.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("wire", "cli"),
+    ("errors", "wire", "cli"),
     ("lifecycle",),
     ("port", "journal", "metrics", "diagram"),
     ("nixl",),
@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("testing",),
     ("bench",),
 )
-PRODUCTION: frozenset[str] = frozenset({"wire", "cli", "lifecycle", "port", "journal",
+PRODUCTION: frozenset[str] = frozenset({"errors", "wire", "cli", "lifecycle", "port", "journal",
                                         "metrics", "diagram", "nixl", "vllm"})
 MAX_LINES = 1000
 

@@ -87,16 +87,16 @@ def test_ledger_effects_map_to_metrics() -> None:
 
     m = Metrics(labels={"engine": "p"})
     L = Ledger(CFG, BlockPool(8))
-    reg: dict[int, float] = {}
+    reg: dict[int, int] = {}
     effects = []
-    for i, now in enumerate((0.0, 0.5)):
+    for i, now in enumerate((0, 500)):  # ms, as the ledger's times
         h = L.new_handle()
         reg[h] = now
         effects += [(e, now) for e in L.register(h, f"r{i}", (2 * i, 2 * i + 1), now)]
-    effects += [(e, 1.0) for e in L.heartbeat("d", 1, [1, 2], 1, 1.0)]
-    effects += [(e, 1.0) for e in L.done("d", 1, 1, 1.0)]
-    effects += [(e, 1.0) for e in L.reject("bad_magic", "x", "", 1.0)]
-    effects += [(e, 9.0) for e in L.tick(9.0)]  # r1 expires: 2 blocks x (9.0 - 0.5) s
+    effects += [(e, 1000) for e in L.heartbeat("d", 1, [1, 2], 1, 1000)]
+    effects += [(e, 1000) for e in L.done("d", 1, 1, 1000)]
+    effects += [(e, 1000) for e in L.reject("bad_magic", "x", "", 1000)]
+    effects += [(e, 9000) for e in L.tick(9000)]  # r1 expires: 2 blocks x (9.0 - 0.5) s
     for e, now in effects:
         m.p_effect(e, now, reg.get(e.handle) if isinstance(e, Free) else None)
     kinds = [type(e).__name__ for e, _ in effects]
@@ -159,7 +159,8 @@ def _journal_counts(path: Path) -> dict[str, Any]:
             if eff["type"] == "free":
                 frees[eff["reason"]] += 1
                 if eff["reason"] in ("expired", "aborted"):
-                    stranded += (ev["now"] - reg_at[eff["handle"]]) * len(eff["blocks"])
+                    # journal times are ms; block-seconds as the metric counts them
+                    stranded += (ev["now"] - reg_at[eff["handle"]]) / 1000 * len(eff["blocks"])
     return {"frees": dict(frees), "rejects": dict(rejects), "heartbeats": heartbeats,
             "stranded": stranded}
 

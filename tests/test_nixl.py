@@ -445,7 +445,7 @@ def test_dead_producer_does_not_delay_other_handshakes() -> None:
     try:
         d.add_engine("deadP", "127.0.0.1", silent.getsockname()[1])
         d.add_engine(p.name, p.host, p.port)
-        dead = TransferParams(engine="deadP", epoch=1, handle=1, blocks=(0,), initial_term=30.0,
+        dead = TransferParams(engine="deadP", epoch=1, handle=1, blocks=(0,), initial_term=30_000,
                               generations=(0,))
         d.admit("to-dead", dead)  # its handshake starts first
         d.schedule("to-dead")
@@ -573,8 +573,8 @@ def test_garbage_on_the_handshake_channel_is_refused_and_p_keeps_serving(
 
 def test_restarted_d_with_the_same_name_handshakes_again_once_its_old_channel_closed(
         pair: tuple[ProducerAdapter, ConsumerAdapter]) -> None:
-    """A claim on a known name is accepted only when the old peer's connection is gone
-    (issue 11): the restarted D is served; nothing was unloaded while the old one lived."""
+    """A claim on a known name is accepted only when the old peer's connection is gone:
+    the restarted D is served; nothing was unloaded while the old one lived."""
     p, d = pair
     params = prefill(p, "one", 2)
     d.admit("one", params)

@@ -395,7 +395,7 @@ def test_restarted_p_handshakes_again(procs: list[Proc]) -> None:
         d.close(1.0)
 
 
-# -- forged handshakes (issue 11) -------------------------------------------------------------
+# -- forged handshakes -------------------------------------------------------------
 
 
 def _spoof(host: str, port: int, claim: str, metadata: bytes,

@@ -1,4 +1,4 @@
-"""The installable package (issue 10, part 4).
+"""The installable package.
 
 * the core (lifecycle, wire, journal) imports only the standard library;
 * the CLI is lazy: ``kvproto --help`` (and ``check --help``, ``validate --help``) import
@@ -66,7 +66,8 @@ def test_help_imports_no_torch_and_no_nixl(argv: list[str]) -> None:
                     "print('@@' + ' '.join(sorted(m for m in sys.modules "
                     "if m.startswith('kvproto'))))")
         loaded = set(q.stdout.split("@@", 1)[1].split())
-        core = {"kvproto", "kvproto.cli", "kvproto.journal", "kvproto.wire", "kvproto.lifecycle"}
+        core = {"kvproto", "kvproto.cli", "kvproto.errors", "kvproto.journal", "kvproto.wire",
+                "kvproto.lifecycle"}
         assert {"kvproto", "kvproto.cli"} <= loaded
         assert {m for m in loaded if not m.startswith("kvproto.lifecycle.")} <= core, loaded
 
@@ -135,7 +136,7 @@ def test_wheel_installs_with_verify_and_checks_outside_the_repo(tmp_path: Path) 
     assert str(env_dir) in p.stdout and (Path(p.stdout.strip()) / "KVLedger.tla").is_file()
     assert not Path(p.stdout.strip()).is_relative_to(ROOT)
 
-    # Issue 10's command: the CI model passes from the installed wheel (about 50 s).
+    # The CI model passes from the installed wheel (about 50 s).
     p = _run([kvp, "-q", "check", "--model", "ci"], work)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "ci: ok: no violation" in p.stdout, p.stdout

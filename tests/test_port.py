@@ -26,13 +26,13 @@ from kvproto.lifecycle import (
     SendHeartbeat,
     TransferParams,
 )
-from kvproto.port import d_receive, p_receive
+from kvproto.port import d_receive, now_ms, p_receive
 from kvproto.verify.replay import replay
 
 EPOCH = 9
 
 
-def receive(ledger: Ledger, buf: bytes, now: float = 1.0, peer: str = "D0") -> list[object]:
+def receive(ledger: Ledger, buf: bytes, now: int = 1000, peer: str = "D0") -> list[object]:
     return list(p_receive(ledger, peer, buf, now, known=True, epoch=EPOCH,
                           max_bytes=ledger.config.max_message_bytes))
 
@@ -41,8 +41,8 @@ def test_done_batch_frees_every_named_request_as_transferred(
         make_ledger: LedgerFactory) -> None:
     ledger = make_ledger()
     for h in (1, 2, 3):
-        ledger.register(h, f"r{h}", (2 * h, 2 * h + 1), 0.0)
-    ledger.register(4, "r4", (20,), 0.0)
+        ledger.register(h, f"r{h}", (2 * h, 2 * h + 1), 0)
+    ledger.register(4, "r4", (20,), 0)
     [buf] = wire.encode_done_batch(EPOCH, [3, 1, 2], 1, 4096)
     assert buf[3] == wire.KIND_DONE_BATCH
     effects = receive(ledger, buf)
@@ -58,7 +58,7 @@ def test_done_batch_counts_each_handle_like_a_done(make_ledger: LedgerFactory) -
     """An unknown handle inside a batch is early (staged) like a lone done for it, and
     does not stop the others; the same batch twice frees nothing twice."""
     ledger = make_ledger()
-    ledger.register(1, "r1", (0,), 0.0)
+    ledger.register(1, "r1", (0,), 0)
     [buf] = wire.encode_done_batch(EPOCH, [1, 77], 1, 4096)
     receive(ledger, buf)
     assert ledger.state(1) == FREED and ledger.frees["transferred"] == 1
@@ -71,7 +71,7 @@ def test_done_batch_counts_each_handle_like_a_done(make_ledger: LedgerFactory) -
 
 def test_bad_done_batch_is_one_rejection_and_frees_nothing(make_ledger: LedgerFactory) -> None:
     ledger = make_ledger()
-    ledger.register(1, "r1", (0,), 0.0)
+    ledger.register(1, "r1", (0,), 0)
     [good] = wire.encode_done_batch(EPOCH, [1, 2], 1, 4096)
     bads = (good[:-1], good + b"\x01", good[:8] + b"\x00\x00",
             wire.encode_done_batch(EPOCH + 1, [1, 2], 1, 4096)[0])
@@ -95,24 +95,25 @@ def _d_run(tmp: Path) -> tuple[Path, Consumer, list[list[DEffect]]]:
     outs: list[list[DEffect]] = []
     with JournalWriter(tmp, cfg, reader="d0") as w:
         c = Consumer("d0", cfg, sink=w.sink)
-        c.handshake_result("P0", True, 0.0)
+        c.handshake_result("P0", True, 0)
         for h in (1, 2):
-            c.admit(f"r{h}", TransferParams("P0", EPOCH, h, (h,), cfg.initial_lease), 0.0)
-        hb = [e for e in c.tick(1.0) if isinstance(e, SendHeartbeat)]
+            c.admit(f"r{h}", TransferParams("P0", EPOCH, h, (h,), cfg.ms.initial_lease), 0)
+        hb = [e for e in c.tick(1000) if isinstance(e, SendHeartbeat)]
         assert len(hb) == 1
 
-        def d(buf: bytes, now: float, peer: str = "P0", known: bool = True) -> None:
+        def d(buf: bytes, now: int, peer: str = "P0", known: bool = True) -> None:
             outs.append(d_receive(c, peer, buf, now, known=known, epoch=EPOCH,
                                   max_bytes=cfg.max_message_bytes))
 
-        [ack] = wire.encode_ack(EPOCH, hb[0].seq, 40.0, [], 4096)
-        d(ack, 1.5)  # good: renews both
-        d(ack[:-1], 2.0)  # truncated
-        d(wire.encode_ack(EPOCH + 1, hb[0].seq, 5.0, [], 4096)[0], 2.1)  # another epoch
-        d(b"\x00" * (cfg.max_message_bytes + 1), 2.2)  # oversized
-        d(wire.encode_done(EPOCH, 1, 1), 2.3)  # a kind D does not take
-        d(ack, 2.4, peer="stranger", known=False)  # nobody D shook hands with
-        d(ack[:-1], float("nan"))  # a non-finite time: recorded at the rank's clock
+        [ack] = wire.encode_ack(EPOCH, hb[0].seq, 40_000, [], 4096)
+        d(ack, 1500)  # good: renews both
+        d(ack[:-1], 2000)  # truncated
+        d(wire.encode_ack(EPOCH + 1, hb[0].seq, 5000, [], 4096)[0], 2100)  # another epoch
+        d(b"\x00" * (cfg.max_message_bytes + 1), 2200)  # oversized
+        d(wire.encode_done(EPOCH, 1, 1), 2300)  # a kind D does not take
+        d(ack, 2400, peer="stranger", known=False)  # nobody D shook hands with
+        # A time that is not an int: recorded at the rank's clock.
+        d(ack[:-1], float("nan"))  # type: ignore[arg-type]
     return tmp, c, outs
 
 
@@ -120,7 +121,7 @@ def test_d_receive_counts_and_journals_every_rejection(tmp_path: Path) -> None:
     path, c, outs = _d_run(tmp_path / "d.jsonl")
     good, *bad = outs
     assert not any(isinstance(e, DRejected) for e in good)
-    assert c.lease_end("r1") == pytest.approx(1.0 + 40.0 - Config().clock_drift)
+    assert c.lease_end("r1") == 1000 + 40_000 - Config().ms.clock_drift
     assert [type(e) for o in bad for e in o] == [DRejected] * len(bad)
     reasons = [o[0].reason for o in bad]
     assert reasons == ["truncated", "epoch", "oversized", "unexpected_kind", "unknown_peer",
@@ -135,7 +136,7 @@ def test_d_receive_counts_and_journals_every_rejection(tmp_path: Path) -> None:
     assert all(r["effects"] == [{"type": "rejected", "reason": r["event"]["reason"],
                                  "peer": r["event"]["peer"], "detail": r["event"]["detail"]}]
                for r in rejects)
-    assert rejects[-1]["event"]["now"] == 2.4  # the NaN was recorded at the rank's clock
+    assert rejects[-1]["event"]["now"] == 2400  # the NaN was recorded at the rank's clock
 
 
 def test_a_d_journal_with_rejections_replays(tmp_path: Path) -> None:
@@ -176,3 +177,10 @@ def test_a_d_journal_with_rejections_validates_under_tlc(tmp_path: Path) -> None
         pytest.skip(str(e))
     assert ok.allowed, ok.describe()
     assert not refused.allowed and refused.line == i + 1, refused.describe()
+
+
+def test_now_ms_reads_a_seconds_clock_as_whole_milliseconds() -> None:
+    """The adapters' one clock reading: seconds in, the machines' int ms out."""
+    assert now_ms(lambda: 12.3456) == 12_346
+    assert now_ms(lambda: 0.1 + 0.2) == 300  # float noise gone
+    assert type(now_ms(lambda: 5.0)) is int

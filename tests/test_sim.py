@@ -127,7 +127,7 @@ def test_simulator_reports_leaked_blocks(monkeypatch: pytest.MonkeyPatch) -> Non
     sim.run(5.0, drain=False)
     assert sim.ledger.held_requests > 0
 
-    def never_expire(now: float) -> list[Effect]:
+    def never_expire(now: int) -> list[Effect]:
         return []
 
     monkeypatch.setattr(sim.ledger, "tick", never_expire)
@@ -283,7 +283,7 @@ def test_simulate_exits_7_on_a_liveness_failure(capsys: pytest.CaptureFixture[st
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing gets through and nothing expires: blocks stay held after the drain
     (NoLeak), which is a liveness failure, not a safety violation."""
-    def never_expire(self: Ledger, now: float) -> list[Effect]:
+    def never_expire(self: Ledger, now: int) -> list[Effect]:
         return []
 
     monkeypatch.setattr(Ledger, "tick", never_expire)

@@ -1,4 +1,4 @@
-"""``kvproto validate``: TLC checks recorded journals against the spec (issue 4, section 2).
+"""``kvproto validate``: TLC checks recorded journals against the spec.
 
 Real simulator journals must be accepted; tampered ones must be rejected at the right
 line. All journals of a test go to TLC in one batch (SANY time dominates)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,44 +48,44 @@ def scripted_journal(path: Path) -> Path:
                  max_staged_age=6.0)
     with JournalWriter(path, cfg, 16, {"source": "scripted"}) as w:
         L = Ledger(cfg, BlockPool(16), sink=w.sink)
-        L.done("dB", 5, 2, 0.5)  # early: staged
-        L.register(1, "a", (0, 1), 1.0, group="g", expected=2)
-        L.register(2, "b", (0, 2), 1.0, group="g", expected=2)
-        L.register(3, "c", (3,), 1.0)
-        L.register(4, "d", (4, 5), 1.0, expected=1)
-        L.register(4, "d", (4, 5), 1.2)  # duplicate handle: rejected
-        L.register(9, "z", (99,), 1.2)  # invalid block id: rejected
-        L.tick(1.5)
-        L.heartbeat("dA", 1, (1, 2, 3, 5), 2, 2.0)  # 5 is pending (staged)
-        L.abort("d", 2.5)
-        L.heartbeat("dA", 2, (4,), 1, 2.7)  # refused: aborted
-        L.done("dA", 1, 2, 3.0)
-        L.reject("bad_magic", "dX", "3 bytes", 3.1)
-        L.done("dB", 1, 2, 3.2)  # all done: frees 1 (transferred) and 2 (sibling)
-        L.register(5, "e", (6,), 3.3, expected=2)  # applies the staged done
-        L.release("dA", (5,), 2, 3.4)  # all finished: released
-        for t in range(4, 16):
-            L.tick(float(t))  # 3 expires at 11, the aborted 4 is freed at 12.5 -> 13
-        L.done("dA", 3, 1, 16.0)  # late
+        L.done("dB", 5, 2, 500)  # early: staged
+        L.register(1, "a", (0, 1), 1000, group="g", expected=2)
+        L.register(2, "b", (0, 2), 1000, group="g", expected=2)
+        L.register(3, "c", (3,), 1000)
+        L.register(4, "d", (4, 5), 1000, expected=1)
+        L.register(4, "d", (4, 5), 1200)  # duplicate handle: rejected
+        L.register(9, "z", (99,), 1200)  # invalid block id: rejected
+        L.tick(1500)
+        L.heartbeat("dA", 1, (1, 2, 3, 5), 2, 2000)  # 5 is pending (staged)
+        L.abort("d", 2500)
+        L.heartbeat("dA", 2, (4,), 1, 2700)  # refused: aborted
+        L.done("dA", 1, 2, 3000)
+        L.reject("bad_magic", "dX", "3 bytes", 3100)
+        L.done("dB", 1, 2, 3200)  # all done: frees 1 (transferred) and 2 (sibling)
+        L.register(5, "e", (6,), 3300, expected=2)  # applies the staged done
+        L.release("dA", (5,), 2, 3400)  # all finished: released
+        for t in range(4000, 16_000, 1000):
+            L.tick(t)  # 3 expires at 11 s, the aborted 4 is freed at 12.5 s -> 13 s
+        L.done("dA", 3, 1, 16_000)  # late
     return path
 
 
 def budget_journal(path: Path) -> Path:
     """Ticks with a work budget of one heap entry (Config.max_tick_work = 1): expiries
     carried over to later ticks, and a late request renewed and one finished before
-    their expiry came round (issue 11)."""
+    their expiry came round."""
     cfg = Config(initial_lease=10.0, lease_extension=8.0, abort_grace=10.0,
                  heartbeat_interval=2.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1,
                  max_tick_work=1)
     with JournalWriter(path, cfg, 16, {"source": "budget"}) as w:
         L = Ledger(cfg, BlockPool(16), sink=w.sink)
         for h in range(1, 6):
-            L.register(h, f"r{h}", (h,), 1.0, expected=1)
-        L.tick(11.0)  # five due, one expires
-        L.heartbeat("dA", 1, (4,), 1, 11.2)  # 4 is past its deadline, still held: renewed
-        L.done("dA", 5, 1, 11.3)  # 5 finishes before its late expiry
-        for t in range(12, 30):
-            L.tick(float(t))
+            L.register(h, f"r{h}", (h,), 1000, expected=1)
+        L.tick(11_000)  # five due, one expires
+        L.heartbeat("dA", 1, (4,), 1, 11_200)  # 4 is past its deadline, still held: renewed
+        L.done("dA", 5, 1, 11_300)  # 5 finishes before its late expiry
+        for t in range(12_000, 30_000, 1000):
+            L.tick(t)
         assert L.frees["expired"] == 4 and L.frees["transferred"] == 1
     return path
 
@@ -115,19 +116,27 @@ def frees_of(row: dict[str, Any]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------
 
 
-def test_choose_scale() -> None:
-    assert trace.choose_scale([30.0, 20.0, 0.0]) == 1
-    assert trace.choose_scale([30.0, 0.1, 12.3]) == 10
-    assert trace.choose_scale([0.25]) == 100
-    with pytest.raises(va.TraceError):
-        trace.choose_scale([1e-7])
-    assert trace.choose_scale([0.1 + 0.2, 1234.5]) == 10
+def test_trace_times_are_the_journals_milliseconds(tmp_path: Path) -> None:
+    """No scale and no rounding: a tick 1 ms before a deadline is 1 time unit before it
+    in the trace, exactly as the ledger saw it."""
+    cfg = Config(initial_lease=10.0, lease_extension=8.0, abort_grace=10.0,
+                 heartbeat_interval=2.0, max_delay=0.5, max_read_time=2.0, clock_drift=0.1)
+    path = tmp_path / "ms.jsonl"
+    with JournalWriter(path, cfg, 4, {"source": "ms"}) as w:
+        L = Ledger(cfg, BlockPool(4), sink=w.sink)
+        L.register(1, "a", (0,), 5, expected=1)
+        L.tick(10_004)  # 1 ms before the deadline (10_005)
+        L.tick(10_005)
+    tr = ptrace.journal_to_trace(path)
+    assert [re.search(r"dt \|-> (\d+)", s).group(1) for s in tr.steps] == ["0", "9999", "1"]
+    assert "frees |-> <<>>" in tr.steps[1] and '"expired"' in tr.steps[2]
+    assert tr.constants["InitialLease"] == "10000"
+    assert not hasattr(trace, "choose_scale")
 
 
 def test_trace_mapping(tmp_path: Path) -> None:
     tr = ptrace.journal_to_trace(scripted_journal(tmp_path / "s.jsonl"))
-    assert tr.scale == 10
-    assert tr.constants["InitialLease"] == "100" and tr.constants["LeaseExtension"] == "80"
+    assert tr.constants["InitialLease"] == "10000" and tr.constants["LeaseExtension"] == "8000"
     assert '"h1"' in tr.constants["Requests"] and '"h9"' not in tr.constants["Requests"]
     assert tr.constants["Readers"] == '{"dA", "dB"}'
     assert tr.lines[0] == 2 and len(tr.steps) == len(read_lines(tmp_path / "s.jsonl")) - 1
@@ -328,13 +337,13 @@ def d_journal(path: Path) -> Path:
 
     with JournalWriter(path, Config(), None, {"source": "test_validate"}, reader="d0") as w:
         c = Consumer("d0", Config(), sink=w.sink)
-        c.handshake_result("P0", True, 0.0)
-        c.admit("r1", TransferParams("P0", 1, 1, (1,), 30.0, 1), 0.1)
-        c.admit("r2", TransferParams("P0", 1, 2, (2,), 30.0, 1), 0.1)
-        hbs = [e for e in c.tick(0.5) if isinstance(e, SendHeartbeat)]
-        c.ack("P0", hbs[0].seq, 20.0, (2,), 0.7)  # r2 refused: released
-        c.schedule("r1", 1.0)
-        c.read_result("r1", True, 2.0, notif_attached=False)
+        c.handshake_result("P0", True, 0)
+        c.admit("r1", TransferParams("P0", 1, 1, (1,), 30_000, 1), 100)
+        c.admit("r2", TransferParams("P0", 1, 2, (2,), 30_000, 1), 100)
+        hbs = [e for e in c.tick(500) if isinstance(e, SendHeartbeat)]
+        c.ack("P0", hbs[0].seq, 20_000, (2,), 700)  # r2 refused: released
+        c.schedule("r1", 1000)
+        c.read_result("r1", True, 2000, notif_attached=False)
     return path
 
 
@@ -357,3 +366,25 @@ def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
     assert "do NOT follow" in out and f"line {i + 1}: ack effects differ" in out
     assert f"{bad}: NOT ALLOWED at line {i + 1}" in out
     assert "the spec has an effect here that the journal does not" in out
+
+
+@pytest.mark.tlc
+def test_validate_accepts_version_1_and_version_2_journals(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Version 1 journals (float seconds, committed as written by the version 1 writer)
+    are read as milliseconds and accepted like version 2 ones, P and D alike."""
+    from kvproto import cli
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    v1 = [fixtures / "journal_v1_p.jsonl", fixtures / "journal_v1_d.jsonl"]
+    v2 = [scripted_journal(tmp_path / "p2.jsonl"), d_journal(tmp_path / "d2.jsonl")]
+    assert [json.loads(p.read_text().splitlines()[0])["kvproto_journal"]
+            for p in v1 + v2] == [1, 1, 2, 2]
+    try:
+        code = cli.main(["-q", "validate", *map(str, v1 + v2)])
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for p in v1 + v2:
+        assert f"{p}: OK, all" in out, out

@@ -65,7 +65,7 @@ def _good_shape(engine: str, port: int, n_tokens: int) -> dict[str, Any]:
     return {"do_remote_prefill": True, "do_remote_decode": False,
             PARAMS_KEY: {"engine": engine, "epoch": 1, "handle": 1,
                          "blocks": list(range(blocks)), "generations": [0] * blocks,
-                         "initial_term": 30.0, "expected": 1, "group": None,
+                         "initial_term": 30_000, "expected": 1, "group": None,
                          "host": "127.0.0.1", "port": port, "num_tokens": n_tokens}}
 
 

@@ -1,4 +1,4 @@
-"""End to end: KVProtoConnector inside real vLLM engines (issue 9).
+"""End to end: KVProtoConnector inside real vLLM engines.
 
 Real vLLM engines (the CPU build), each in its own process, real NIXL (UCX over loopback),
 a tiny LlamaForCausalLM with random real weights written locally; nothing mocked. The

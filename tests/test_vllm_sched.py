@@ -72,7 +72,7 @@ def test_options_refuse_bad_values_with_one_line(extra: dict[str, Any], msg: str
 
 # -- transfer params ---------------------------------------------------------------------
 
-TP = TransferParams(engine="kvproto-p-x", epoch=7, handle=3, blocks=(4, 5, 6), initial_term=3.0,
+TP = TransferParams(engine="kvproto-p-x", epoch=7, handle=3, blocks=(4, 5, 6), initial_term=3000,
                     expected=1, group=None, generations=(0, 2, 1))
 
 
@@ -102,6 +102,8 @@ def _bad(mut: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     _bad(lambda d: d.update(blocks=[1, 2, -3])),
     _bad(lambda d: d.update(initial_term=float("inf"))),
     _bad(lambda d: d.update(initial_term=0)),
+    _bad(lambda d: d.update(initial_term=30.0)),  # ms are ints: a float is refused
+    _bad(lambda d: d.update(initial_term=2**32)),
     _bad(lambda d: d.update(expected=0)),
     _bad(lambda d: d.update(group=5)),
     _bad(lambda d: d.update(num_tokens=0)),
@@ -152,7 +154,7 @@ def test_p_scheduler_handles_stamps_and_orders() -> None:
     pa, pb = parse_remote_params(a).params, parse_remote_params(b).params
     assert (pa.handle, pb.handle) == (1, 2)
     assert pa.generations == (0, 0) and pb.generations == (3, 1)
-    assert (pa.engine, pa.epoch, pa.initial_term) == ("P", 9, CFG.initial_lease)
+    assert (pa.engine, pa.epoch, pa.initial_term) == ("P", 9, CFG.ms.initial_lease)
     orders = ps.drain()
     assert [(o.request_id, o.handle, o.blocks, o.generations) for o in orders] == [
         ("r1", 1, (1, 2), (0, 0)), ("r2", 2, (2, 5), (3, 1))]

@@ -16,7 +16,7 @@ figures are also reported as ratios against a baseline measured in the same run:
   heap entries are re-inserted lazily), at the default ``max_tick_work``; against
   ``unbounded_tick_ms_*``, the one tick that does all of it (no budget), in the same run;
   ``expiry_ticks_*`` ticks to drain them and ``expiry_lag_ms_*`` how late the last
-  expiry came (ticks back to back); tick times are thread CPU time
+  expiry came (ticks back to back, 1 ms apart); tick times are thread CPU time
   (``worst_tick_wall_ms_*``: wall time, which also counts other processes' load);
 * ``heap_entries_over_live``: the deadline heap's largest size over the held requests
   under churn (10^4 held, requests registered and transferred at 10^5/s, aborts);
@@ -85,7 +85,7 @@ def _ledger(n: int, capacity: int = 64) -> tuple[Ledger, list[int]]:
     hs = []
     for i in range(n):
         h = L.new_handle()
-        L.register(h, f"r{i}", BLOCKS, 0.0, expected=2)
+        L.register(h, f"r{i}", BLOCKS, 0, expected=2)
         hs.append(h)
     return L, hs
 
@@ -101,7 +101,7 @@ def bench_events(n: int = 100_000, batch: int = 512) -> dict[str, float]:
     gc.disable()
     try:
         t0 = time.perf_counter()
-        now = 1.0
+        now = 1000  # ms
         for i in range(0, n, batch):
             L.heartbeat("d0", i, hs[i:i + batch], 2, now)
         t_hb = time.perf_counter() - t0
@@ -145,7 +145,7 @@ def bench_tick(ns: list[int]) -> tuple[dict[str, float], dict[str, float]]:
         def run_ledger(L: Ledger = L, iters: int = iters) -> float:
             t0 = time.perf_counter()
             for k in range(iters):
-                L.tick(1.0 + k * 1e-6)
+                L.tick(1000 + k)  # ms: 20 s at most, below the 30 s lease
             return (time.perf_counter() - t0) / iters * 1e6
 
         tick_us[str(n)] = round(_best(run_ledger, 3), 3)
@@ -178,7 +178,7 @@ def bench_memory(n: int) -> dict[str, float]:
     pool = BlockPool(64)
     L = Ledger(cfg, pool)
     for i in range(n):
-        L.register(L.new_handle(), rids[i], BLOCKS, 0.0, expected=2)
+        L.register(L.new_handle(), rids[i], BLOCKS, 0, expected=2)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert L.held_requests == n
@@ -201,9 +201,9 @@ def bench_heartbeat_bytes(inflight: int = 10_000, window: int = 100_000,
 
 def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
     """n leases run out at t=30; half were renewed at t=10 (deadline 30 on the heap,
-    40 in the request: a lazy re-insert). Ticks back to back (1 us apart, as an engine
-    step loop that sees ``next_deadline()`` in the past would) until every due entry is
-    processed. GC is off while ticking (a full collection over 10^6 objects is the
+    40 in the request: a lazy re-insert). Ticks back to back (1 ms apart, the clock's
+    resolution, as an engine step loop that sees ``next_deadline()`` in the past would)
+    until every due entry is processed. GC is off while ticking (a full collection over 10^6 objects is the
     runtime's pause, not the tick's work). The worst tick is measured in thread CPU time
     (the tick's own work; wall time also counts other processes on a loaded machine),
     and in wall time."""
@@ -211,18 +211,18 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
     L = Ledger(cfg, BlockPool(64))
     hs = [L.new_handle() for _ in range(n)]
     for i, h in enumerate(hs):
-        L.register(h, f"r{i}", BLOCKS, 0.0, expected=1)
+        L.register(h, f"r{i}", BLOCKS, 0, expected=1)
     half = hs[: n // 2]
     for i in range(0, len(half), 512):
-        L.heartbeat("d0", i, half[i:i + 512], 1, 10.0)  # deadline 30 -> 30 (no change)
+        L.heartbeat("d0", i, half[i:i + 512], 1, 10_000)  # deadline 30 s -> 30 s (no change)
     for i in range(0, len(half), 512):
-        L.heartbeat("d0", i, half[i:i + 512], 1, 20.0)  # deadline -> 40: re-insert at 30
+        L.heartbeat("d0", i, half[i:i + 512], 1, 20_000)  # deadline -> 40 s: re-insert at 30
     gc.collect()
     gc.disable()
     worst = worst_wall = 0.0
     ticks = 0
     freed = 0
-    now = 30.0
+    now = 30_000  # ms
     try:
         while True:
             c0 = time.thread_time()
@@ -236,12 +236,12 @@ def bench_mass_expiry(n: int, budget: int | None) -> dict[str, float]:
             nxt = L.next_deadline()
             if nxt is None or nxt > now:
                 break
-            now += 1e-6
+            now += 1
     finally:
         gc.enable()
     assert freed == n - len(half) and L.held_requests == len(half)
     return {"worst_tick_ms": round(worst * 1e3, 3), "worst_tick_wall_ms": round(worst_wall * 1e3, 3),
-            "ticks": ticks, "lag_ms": round((now - 30.0) * 1e3, 3)}
+            "ticks": ticks, "lag_ms": now - 30_000}
 
 
 def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
@@ -250,15 +250,15 @@ def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
     entry); ``held`` long-lived requests stay held throughout."""
     L = Ledger(Config(max_tombstones=1024), BlockPool(64))
     if not compact:
-        L._maybe_compact = lambda: None  # type: ignore[method-assign]  # the old heap
-    now = 0.0
+        L._maybe_compact = lambda: None  # type: ignore[method-assign]  # a heap never rebuilt
+    now = 0  # ms
     for i in range(held):
         L.register(L.new_handle(), f"held{i}", BLOCKS, now, expected=1)
         L.heartbeat("d0", i, (i + 1,), 1, now)
     peak = 0
     ratio = 0.0
     for i in range(n):
-        now += 1e-5
+        now = i // 100  # 100 requests per ms
         h = L.new_handle()
         rid = f"c{i}"
         L.register(h, rid, BLOCKS, now, expected=1)

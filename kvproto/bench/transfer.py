@@ -344,17 +344,17 @@ def heartbeat_bytes(in_flight: int, cfg: Config = BENCH_CONFIG) -> dict[str, Any
     c = Consumer("D0", cfg)
     ledger = Ledger(cfg, BlockPool(1))
     for h in range(1, in_flight + 1):
-        ledger.register(h, f"r{h}", (0,), 0.0)
-        c.admit(f"r{h}", TransferParams("P0", 7, h, (0,), cfg.initial_lease), 0.0)
-    c.handshake_result("P0", True, 0.0)
+        ledger.register(h, f"r{h}", (0,), 0)
+        c.admit(f"r{h}", TransferParams("P0", 7, h, (0,), cfg.ms.initial_lease), 0)
+    c.handshake_result("P0", True, 0)
     hb_bytes = ack_bytes = msgs = 0
-    for eff in c.tick(1.0):
+    for eff in c.tick(1000):
         if isinstance(eff, SendHeartbeat):
             for m in encode_heartbeat(7, eff.seq, eff.handles, eff.expected,
                                       cfg.max_message_bytes):
                 hb_bytes += len(m)
                 msgs += 1
-            for a in ledger.heartbeat("D0", eff.seq, eff.handles, eff.expected, 1.0):
+            for a in ledger.heartbeat("D0", eff.seq, eff.handles, eff.expected, 1000):
                 if isinstance(a, Ack):
                     ack_bytes += sum(len(m) for m in encode_ack(
                         7, a.seq, a.term, a.refused, cfg.max_message_bytes, pending=a.pending))

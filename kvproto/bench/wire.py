@@ -56,7 +56,7 @@ def _ledger(n: int) -> tuple[Ledger, list[int]]:
     hs = []
     for i in range(n):
         h = L.new_handle()
-        L.register(h, f"r{i}", (i % 64,), 0.0, expected=2)
+        L.register(h, f"r{i}", (i % 64,), 0, expected=2)
         hs.append(h)
     return L, hs
 
@@ -69,7 +69,7 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
     done_batches = [m for i in range(0, n, DONE_BATCH)
                     for m in wire.encode_done_batch(EPOCH, handles[i:i + DONE_BATCH], 2, 4096)]
     acks = [m for i in range(n // 100)
-            for m in wire.encode_ack(EPOCH, i, 20.0, (), 1 << 16)]
+            for m in wire.encode_ack(EPOCH, i, 20_000, (), 1 << 16)]
     decode, ref = wire.decode, wire.decode_reference
 
     def dec_done(f: Callable[..., wire.Message] = decode) -> int:
@@ -109,7 +109,7 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
 
     def enc_ack(f: Callable[..., list[bytes]] = wire.encode_ack) -> int:
         for i in range(n // 100):
-            f(EPOCH, i, 20.0, (), 4096)
+            f(EPOCH, i, 20_000, (), 4096)
         return n // 100
 
     def ledger_done() -> float:
@@ -117,9 +117,9 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
         gc.collect()
         t0 = time.perf_counter()
         for h in hs:
-            L.done("d0", h, 2, 1.0)
+            L.done("d0", h, 2, 1000)
         for h in hs:
-            L.done("d1", h, 2, 1.0)
+            L.done("d1", h, 2, 1000)
         dt = time.perf_counter() - t0
         assert L.held_requests == 0
         return dt / (2 * n) * 1e6
@@ -129,7 +129,7 @@ def run_all(n: int = 50_000, repeat: int = 5) -> dict[str, Any]:
         gc.collect()
         t0 = time.perf_counter()
         for i in range(0, n, BATCH):
-            L.heartbeat("d0", i, hs[i:i + BATCH], 2, 1.0)
+            L.heartbeat("d0", i, hs[i:i + BATCH], 2, 1000)
         return (time.perf_counter() - t0) / n * 1e6
 
     gc.disable()

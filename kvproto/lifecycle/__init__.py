@@ -12,7 +12,8 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 * ``consumer`` -- ``Consumer``, one decode rank's (D) machine, run the same way, with its
   own event classes (``Admit`` ... ``DTick``), ``apply`` and journal sink.
 
-No sockets, threads or clocks: time is an argument of every event. The TLA+ spec in
+No sockets, threads or clocks: time is an argument of every event, an integer number of
+milliseconds (``config.to_ms`` is the one conversion from seconds). The TLA+ spec in
 ``tla/KVLifecycle.tla`` mirrors this package one to one (same state names; actions named
 after the events), with ``tla/KVLedger.tla`` and ``tla/KVConsumer.tla`` for each machine
 alone; ``spec/PROTOCOL.md`` is the prose mirror. Code outside this package reads the
@@ -30,6 +31,9 @@ from kvproto.lifecycle.config import (
     MIN_MESSAGE_BYTES,
     Config,
     ConfigError,
+    Millis,
+    is_whole_ms,
+    to_ms,
 )
 from kvproto.lifecycle.consumer import (
     MAX_OUTSTANDING_HEARTBEATS,
@@ -41,12 +45,15 @@ from kvproto.lifecycle.consumer import (
     DEvent,
     DReject,
     DRejected,
+    DRequestView,
     DropPeer,
     DTick,
     Finished,
     HandshakeFailed,
     HandshakeOk,
+    HeartbeatView,
     PeerLost,
+    PeerView,
     PostRead,
     ReadFailed,
     ReadOk,
@@ -137,6 +144,7 @@ from kvproto.lifecycle.table import (
     UNREGISTERED,
     WAITING,
     Fx,
+    MissingRow,
     Table,
     TableError,
     TableKey,
@@ -222,6 +230,7 @@ __all__ = [
     "DEvent",
     "DReject",
     "DRejected",
+    "DRequestView",
     "DTick",
     "Done",
     "DoubleFree",
@@ -234,9 +243,13 @@ __all__ = [
     "HandshakeFailed",
     "HandshakeOk",
     "Heartbeat",
+    "HeartbeatView",
     "HeldView",
     "Ledger",
+    "Millis",
+    "MissingRow",
     "PeerLost",
+    "PeerView",
     "PostRead",
     "ReadFailed",
     "ReadOk",
@@ -256,6 +269,8 @@ __all__ = [
     "Tick",
     "TransferParams",
     "Transition",
+    "is_whole_ms",
     "make_table",
+    "to_ms",
     "with_rows",
 ]

@@ -4,18 +4,18 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
-import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Final
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, NamedTuple
 
 from kvproto.lifecycle.config import (
     Config,
 )
 from kvproto.lifecycle.producer import (
-    _INF,
     CLOCK_START,
     HEAP_SLACK,
 )
@@ -45,6 +45,13 @@ from kvproto.lifecycle.table import (
 from kvproto.wire import chunk_handles
 
 
+def _ms(v: Any) -> int:
+    """A duration read from JSON: an int of milliseconds (a float or bool is refused)."""
+    if type(v) is not int:
+        raise ValueError(f"a duration must be an int of milliseconds, got {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class TransferParams:
     """What P hands D (through the router) for one request."""
@@ -53,7 +60,7 @@ class TransferParams:
     epoch: int  # P incarnation; messages carry it so a restarted P rejects old ones
     handle: int
     blocks: tuple[int, ...]
-    initial_term: float  # a duration, never a timestamp
+    initial_term: int  # a duration in milliseconds, never a timestamp
     expected: int = 1  # readers that will pull this request from this P rank
     group: str | None = None
     generations: tuple[int, ...] = ()  # fail-closed reads (see the NIXL adapter)
@@ -68,7 +75,7 @@ class TransferParams:
     def from_dict(cls, d: dict[str, Any]) -> TransferParams:
         return cls(engine=str(d["engine"]), epoch=int(d["epoch"]), handle=int(d["handle"]),
                    blocks=tuple(int(b) for b in d["blocks"]),
-                   initial_term=float(d["initial_term"]), expected=int(d.get("expected", 1)),
+                   initial_term=_ms(d["initial_term"]), expected=int(d.get("expected", 1)),
                    group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())))
 
 
@@ -150,39 +157,39 @@ DEffect = (StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | 
 class Admit:
     request_id: str
     params: TransferParams
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class HandshakeOk:
     engine: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class HandshakeFailed:
     engine: str
     reason: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
     request_id: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class ReadOk:
     request_id: str
-    now: float
+    now: int
     notif_attached: bool = True  # the done notification travelled with the READ
 
 
 @dataclass(frozen=True, slots=True)
 class ReadFailed:
     request_id: str
-    now: float
+    now: int
     fenced: bool = False  # the data landed but its generation stamps changed
 
 
@@ -191,7 +198,7 @@ class DAbort:
     """Client abort on D."""
 
     request_id: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +207,9 @@ class DAck:
 
     engine: str
     seq: int
-    term: float
+    term: int  # milliseconds
     refused: tuple[int, ...]
-    now: float
+    now: int
     pending: tuple[int, ...] = ()
 
 
@@ -211,12 +218,12 @@ class PeerLost:
     """The adapter lost P engine ``engine`` (disconnect, channel closed)."""
 
     engine: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class DTick:
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +235,7 @@ class DReject:
     reason: str
     peer: str
     detail: str
-    now: float
+    now: int
 
 
 DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed | DAbort
@@ -238,17 +245,24 @@ DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed
 class _DReq:
     __slots__ = ("abort_pending", "lease_end", "params", "rid", "state")
 
-    def __init__(self, rid: str, params: TransferParams, lease_end: float) -> None:
+    def __init__(self, rid: str, params: TransferParams, lease_end: int) -> None:
         self.rid = rid
         self.params = params
         self.lease_end = lease_end
         self.state = D_NEW
         self.abort_pending = False
 
+    def copy(self) -> _DReq:
+        """An independent copy (``Consumer.clone``)."""
+        q = _DReq(self.rid, self.params, self.lease_end)
+        q.state = self.state
+        q.abort_pending = self.abort_pending
+        return q
 
-@dataclass
+
+@dataclass(frozen=True)
 class _HbSent:
-    sent_at: float
+    sent_at: int
     handles: tuple[int, ...]
 
 
@@ -256,8 +270,12 @@ class _HbSent:
 class _Peer:
     state: str = PEER_UNKNOWN  # one of PEER_STATES
     seq: int = 0
-    last_heard: float = -math.inf  # handshake or last ack from this peer
+    last_heard: int = CLOCK_START  # handshake or last ack from this peer
+    # Invariant: seq -> heartbeat sent to this peer and not yet acked, oldest first; on
+    # each heartbeat tick those older than lease_extension are pruned. Cap:
+    # MAX_OUTSTANDING_HEARTBEATS (the oldest forgotten, counted heartbeat_memory_evicted).
     outstanding: OrderedDict[int, _HbSent] = field(default_factory=OrderedDict)
+    # Invariant: handle -> request, exactly the Consumer.reqs entries from this engine.
     reqs: dict[int, _DReq] = field(default_factory=dict)  # handle -> request
 
 
@@ -267,7 +285,42 @@ class _Peer:
 MAX_OUTSTANDING_HEARTBEATS: Final = 4096
 
 
-def _prune_outstanding(peer: _Peer, older_than: float) -> None:
+class DRequestView(NamedTuple):
+    """A read-only view of one request on D (``Consumer.request``)."""
+
+    request_id: str
+    state: str
+    params: TransferParams
+    lease_end: int
+    abort_pending: bool
+
+
+class HeartbeatView(NamedTuple):
+    """A heartbeat message awaiting its ack (``PeerView.outstanding``)."""
+
+    seq: int
+    sent_at: int
+    handles: tuple[int, ...]
+
+
+class PeerView(NamedTuple):
+    """A read-only view of one P engine as D sees it (``Consumer.peer``)."""
+
+    engine: str
+    state: str  # one of PEER_STATES
+    seq: int  # the last heartbeat sequence number sent
+    last_heard: int  # handshake or last ack; CLOCK_START before either
+    outstanding: Mapping[int, HeartbeatView]  # seq -> heartbeat awaiting its ack, oldest first
+
+
+# The fields Consumer.__init__ sets. ``Consumer.clone`` copies each mutable one by hand and
+# shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
+_CONSUMER_SHARED: Final = frozenset({
+    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_lease_heap", "_next_hb",
+    "now", "heartbeat_chunk", "counters", "finished"})
+
+
+def _prune_outstanding(peer: _Peer, older_than: int) -> None:
     out = peer.outstanding
     while out:
         first = next(iter(out.values()))
@@ -292,8 +345,8 @@ class Consumer:
 
     The lease heap holds at most max(2 * requests, ``HEAP_SLACK``) entries (rebuilt beyond).
 
-    Time: a non-finite ``now`` is refused (counted ``bad_time``, no effect, nothing
-    changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
+    Time: integer milliseconds. A ``now`` that is not an int is refused (counted
+    ``bad_time``, no effect, nothing changes). A ``now`` before the rank's clock is counted (``clock_regression``); admit
     keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
     """
@@ -310,13 +363,29 @@ class Consumer:
         self.reader = reader
         self.config = config.validate()
         self.sink = sink
+        # Invariant: exactly the requests admitted and not finished (waiting, handshaking
+        # or reading), by request id; each is also peers[its engine].reqs[its handle].
+        # Size: the requests D holds params for; each leaves when it finishes.
         self.reqs: dict[str, _DReq] = {}
+        # Invariant: every P engine an admit or a handshake result named; entries stay
+        # (a lost peer goes back to unknown). Size: the P engines the router names.
         self.peers: dict[str, _Peer] = {}
+        # Invariant: (engine, group) -> the one request of the group this rank read or is
+        # reading: set when its READ is posted, removed when that request gives the group
+        # up (disown). An entry stays after a READ that landed (later siblings are served
+        # from it), so it grows with the groups read: no cap.
         self._group_owner: dict[tuple[str, str], str] = {}  # (engine, group) -> rid read
-        self._lease_heap: list[tuple[float, str]] = []  # (lease_end, rid); lazy
-        self._next_hb = -math.inf
+        # Invariant: every waiting or handshaking request has an entry at its lease end or
+        # earlier (renewals leave it early, tick re-inserts it); other entries are dropped
+        # lazily. Cap: rebuilt once above max(2 * requests, HEAP_SLACK) at a finish.
+        self._lease_heap: list[tuple[int, str]] = []  # (lease_end, rid); lazy
+        # Invariant: the time the next tick sends heartbeats: heartbeat_interval after the
+        # last tick that sent them (CLOCK_START before the first).
+        self._next_hb = CLOCK_START
         self.now = CLOCK_START
         self.heartbeat_chunk = heartbeat_chunk
+        # Invariant: keys from fixed vocabularies (counter names; "state:reason" with the
+        # rows' and events' reasons), so both stay small.
         self.counters: dict[str, int] = {}
         self.finished: dict[str, int] = {}
 
@@ -328,12 +397,12 @@ class Consumer:
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
 
-    def _clock(self, now: float) -> float | None:
-        """The time to decide with: max(clock, now); None for a non-finite ``now``."""
-        if self.now <= now < _INF:
+    def _clock(self, now: int) -> int | None:
+        """The time to decide with: max(clock, now); None for a ``now`` that is not an int."""
+        if type(now) is int and self.now <= now:
             self.now = now
             return now
-        if not math.isfinite(now):
+        if type(now) is not int:
             self._count("bad_time")
             return None
         self._count("clock_regression")
@@ -344,7 +413,7 @@ class Consumer:
         r = self.reqs.get(rid)
         return D_NEW if r is None else r.state
 
-    def lease_end(self, rid: str) -> float | None:
+    def lease_end(self, rid: str) -> int | None:
         r = self.reqs.get(rid)
         return None if r is None else r.lease_end
 
@@ -365,7 +434,62 @@ class Consumer:
         p = self.peers.get(engine)
         return 0 if p is None else len(p.outstanding)
 
-    def next_deadline(self) -> float:
+    def request(self, rid: str) -> DRequestView | None:
+        """The request ``rid`` while it is on D (None before admit and once finished)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return None
+        return DRequestView(r.rid, r.state, r.params, r.lease_end, r.abort_pending)
+
+    def request_id(self, engine: str, handle: int) -> str | None:
+        """The request on D that P engine ``engine``'s ``handle`` names, if any."""
+        p = self.peers.get(engine)
+        r = None if p is None else p.reqs.get(handle)
+        return None if r is None else r.rid
+
+    def peer(self, engine: str) -> PeerView | None:
+        """P engine ``engine`` as D sees it (None when never named). O(outstanding
+        heartbeats)."""
+        p = self.peers.get(engine)
+        if p is None:
+            return None
+        return PeerView(engine, p.state, p.seq, p.last_heard,
+                        MappingProxyType({seq: HeartbeatView(seq, hb.sent_at, hb.handles)
+                                          for seq, hb in p.outstanding.items()}))
+
+    @property
+    def next_heartbeat_at(self) -> int:
+        """When the next tick sends heartbeats (CLOCK_START before the first tick)."""
+        return self._next_hb
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the lease heap (live ones plus dead ones not yet dropped)."""
+        return len(self._lease_heap)
+
+    def clone(self) -> Consumer:
+        """A deep, independent copy (requests, peers, outstanding heartbeats, group
+        owners, lease heap, counters), for searches that branch from one state
+        (conformance BFS, trace segments). Shared: ``config`` (frozen), ``sink`` (a
+        callable) and the immutable ``TransferParams``. Fields a subclass adds are
+        deep-copied. O(requests + peers + outstanding heartbeats)."""
+        n = object.__new__(type(self))
+        d = n.__dict__
+        for k, v in self.__dict__.items():
+            d[k] = v if k in _CONSUMER_SHARED else copy.deepcopy(v)  # a subclass's own fields
+        copies = {id(r): r.copy() for r in self.reqs.values()}
+        n.reqs = {rid: copies[id(r)] for rid, r in self.reqs.items()}
+        # Sent heartbeat records are frozen: the copies share them.
+        n.peers = {e: _Peer(p.state, p.seq, p.last_heard, OrderedDict(p.outstanding),
+                            {h: copies[id(r)] for h, r in p.reqs.items()})
+                   for e, p in self.peers.items()}
+        n._group_owner = dict(self._group_owner)
+        n._lease_heap = list(self._lease_heap)
+        n.counters = dict(self.counters)
+        n.finished = dict(self.finished)
+        return n
+
+    def next_deadline(self) -> int:
         """The earliest time at which ``tick`` can have something to do: the next
         heartbeat, a lease that may no longer cover a READ, a peer that may have gone
         silent. A tick before it changes nothing but the clock, so an adapter may tick
@@ -375,9 +499,9 @@ class Consumer:
         t = self._next_hb
         heap = self._lease_heap
         if heap:
-            cfg = self.config
-            t = min(t, heap[0][0] - cfg.max_read_time - cfg.clock_drift)
-        pt = self.config.peer_timeout
+            ms = self.config.ms
+            t = min(t, heap[0][0] - ms.max_read_time - ms.clock_drift)
+        pt = self.config.ms.peer_timeout
         for peer in self.peers.values():
             if peer.state == PEER_READY and peer.outstanding:
                 first = next(iter(peer.outstanding.values())).sent_at
@@ -386,7 +510,7 @@ class Consumer:
 
     # -- the step: one table row --------------------------------------------------------
     def _step(self, r: _DReq, event: str, guard: str, out: list[DEffect], *,
-              reason: str = "", lease_end: float = -math.inf,
+              reason: str = "", lease_end: int = CLOCK_START,
               notif_attached: bool = True) -> Transition:
         """Run the row (r.state, event, guard): destination, then effects in order.
         ``reason`` names the finish when the row leaves it to the event; ``lease_end``
@@ -433,8 +557,9 @@ class Consumer:
             out.append(Finished(r.rid, r.state, why))
         return row
 
-    def _read_fits(self, lease_end: float, now: float) -> bool:
-        return now + self.config.max_read_time + self.config.clock_drift <= lease_end
+    def _read_fits(self, lease_end: int, now: int) -> bool:
+        ms = self.config.ms
+        return now + ms.max_read_time + ms.clock_drift <= lease_end
 
     def _emit(self, ev: DEvent, out: list[DEffect]) -> list[DEffect]:
         if self.sink is not None:
@@ -470,7 +595,7 @@ class Consumer:
         raise TypeError(f"not a consumer event: {ev!r}")
 
     # -- events ------------------------------------------------------------------------------
-    def admit(self, rid: str, params: TransferParams, now: float) -> list[DEffect]:
+    def admit(self, rid: str, params: TransferParams, now: int) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
         if self._clock(now) is None:
             return []
@@ -481,7 +606,7 @@ class Consumer:
         if rid in self.reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return self._emit(Admit(rid, params, now), out)
-        lease_end = now + params.initial_term - self.config.max_delay
+        lease_end = now + params.initial_term - self.config.ms.max_delay
         r = _DReq(rid, params, lease_end)
         self.reqs[rid] = r
         peer.reqs[params.handle] = r
@@ -494,7 +619,7 @@ class Consumer:
         self._step(r, ADMIT, guard, out)
         return self._emit(Admit(rid, params, now), out) if self.sink else out
 
-    def handshake_result(self, engine: str, ok: bool, now: float,
+    def handshake_result(self, engine: str, ok: bool, now: int,
                          reason: str = "handshake") -> list[DEffect]:
         """The handshake with ``engine`` finished (ok) or failed (``reason``)."""
         clk = self._clock(now)
@@ -514,7 +639,7 @@ class Consumer:
         return self._emit(HandshakeOk(engine, now) if ok else HandshakeFailed(engine, reason, now),
                           out)
 
-    def schedule(self, rid: str, now: float) -> list[DEffect]:
+    def schedule(self, rid: str, now: int) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
         clk = self._clock(now)
         if clk is None:
@@ -541,7 +666,7 @@ class Consumer:
         self._step(r, SCHEDULE, guard, out)
         return self._emit(Schedule(rid, now), out) if self.sink else out
 
-    def read_result(self, rid: str, ok: bool, now: float, *, fenced: bool = False,
+    def read_result(self, rid: str, ok: bool, now: int, *, fenced: bool = False,
                     notif_attached: bool = True) -> list[DEffect]:
         """The READ finished (``ok``), failed, or its generations changed (``fenced``).
 
@@ -570,7 +695,7 @@ class Consumer:
         ev: DEvent = ReadOk(rid, now, notif_attached) if landed else ReadFailed(rid, now, fenced)
         return self._emit(ev, out)
 
-    def abort(self, rid: str, now: float) -> list[DEffect]:
+    def abort(self, rid: str, now: int) -> list[DEffect]:
         """Client abort on D. Never releases under an in-flight READ."""
         clk = self._clock(now)
         if clk is None:
@@ -586,8 +711,8 @@ class Consumer:
             self._step(r, D_ABORT, "idle", out)
         return self._emit(DAbort(rid, now), out)
 
-    def ack(self, engine: str, seq: int, term: float, refused: Sequence[int],
-            now: float, pending: Sequence[int] = ()) -> list[DEffect]:
+    def ack(self, engine: str, seq: int, term: int, refused: Sequence[int],
+            now: int, pending: Sequence[int] = ()) -> list[DEffect]:
         """P answered heartbeat ``seq``: lease end := send time + term - drift, except for
         ``refused`` handles (P will not renew them) and ``pending`` ones (P has not
         registered them yet: the previous estimate stands)."""
@@ -606,7 +731,7 @@ class Consumer:
             return self._emit(ev, out)
         refused_set = set(refused)
         pending_set = set(pending)
-        lease_end = sent.sent_at + term - self.config.clock_drift
+        lease_end = sent.sent_at + term - self.config.ms.clock_drift
         for h in sent.handles:
             r = peer.reqs.get(h)
             if r is None or r.state not in (WAITING, READING) or h in pending_set:
@@ -626,7 +751,7 @@ class Consumer:
             elif r.state in (WAITING, HANDSHAKING):
                 self._step(r, PEER_LOST, "lost", out)
 
-    def peer_lost(self, engine: str, now: float) -> list[DEffect]:
+    def peer_lost(self, engine: str, now: int) -> list[DEffect]:
         """P disconnected (or crashed): fail everything not in flight, promptly."""
         clk = self._clock(now)
         if clk is None:
@@ -638,7 +763,7 @@ class Consumer:
             self._lose_peer(peer, out)
         return self._emit(PeerLost(engine, now), out)
 
-    def tick(self, now: float) -> list[DEffect]:
+    def tick(self, now: int) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
         fail requests whose lease can no longer cover a READ; lose peers that left
         heartbeats unanswered for ``peer_timeout``."""
@@ -648,7 +773,8 @@ class Consumer:
         now = clk
         out: list[DEffect] = []
         cfg = self.config
-        margin = cfg.max_read_time + cfg.clock_drift
+        ms = cfg.ms
+        margin = ms.max_read_time + ms.clock_drift
         heap = self._lease_heap
         while heap and heap[0][0] - margin < now:
             _, rid = heapq.heappop(heap)
@@ -659,7 +785,7 @@ class Consumer:
                 heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert
                 continue
             self._step(r, D_TICK, "lease_lost", out)
-        silent_before = now - cfg.peer_timeout
+        silent_before = now - ms.peer_timeout
         for engine, peer in self.peers.items():
             # Silent: nothing heard for peer_timeout, and a heartbeat P had that long
             # to answer is still unanswered.
@@ -668,12 +794,12 @@ class Consumer:
                     and next(iter(peer.outstanding.values())).sent_at < silent_before:
                 self._count("peer_silent")
                 self._lose_peer(peer, out)
-                out.append(DropPeer(engine, f"no ack for {now - peer.last_heard:.3f}s"))
+                out.append(DropPeer(engine, f"no ack for {now - peer.last_heard} ms"))
         if now >= self._next_hb:
-            self._next_hb = now + cfg.heartbeat_interval
+            self._next_hb = now + ms.heartbeat_interval
             cap = self.heartbeat_chunk or 1 << 30
             for engine, peer in self.peers.items():
-                _prune_outstanding(peer, now - cfg.lease_extension)
+                _prune_outstanding(peer, now - ms.lease_extension)
                 if peer.state != PEER_READY or not peer.reqs:
                     continue
                 by_expected: dict[int, list[int]] = {}
@@ -693,11 +819,11 @@ class Consumer:
                             out.append(SendHeartbeat(engine, peer.seq, part, expected))
         return self._emit(DTick(now), out)
 
-    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[DEffect]:
+    def reject(self, reason: str, peer: str, detail: str, now: int) -> list[DEffect]:
         """Record a rejection of bad remote input (``kvproto.port.d_receive``): counted
-        (``rejected:<reason>``), journaled, and nothing else changes. A non-finite ``now``
-        is recorded at the rank's clock (0 before any event)."""
-        clk = self._clock(now) if math.isfinite(now) else None
-        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0.0)
+        (``rejected:<reason>``), journaled, and nothing else changes. A ``now`` that is
+        not an int is recorded at the rank's clock (0 before any event)."""
+        clk = self._clock(now)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0)
         self._count("rejected:" + reason)
         return self._emit(DReject(reason, peer, detail, now), [DRejected(reason, peer, detail)])

@@ -7,13 +7,17 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+from kvproto.errors import UsageError
+from kvproto.lifecycle.config import ConfigError
+
 # ---------------------------------------------------------------------------
 # Block pool.
 # ---------------------------------------------------------------------------
 
 
-class DoubleFree(RuntimeError):
-    """A block's reference count would drop below zero."""
+class DoubleFree(UsageError, RuntimeError):
+    """A block's reference count would drop below zero (only a caller that drops blocks
+    outside the ledger can cause it)."""
 
 
 MAX_POOL_BLOCKS: Final = 1 << 24  # a pool's capacity cap (its count list is 8 B a block)
@@ -33,7 +37,7 @@ class BlockPool:
     def __init__(self, capacity: int, *, strict: bool = True) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) \
                 or not 1 <= capacity <= MAX_POOL_BLOCKS:
-            raise ValueError(f"capacity must be an int within [1, {MAX_POOL_BLOCKS}], "
+            raise ConfigError(f"capacity must be an int within [1, {MAX_POOL_BLOCKS}], "
                              f"got {capacity!r}")
         self.capacity = capacity
         self._rc = [0] * capacity
@@ -48,6 +52,19 @@ class BlockPool:
 
     def refcount(self, block: int) -> int:
         return self._rc[block]
+
+    def clone(self) -> BlockPool:
+        """A deep, independent copy (counts, pins and free list). O(capacity)."""
+        n = object.__new__(type(self))
+        n.capacity = self.capacity
+        n._rc = list(self._rc)
+        n.held_count = self.held_count
+        n.free_count = self.free_count
+        n.strict = self.strict
+        n.violations = self.violations
+        n._avail = None if self._avail is None else OrderedDict(self._avail)
+        n._pins = dict(self._pins)
+        return n
 
     def is_free(self, block: int) -> bool:
         return self._rc[block] == 0

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
-import math
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, NamedTuple
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
@@ -48,7 +48,7 @@ class Register:
     handle: int
     request_id: str
     blocks: tuple[int, ...]
-    now: float
+    now: int
     group: str | None = None
     expected: int = 0  # expected readers; 0 = not known yet (announced by D)
 
@@ -58,7 +58,7 @@ class Done:
     reader: str
     handle: int
     expected: int
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class Heartbeat:
     seq: int
     handles: tuple[int, ...]
     expected: int
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +75,18 @@ class Release:
     reader: str
     handles: tuple[int, ...]
     expected: int
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class Abort:
     request_id: str
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
 class Tick:
-    now: float
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ class Reject:
     reason: str
     peer: str
     detail: str
-    now: float
+    now: int
 
 
 Event = Register | Done | Heartbeat | Release | Abort | Tick | Reject
@@ -113,7 +113,7 @@ class Free:
     reason: str
     blocks: tuple[int, ...]
     reclaimed: tuple[int, ...]
-    deadline: float  # the lease deadline at the time of the free
+    deadline: int  # the lease deadline at the time of the free (ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ class Ack:
 
     reader: str
     seq: int
-    term: float
+    term: int  # milliseconds
     refused: tuple[int, ...]
     pending: tuple[int, ...] = ()
 
@@ -148,7 +148,7 @@ class _Req:
     __slots__ = ("blocks", "deadline", "expected", "finished", "group", "handle", "released",
                  "rid", "state")
 
-    def __init__(self, handle: int, rid: str, blocks: tuple[int, ...], deadline: float,
+    def __init__(self, handle: int, rid: str, blocks: tuple[int, ...], deadline: int,
                  group: str | None, expected: int) -> None:
         self.handle = handle
         self.rid = rid
@@ -160,13 +160,27 @@ class _Req:
         self.finished: set[str] | None = None  # distinct readers that reported done/release
         self.released = False  # some reader released (never pulled)
 
+    def copy(self) -> _Req:
+        """An independent copy (``Ledger.clone``)."""
+        q = _Req(self.handle, self.rid, self.blocks, self.deadline, self.group, self.expected)
+        q.state = self.state
+        q.finished = None if self.finished is None else set(self.finished)
+        q.released = self.released
+        return q
+
 
 class _Staged:
     __slots__ = ("msgs", "since")
 
-    def __init__(self, since: float) -> None:
+    def __init__(self, since: int) -> None:
         self.since = since
-        self.msgs: list[tuple[str, str, int, float]] = []  # (kind, reader, expected, arrival)
+        self.msgs: list[tuple[str, str, int, int]] = []  # (kind, reader, expected, arrival)
+
+    def copy(self) -> _Staged:
+        """An independent copy (``Ledger.clone``)."""
+        st = _Staged(self.since)
+        st.msgs = list(self.msgs)
+        return st
 
 
 MAX_STAGED_MSGS_PER_HANDLE: Final = 64
@@ -175,11 +189,9 @@ MAX_STAGED_MSGS_PER_HANDLE: Final = 64
 # tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
 # than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
-_INF: Final = math.inf
-# A machine's clock before its first event: the lowest finite float, so that the hot
-# paths' one check ``self.now <= now < inf`` also refuses -inf (and NaN, which compares
-# false).
-CLOCK_START: Final = -sys.float_info.max
+# A machine's clock before its first event: below any time an adapter reads (times are
+# integer milliseconds; the hot paths' one check is ``type(now) is int and self.now <= now``).
+CLOCK_START: Final = -(1 << 63)
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +206,7 @@ class HeldView(NamedTuple):
     request_id: str
     state: str
     blocks: tuple[int, ...]
-    deadline: float
+    deadline: int
     group: str | None
     expected: int
     finished: frozenset[str]
@@ -206,8 +218,8 @@ class StagedView(NamedTuple):
     before register, as (kind, reader, expected, arrival time), oldest first."""
 
     handle: int
-    since: float
-    msgs: tuple[tuple[str, str, int, float], ...]
+    since: int
+    msgs: tuple[tuple[str, str, int, int], ...]
 
 
 # Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
@@ -234,6 +246,13 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
     return obj
 
 
+# The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
+# shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
+_LEDGER_SHARED: Final = frozenset({
+    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_rid",
+    "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
+
+
 class Ledger:
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
 
@@ -250,14 +269,15 @@ class Ledger:
     sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
     ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
 
-    Time: a non-finite ``now`` is refused (a ``Rejected("bad_time")`` effect, counted,
-    nothing changes); a ``now`` before the ledger's clock is clamped to it (counted
+    Time: integer milliseconds. A ``now`` that is not an int (a float, NaN, inf) is
+    refused (a ``Rejected("bad_time")`` effect, counted, nothing changes); a ``now``
+    before the ledger's clock is clamped to it (counted
     ``clock_regression``): the event is real, and applying it later than it happened is
     the same as a slower delivery, which never frees anything early.
 
     Documented hooks (overridden by ``kvproto.testing.mutants`` to re-introduce known bugs):
-    ``_tally`` (how a reader's report counts) and ``_sweep`` (which requests a tick
-    finds due).
+    ``tally`` (how a reader's report counts) and ``sweep`` (which requests a tick finds
+    due; it frees them with ``expire``). Copies: ``clone``.
     """
 
     TABLE: ClassVar[Table] = P_TABLE
@@ -296,17 +316,42 @@ class Ledger:
         self.config = config.validate()
         self.pool = pool
         self.sink = sink  # journal hook: called with every event and its effects
+        # Invariant: exactly the held requests (state in HELD_STATES), by handle; a handle
+        # is never both here and in _tomb. Size: the requests the engine keeps held; each
+        # leaves at the latest at its deadline.
         self._live: dict[int, _Req] = {}
+        # Invariant: _by_rid[r.rid] == h exactly when _live[h] is r (one live holder per
+        # request id). Size: len(_live).
         self._by_rid: dict[str, int] = {}
-        self._heap: list[tuple[float, int]] = []  # (deadline or earlier, handle); lazy
+        # Invariant: every held request has an entry at its deadline or earlier (renewals
+        # leave it early, tick re-inserts it); entries of freed requests are dropped
+        # lazily. Cap: rebuilt from _live once above max(2 * held, HEAP_SLACK) entries.
+        self._heap: list[tuple[int, int]] = []  # (deadline or earlier, handle); lazy
+        # Invariant: handles neither live nor tombstoned when their first message came
+        # (messages before register), oldest first; each holds at most max_staged_msgs
+        # messages and leaves on register or after max_staged_age. Cap: config.max_staged
+        # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
         # handle -> (terminal state, request id); request id -> handle, both capped together
+        # Invariant: freed handles, oldest first, none live. Cap: config.max_tombstones
+        # (the oldest evicted, counted tombstone_evicted).
         self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
+        # that request id). Size: at most len(_tomb).
         self._tomb_rid: dict[str, int] = {}
+        # Invariant: group -> its live members, never an empty set; every member is in
+        # _live. Size: at most len(_live) groups.
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
+        # Invariant: groups one member of which was transferred, oldest first (a member
+        # registered later is freed at once). Cap: config.max_groups_remembered (the
+        # oldest evicted, counted group_memory_evicted).
         self._groups_done: OrderedDict[str, None] = OrderedDict()  # transferred groups
+        # Invariant: above every handle registered or minted here (new_handle never
+        # returns one twice).
         self._next_handle = 1
         self.now = CLOCK_START
+        # Invariant: keys from fixed vocabularies (the rows' counters, rejection reasons,
+        # the cap counters), so both stay small. frees: one key per FREE_REASONS entry.
         self.counters: dict[str, int] = {}
         self.frees: dict[str, int] = dict.fromkeys(FREE_REASONS, 0)
         # Messages staged per early handle (MAX_STAGED_MSGS_PER_HANDLE; the conformance
@@ -327,7 +372,7 @@ class Ledger:
         t = self._tomb.get(handle)
         return t[0] if t is not None else UNREGISTERED
 
-    def deadline(self, handle: int) -> float | None:
+    def deadline(self, handle: int) -> int | None:
         r = self._live.get(handle)
         return None if r is None else r.deadline
 
@@ -370,22 +415,22 @@ class Ledger:
         """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
         return len(self._heap)
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self) -> int | None:
         """Earliest time a tick can change anything (for adapters' sleep). After a tick
         that ran out of its work budget this is a time already past: tick again soon."""
         nxt = self._heap[0][0] if self._heap else None
         if self._staged:
-            s = next(iter(self._staged.values())).since + self.config.max_staged_age
+            s = next(iter(self._staged.values())).since + self.config.ms.max_staged_age
             nxt = s if nxt is None else min(nxt, s)
         return nxt
 
-    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, float]]:
+    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, int]]:
         """Abstract state of live requests (for conformance checks and tests)."""
         return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
                 for h, r in self._live.items()}
 
-    # -- read-only views (issue 10, branch plumbing): verification and adapters use these
-    # instead of private fields. O(1) unless stated.
+    # -- read-only views for verification and adapters (code outside the lifecycle reads
+    # the ledger only through these). O(1) unless stated.
     def request_id(self, handle: int) -> str | None:
         """The request id of a live or tombstoned handle; None when unknown."""
         r = self._live.get(handle)
@@ -394,7 +439,7 @@ class Ledger:
         t = self._tomb.get(handle)
         return t[1] if t is not None else None
 
-    def staged_entries(self) -> list[tuple[int, float, tuple[tuple[str, str, int, float], ...]]]:
+    def staged_entries(self) -> list[tuple[int, int, tuple[tuple[str, str, int, int], ...]]]:
         """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
         message ``(kind, reader, expected, arrival)``. O(staged messages)."""
         return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
@@ -407,7 +452,29 @@ class Ledger:
     def groups_done(self) -> tuple[str, ...]:
         """The remembered transferred sibling groups, oldest first. O(groups)."""
         return tuple(self._groups_done)
-    # -- end of read-only views (plumbing) -----------------------------------------------
+
+    def clone(self) -> Ledger:
+        """A deep, independent copy (its own pool, requests, heap, staging, tombstones
+        and counters), for searches that branch from one state (conformance BFS, trace
+        segments). Shared: ``config`` (frozen) and ``sink`` (a callable). Fields a subclass
+        adds are deep-copied. O(held + staged + tombstones + pool capacity)."""
+        n = object.__new__(type(self))
+        mine = self.__dict__
+        d = n.__dict__
+        for k, v in mine.items():
+            d[k] = v if k in _LEDGER_SHARED else copy.deepcopy(v)  # a subclass's own fields
+        n.pool = self.pool.clone()
+        n._live = {h: r.copy() for h, r in self._live.items()}
+        n._by_rid = dict(self._by_rid)
+        n._heap = list(self._heap)
+        n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
+        n._tomb = OrderedDict(self._tomb)
+        n._tomb_rid = dict(self._tomb_rid)
+        n._groups = {g: set(m) for g, m in self._groups.items()}
+        n._groups_done = OrderedDict(self._groups_done)
+        n.counters = dict(self.counters)
+        n.frees = dict(self.frees)
+        return n
 
     # -- generic entry point -------------------------------------------------------
     def apply(self, ev: Event) -> list[Effect]:
@@ -433,22 +500,22 @@ class Ledger:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def _clock(self, now: float) -> float | None:
+    def _clock(self, now: int) -> int | None:
         """The event's time: ``now``, or the ledger's clock when ``now`` is before it
-        (clamped, counted); None when ``now`` is not a finite number (refused)."""
-        if self.now <= now < _INF:
+        (clamped, counted); None when ``now`` is not an int (refused)."""
+        if type(now) is int and self.now <= now:
             self.now = now
             return now
-        if not math.isfinite(now):
+        if type(now) is not int:
             return None
         # Time never runs backwards inside the machine: a stale clock reading is clamped.
         self._count("clock_regression")
         return self.now
 
-    def _bad_time(self, event: str, now: float) -> list[Effect]:
-        """Refuse an event whose time is not finite: counted, journaled as a rejection at
+    def _bad_time(self, event: str, now: int) -> list[Effect]:
+        """Refuse an event whose time is not an int: counted, journaled as a rejection at
         the ledger's own clock, nothing else changes."""
-        t = self.now if self.now != CLOCK_START else 0.0
+        t = self.now if self.now != CLOCK_START else 0
         return self.reject("bad_time", "", f"{event} at time {now!r}", t)
 
     def _maybe_compact(self) -> None:
@@ -466,7 +533,7 @@ class Ledger:
             self.sink(ev, out)
         return out
 
-    def _step(self, r: _Req, event: str, guard: str, now: float,
+    def _step(self, r: _Req, event: str, guard: str, now: int,
               out: list[Effect]) -> Transition:
         """Run the row (r.state, event, guard) on held (or registering) request ``r``:
         its effects in order, then its destination. Effects that only shape the reply
@@ -478,12 +545,12 @@ class Ledger:
         if row.hold:
             self._hold(r)
         if row.grace:
-            dl = now + self.config.abort_grace
+            dl = now + self.config.ms.abort_grace
             if dl < r.deadline:  # only when abort_grace is below the lease horizon
                 r.deadline = dl
                 heapq.heappush(self._heap, (dl, r.handle))
         if row.renew:
-            dl = now + self.config.lease_extension
+            dl = now + self.config.ms.lease_extension
             if dl > r.deadline:
                 r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
         if row.free is not None:
@@ -496,7 +563,7 @@ class Ledger:
         return row
 
     def _step_absent(self, state: str, event: str, guard: str, reader: str, handle: int,
-                     expected: int, now: float) -> Transition:
+                     expected: int, now: int) -> Transition:
         """Run the row for a message about a request that is not held (unregistered,
         expired or freed): count it, or stage it."""
         row = self.TABLE[(state, event, guard)]
@@ -540,7 +607,7 @@ class Ledger:
         self.frees[reason] = self.frees.get(reason, 0) + 1
         out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
 
-    def _stage(self, kind: str, reader: str, handle: int, expected: int, now: float) -> None:
+    def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
         if st is None:
             if len(self._staged) >= self.config.max_staged:
@@ -562,9 +629,11 @@ class Ledger:
             self._count("expected_conflict")
 
     # -- hooks -----------------------------------------------------------------------------
-    def _tally(self, r: _Req, event: str, reader: str) -> int:
-        """Hook: ``reader`` finished ``r`` (done or release). Return how many readers
-        count as finished now, or -1 when this reader had already finished."""
+    def tally(self, handle: int, event: str, reader: str) -> int:
+        """Hook: ``reader`` finished the held request ``handle`` (done or release).
+        Return how many readers count as finished now, or -1 when this reader had
+        already finished."""
+        r = self._live[handle]
         fin = r.finished
         if fin is None:
             fin = r.finished = set()
@@ -575,7 +644,7 @@ class Ledger:
             r.released = True
         return len(fin)
 
-    def _sweep(self, now: float, out: list[Effect]) -> None:
+    def sweep(self, now: int, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
         ``now``. Called by ``tick`` only when the earliest heap entry is due."""
         heap = self._heap
@@ -596,18 +665,21 @@ class Ledger:
                 continue
             self._step(r, TICK, "deadline_passed", now, out)
 
-    def _expire(self, handle: int, now: float, out: list[Effect]) -> None:
-        """Run TICK/deadline_passed for the held request ``handle`` (for ``_sweep``
-        overrides)."""
-        self._step(self._live[handle], TICK, "deadline_passed", now, out)
+    def expire(self, handle: int, now: int, out: list[Effect]) -> None:
+        """Run TICK/deadline_passed for the held request ``handle`` (for ``sweep``
+        overrides); ``UsageError`` when ``handle`` is not held."""
+        r = self._live.get(handle)
+        if r is None:
+            raise UsageError(f"expire: handle {handle} is not held")
+        self._step(r, TICK, "deadline_passed", now, out)
 
     # -- the machine's internal events ----------------------------------------------------
-    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: float,
+    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: int,
                 out: list[Effect]) -> None:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        n = self._tally(r, event, reader)
+        n = self.tally(r.handle, event, reader)
         if n < 0:
             guard = "duplicate_reader"
         elif r.expected and n >= r.expected:
@@ -634,7 +706,7 @@ class Ledger:
             self._step(r, SIBLING, guard, self.now, out)
 
     def _not_live(self, event: str, reader: str, handle: int, expected: int,
-                  now: float) -> Transition:
+                  now: int) -> Transition:
         t = self._tomb.get(handle)
         if t is None:
             return self._step_absent(UNREGISTERED, event, "early", reader, handle, expected, now)
@@ -643,7 +715,7 @@ class Ledger:
                                  handle, expected, now)
 
     # -- events ------------------------------------------------------------------------
-    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: int, *,
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         """Prefill finished: hold ``blocks`` for remote decode. Mirrors TLA+ ``Register``."""
         blocks = tuple(blocks)
@@ -675,7 +747,7 @@ class Ledger:
             return self._emit(ev, out)
         if handle >= self._next_handle:
             self._next_handle = handle + 1
-        r = _Req(handle, request_id, blocks, now + self.config.initial_lease, group, expected)
+        r = _Req(handle, request_id, blocks, now + self.config.ms.initial_lease, group, expected)
         guard = "group_transferred" if group is not None and group in self._groups_done \
             else "fresh"
         self._step(r, REGISTER, guard, now, out)
@@ -698,9 +770,9 @@ class Ledger:
                 self._maybe_compact()
         return self._emit(ev, out)
 
-    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
+    def done(self, reader: str, handle: int, expected: int, now: int) -> list[Effect]:
         """One reader's READ completed. Mirrors TLA+ ``Done``."""
-        if self.now <= now < _INF:
+        if type(now) is int and self.now <= now:
             self.now = now
         else:
             clk = self._clock(now)
@@ -718,7 +790,7 @@ class Ledger:
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
     def release(self, reader: str, handles: Sequence[int], expected: int,
-                now: float) -> list[Effect]:
+                now: int) -> list[Effect]:
         """A reader will never pull these requests. Mirrors TLA+ ``Release``."""
         clk = self._clock(now)
         if clk is None:
@@ -736,7 +808,7 @@ class Ledger:
         return self._emit(Release(reader, tuple(handles), expected, now), out) if self.sink else out
 
     def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
-                  now: float) -> list[Effect]:
+                  now: int) -> list[Effect]:
         """Renew the leases of a batch. Mirrors TLA+ ``Heartbeat``. O(1) per handle.
 
         Per handle, the row's effects decide the ack: ``refuse`` refuses it, else
@@ -745,7 +817,8 @@ class Ledger:
         if clk is None:
             return self._bad_time(HEARTBEAT, now)
         now = clk
-        ext_dl = now + self.config.lease_extension
+        ext = self.config.ms.lease_extension
+        ext_dl = now + ext
         live = self._live
         fast = self._HB_FAST.get
         refused: list[int] | None = None
@@ -777,13 +850,13 @@ class Ledger:
                 if pending is None:
                     pending = []
                 pending.append(h)
-        out: list[Effect] = [Ack(reader, seq, self.config.lease_extension,
+        out: list[Effect] = [Ack(reader, seq, ext,
                                  tuple(refused) if refused else (),
                                  tuple(pending) if pending else ())]
         return self._emit(Heartbeat(reader, seq, tuple(handles), expected, now), out) \
             if self.sink else out
 
-    def abort(self, request_id: str, now: float) -> list[Effect]:
+    def abort(self, request_id: str, now: int) -> list[Effect]:
         """Client or router abort on P. Mirrors TLA+ ``Abort``. Never frees at once."""
         clk = self._clock(now)
         if clk is None:
@@ -804,7 +877,7 @@ class Ledger:
         self._maybe_compact()
         return self._emit(Abort(request_id, now), out)
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: int) -> list[Effect]:
         """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due.
 
         Processes at most ``config.max_tick_work`` due heap entries (expiries, dead
@@ -813,7 +886,7 @@ class Ledger:
         ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
         Mirrors the spec's Tick with some due requests left for later (``ExpiryMayLag``):
         an expiry may be late, never early."""
-        if self.now <= now < _INF:
+        if type(now) is int and self.now <= now:
             self.now = now
         else:
             clk = self._clock(now)
@@ -823,10 +896,10 @@ class Ledger:
         out: list[Effect] = []
         heap = self._heap
         if heap and heap[0][0] <= now:
-            self._sweep(now, out)
+            self.sweep(now, out)
         staged = self._staged
         if staged:
-            limit = now - self.config.max_staged_age
+            limit = now - self.config.ms.max_staged_age
             while staged:  # never late: at most max_staged entries, O(1) each
                 st = next(iter(staged.values()))
                 if st.since > limit:
@@ -837,11 +910,11 @@ class Ledger:
             self.sink(Tick(now), out)
         return out
 
-    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
+    def reject(self, reason: str, peer: str, detail: str, now: int) -> list[Effect]:
         """Record an adapter-level rejection (malformed bytes, unknown peer...). A
-        non-finite ``now`` is recorded at the ledger's clock (0 before any event)."""
+        ``now`` that is not an int is recorded at the ledger's clock (0 before any event)."""
         clk = self._clock(now)
-        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0.0)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0)
         self._count("rejected:" + reason)
         return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple
 
+from kvproto.errors import UsageError
+
 UNREGISTERED: Final = "unregistered"  # pseudo-state: not registered yet (messages are staged)
 REGISTERED: Final = "registered"  # held, initial lease, no message from any reader yet
 LEASED: Final = "leased"  # held, a reader renewed the lease, no reader finished yet
@@ -112,7 +114,7 @@ class Transition:
         seen: set[str] = set()
         for fx in self.effects:
             if fx.kind in seen or fx.kind not in _FX_FIELD:
-                raise ValueError(f"row {self.key}: bad or repeated effect {fx}")
+                raise TableError(f"row {self.key}: bad or repeated effect {fx}")
             seen.add(fx.kind)
             name = _FX_FIELD[fx.kind]
             object.__setattr__(self, name, fx.arg if name in _FX_WITH_ARG else True)
@@ -224,8 +226,39 @@ TableKey = tuple[str, str, str]
 Table = Mapping[TableKey, Transition]
 
 
-class TableError(ValueError):
+class TableError(UsageError, ValueError):
     """A transition table that no machine can run (a bad row)."""
+
+
+class MissingRow(TableError, KeyError):
+    """A table has no row for (state, event, guard): a machine met a case its table
+    does not cover (a table that is not total, e.g. a hand-made variant), or a row to
+    replace does not exist. The message names the machine, state, event and guard. A
+    machine that raises it is left mid-step: discard it."""
+
+    def __init__(self, machine: str, state: str, event: str, guard: str) -> None:
+        super().__init__(f"no row in {machine}'s transition table for state {state!r}, "
+                         f"event {event!r}, guard {guard!r}")
+        self.machine = machine
+        self.state = state
+        self.event = event
+        self.guard = guard
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
+
+class _Rows(dict[TableKey, Transition]):
+    """A table's rows: a lookup of a missing (state, event, guard) raises ``MissingRow``
+    (``dict.__missing__``: the hit path costs what a plain dict costs)."""
+
+    __slots__ = ("machine",)
+
+    def __init__(self, machine: str) -> None:
+        super().__init__()
+        self.machine = machine
+
+    def __missing__(self, key: TableKey) -> Transition:
+        raise MissingRow(self.machine, *key)
 
 
 def _check_p_row(row: Transition) -> str | None:
@@ -260,7 +293,7 @@ def make_table(rows: Iterable[Transition], *, machine: str = "P") -> Table:
     """A read-only table keyed by (src, event, guard) for machine "P" or "D". Rows must
     be unique and runnable (``TableError`` says which rule a row breaks)."""
     kinds, check = (P_FX_KINDS, _check_p_row) if machine == "P" else (D_FX_KINDS, _check_d_row)
-    table: dict[TableKey, Transition] = {}
+    table = _Rows(machine)
     for row in rows:
         if row.key in table:
             raise TableError(f"duplicate row in transition table: {row.key}")
@@ -278,11 +311,11 @@ def with_rows(table: Table, *rows: Transition) -> Table:
     """A copy of ``table`` in which ``rows`` replace the rows with the same key (a
     mutant's table: see ``Ledger.with_rows`` and ``kvproto.testing.mutants``)."""
     new = dict(table)
+    machine = "D" if any(k[0] == D_NEW for k in new) else "P"
     for row in rows:
         if row.key not in new:
-            raise KeyError(f"no row {row.key} to replace")
+            raise MissingRow(machine, *row.key)
         new[row.key] = row
-    machine = "D" if any(k[0] == D_NEW for k in new) else "P"
     return make_table(new.values(), machine=machine)
 
 

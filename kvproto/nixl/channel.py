@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvproto.errors import RemoteInputError
 from kvproto.wire import MAX_HANDSHAKE_BYTES
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,9 @@ def parse_refusal(payload: bytes) -> tuple[str, str]:
         return "malformed_refusal", payload[:64].hex()
 
 
-class FrameError(Exception):
-    pass
+class FrameError(RemoteInputError):
+    """A handshake frame from a peer that breaks the framing rules (caught here, the
+    connection is dropped)."""
 
 
 def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:

@@ -87,8 +87,9 @@ class PTransport(Protocol):
     def attach(self, handler: HandshakeHandler, on_closed: Callable[[str], None]) -> None:
         """The driver's handshake handler and its channel-closed callback."""
 
-    def serve(self, now: float) -> None:
-        """Serve the handshake listener once (calls the handler); never blocks."""
+    def serve(self, now: int) -> None:
+        """Serve the handshake listener once (calls the handler); never blocks. ``now``:
+        the driver's time, ms."""
 
     def conn_open(self, conn: int) -> bool:
         """Whether a peer's handshake connection is still up (from any thread)."""

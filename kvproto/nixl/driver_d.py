@@ -64,10 +64,11 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
     TransferParams,
+    to_ms,
 )
 from kvproto.nixl.channel import parse_refusal
 from kvproto.nixl.driver import DISCONNECT, DONE, NOT_FOUND, PROC, DTransport, PeerError
-from kvproto.port import d_receive
+from kvproto.port import d_receive, now_ms
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
@@ -84,7 +85,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
+Clock = Callable[[], float]  # seconds (time.monotonic); the machine sees it as int ms
 # Outgoing fault hook: (kind, engine, bytes) -> messages to send. Tests and the demo only.
 OutHook = Callable[[str, str, bytes], list[bytes]]
 # Test hook called with the request id at a READ phase ("before_post", "before_gen").
@@ -146,18 +147,16 @@ class _Engine:
         self.state = PEER_UNKNOWN  # one of lifecycle.PEER_STATES
         self.connecting = False  # a handshake attempt is in progress
         self.attempt = 0
-        self.deadline = 0.0
-        self.next_try = 0.0
+        self.deadline = self.next_try = self.next_check = 0  # ms, as every time here
         self.epoch = 0
         self.num_blocks = 0  # P's blocks (from its handshake's layout)
-        self.next_check = 0.0
 
 
 class _Read:
     __slots__ = ("engine", "gens", "local", "nbytes", "params", "remote", "rid", "started",
                  "warned")
 
-    def __init__(self, rid: str, params: TransferParams, local: list[int], started: float,
+    def __init__(self, rid: str, params: TransferParams, local: list[int], started: int,
                  remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
         self.rid = rid
         self.params = params
@@ -224,7 +223,7 @@ class DDriver:
     """One D rank over a transport. Call ``poll`` from the step loop; it never blocks."""
 
     # Effect type -> the method that executes it (filled in below the class).
-    _run: ClassVar[dict[type, Callable[[Any, Any, float], None]]]
+    _run: ClassVar[dict[type, Callable[[Any, Any, int], None]]]
 
     def __init__(self, name: str, config: Config, transport: DTransport, *,
                  clock: Clock = time.monotonic, handshake_timeout: float = 2.0,
@@ -248,7 +247,7 @@ class DDriver:
         self.handshake_timeout = handshake_timeout
         self.handshake_attempts = handshake_attempts
         self.backoff = backoff
-        self._effects: deque[tuple[DEffect, float]] = deque()  # queued, not yet executed
+        self._effects: deque[tuple[DEffect, int]] = deque()  # queued, not yet executed
         self._draining = False
         self.fault_hook = fault_hook
         self.phase_hook = phase_hook
@@ -289,7 +288,7 @@ class DDriver:
             e.host, e.port = host, port
 
     def admit(self, rid: str, params: TransferParams) -> None:
-        now = self.clock()
+        now = now_ms(self.clock)
         if rid not in self.params and rid not in self.machine.reqs:
             self.params[rid] = params
         self._apply(self.machine.admit(rid, params, now), now)
@@ -305,7 +304,7 @@ class DDriver:
         if local_blocks is not None and st != D_NEW:
             self._plans[rid] = list(local_blocks)
         if st == WAITING:
-            now = self.clock()
+            now = now_ms(self.clock)
             self._apply(machine.schedule(rid, now), now)
             st = machine.state(rid)
         if st in _RETRY:
@@ -313,7 +312,7 @@ class DDriver:
             self._want[rid] = None
 
     def abort(self, rid: str) -> None:
-        now = self.clock()
+        now = now_ms(self.clock)
         self._want.pop(rid, None)
         self._apply(self.machine.abort(rid, now), now)
 
@@ -330,7 +329,7 @@ class DDriver:
 
     # -- step loop ---------------------------------------------------------------------
     def poll(self) -> list[Completion]:
-        now = self.clock()
+        now = now_ms(self.clock)
         for e in list(self.engines.values()):
             if e.state == PEER_HANDSHAKING:
                 self._progress_handshake(e, now)
@@ -349,7 +348,7 @@ class DDriver:
         out, self._out = self._out, []
         return out
 
-    def _schedule_ready(self, now: float) -> None:
+    def _schedule_ready(self, now: int) -> None:
         for rid in list(self._want):
             st = self.machine.state(rid)
             if st == WAITING:
@@ -360,7 +359,7 @@ class DDriver:
                 del self._want[rid]
 
     # -- effects -----------------------------------------------------------------------
-    def _apply(self, effects: Sequence[DEffect], now: float) -> None:
+    def _apply(self, effects: Sequence[DEffect], now: int) -> None:
         """Execute a machine call's effects in order, unless already executing: then
         queue them behind the others (an effect that feeds the machine again only adds
         to the queue, so this driver is never re-entered)."""
@@ -388,10 +387,10 @@ class DDriver:
         epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
         into.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
 
-    def _x_release(self, eff: SendRelease, now: float) -> None:
+    def _x_release(self, eff: SendRelease, now: int) -> None:
         self._batch(self._releases, eff)
 
-    def _x_done(self, eff: SendDone, now: float) -> None:
+    def _x_done(self, eff: SendDone, now: int) -> None:
         """Batched: every SendDone of one step goes out in one done batch per P engine
         (``_flush_dones``, right after the stamps that verified them)."""
         self._batch(self._dones, eff)
@@ -406,14 +405,14 @@ class DDriver:
                 if not self._send("done", engine, m):
                     break
 
-    def _x_drop_peer(self, eff: DropPeer, now: float) -> None:
+    def _x_drop_peer(self, eff: DropPeer, now: int) -> None:
         e = self.engines.get(eff.engine)
         if e is not None and e.state == PEER_READY:
             log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
             self._count("peer_lost")
             self._disconnect(e)
 
-    def _x_rejected(self, eff: DRejected, now: float) -> None:
+    def _x_rejected(self, eff: DRejected, now: int) -> None:
         self._count("rejected:" + eff.reason)
         if self.metrics is not None:
             self.metrics.rejected(eff.reason)
@@ -424,7 +423,7 @@ class DDriver:
         e = self.engines.get(engine)
         return e.epoch if e is not None else 0
 
-    def _finished(self, f: Finished, now: float = 0.0) -> None:
+    def _finished(self, f: Finished, now: int = 0) -> None:
         rid = f.request_id
         p = self.params.pop(rid, None)
         if self._want:
@@ -453,13 +452,13 @@ class DDriver:
                 self._count("send_error")
                 log.info("%s to %s failed: %s", kind, engine, err)
                 if err in (NOT_FOUND, DISCONNECT):
-                    self._lose(engine, self.clock(), "send failed: " + err)
+                    self._lose(engine, now_ms(self.clock), "send failed: " + err)
                 return False
             c[sent[0]] = c.get(sent[0], 0) + 1
             c[sent[1]] = c.get(sent[1], 0) + len(b)
         return True
 
-    def _send_heartbeat(self, hb: SendHeartbeat, now: float = 0.0) -> None:
+    def _send_heartbeat(self, hb: SendHeartbeat, now: int = 0) -> None:
         e = self.engines.get(hb.engine)
         if e is None or e.state != PEER_READY:
             return
@@ -492,10 +491,10 @@ class DDriver:
                          agent_metadata=t.metadata, role="consumer", extra={},
                          version=self.handshake_version, identity=self.identity).encode()
 
-    def _x_handshake(self, eff: StartHandshake, now: float) -> None:
+    def _x_handshake(self, eff: StartHandshake, now: int) -> None:
         self._start_handshake(eff.engine, now)
 
-    def _start_handshake(self, engine: str, now: float) -> None:
+    def _start_handshake(self, engine: str, now: int) -> None:
         e = self.engines.get(engine)
         if e is None:
             self._apply(self.machine.handshake_result(engine, False, now, "unknown_engine"), now)
@@ -510,14 +509,14 @@ class DDriver:
         e.next_try = now
         self._progress_handshake(e, now)
 
-    def _progress_handshake(self, e: _Engine, now: float) -> None:
+    def _progress_handshake(self, e: _Engine, now: int) -> None:
         t = self.transport
         if not e.connecting:
             if now < e.next_try:
                 return
             t.connect(e.name, e.host, e.port, self._payload())
             e.connecting = True
-            e.deadline = now + self.handshake_timeout
+            e.deadline = now + to_ms(self.handshake_timeout)
         r = t.poll_connect(e.name)
         if r is None:
             if now > e.deadline:
@@ -564,7 +563,7 @@ class DDriver:
         self.transport.hangup(e.name)
         e.connecting = False
 
-    def _retry(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+    def _retry(self, e: _Engine, now: int, reason: str, detail: str) -> None:
         self._hangup(e)
         e.attempt += 1
         self._count("handshake_retry")
@@ -572,11 +571,11 @@ class DDriver:
             self._fail_handshake(e, now, reason, detail)
             return
         delay = self.backoff * (2 ** (e.attempt - 1)) * (0.5 + self._rng.random())
-        e.next_try = now + delay
+        e.next_try = now + to_ms(delay)
         log.info("%s: handshake with %s: %s (%s); retry %d in %.2fs", self.name, e.name, reason,
                  detail, e.attempt, delay)
 
-    def _fail_handshake(self, e: _Engine, now: float, reason: str, detail: str) -> None:
+    def _fail_handshake(self, e: _Engine, now: int, reason: str, detail: str) -> None:
         self._hangup(e)
         e.state = PEER_UNKNOWN
         self._count("handshake_failed:" + reason)
@@ -586,10 +585,10 @@ class DDriver:
         self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
 
     # -- peer liveness ---------------------------------------------------------------------
-    def _check_peer(self, e: _Engine, now: float) -> None:
+    def _check_peer(self, e: _Engine, now: int) -> None:
         if now < e.next_check:
             return
-        e.next_check = now + 0.02  # a syscall per engine, at most 50 times a second
+        e.next_check = now + 20  # a syscall per engine, at most 50 times a second
         if not self.transport.alive(e.name):
             self._lose(e.name, now, "handshake channel closed")
 
@@ -598,7 +597,7 @@ class DDriver:
         e.connecting = False
         self.transport.drop(e.name)
 
-    def _lose(self, engine: str, now: float, why: str) -> None:
+    def _lose(self, engine: str, now: int, why: str) -> None:
         e = self.engines.get(engine)
         if e is None or e.state != PEER_READY:
             return
@@ -627,7 +626,7 @@ class DDriver:
     # stamps landed and matched, every stamp is read after its data (fail closed: a stamp
     # that changed means the blocks were freed, and the data is never served), and a
     # transfer that fails fails every request in it (each is released and recomputed).
-    def _post_read(self, pr: PostRead, now: float) -> None:
+    def _post_read(self, pr: PostRead, now: int) -> None:
         rid = pr.request_id
         p = self.params.get(rid)
         e = self.engines.get(pr.engine)
@@ -670,7 +669,7 @@ class DDriver:
         else:
             q.append(rd)
 
-    def _post_queued(self, now: float) -> None:
+    def _post_queued(self, now: int) -> None:
         """Post the queued READs: one transfer per P engine (and ``MAX_READ_DESCS``)."""
         queued, self._post_queue = self._post_queue, {}
         for engine, rds in queued.items():
@@ -683,7 +682,7 @@ class DDriver:
             for part in _chunks(rds, MAX_READ_DESCS):
                 self._post_batch(e.name, part, now, stamps=False)
 
-    def _on_live_engine(self, engine: str, rds: list[_Read], now: float
+    def _on_live_engine(self, engine: str, rds: list[_Read], now: int
                         ) -> tuple[_Engine | None, list[_Read]]:
         """The READs of ``rds`` that may go to ``engine`` now (it is ready, and at their
         params' epoch); the others fail (``peer_gone``: P was lost or restarted)."""
@@ -697,7 +696,7 @@ class DDriver:
             rds = [rd for rd in rds if rd.params.epoch == e.epoch]
         return e, rds
 
-    def _post_batch(self, engine: str, rds: list[_Read], now: float, *, stamps: bool) -> None:
+    def _post_batch(self, engine: str, rds: list[_Read], now: int, *, stamps: bool) -> None:
         """Post one data READ (or, with ``stamps``, one stamp READ) of ``rds``."""
         local, remote = _blocks(rds)
         x, st = self.transport.post_read(engine, local, remote, stamps=stamps)
@@ -726,7 +725,7 @@ class DDriver:
             self.transport.release(x)
             self._batch_failed(rds, st, now)
 
-    def _poll_reads(self, now: float) -> None:
+    def _poll_reads(self, now: int) -> None:
         if self._post_queue:
             self._post_queued(now)
         t = self.transport
@@ -757,14 +756,14 @@ class DDriver:
         if self._stamp_queue:
             self._post_stamps(now)
 
-    def _warn_slow(self, rd: _Read, now: float) -> None:
-        if not rd.warned and now - rd.started > self.config.max_read_time:
+    def _warn_slow(self, rd: _Read, now: int) -> None:
+        if not rd.warned and now - rd.started > self.config.ms.max_read_time:
             rd.warned = True
             self._count("read_over_max_read_time")
             log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
                         self.name, rd.rid)
 
-    def _data_landed(self, b: _ReadBatch, now: float) -> None:
+    def _data_landed(self, b: _ReadBatch, now: int) -> None:
         """The data READ landed: release it and queue its requests for their stamp READ."""
         self.transport.release(b.xfer)
         bb = self.transport.block_bytes
@@ -781,7 +780,7 @@ class DDriver:
         else:
             q += rds
 
-    def _post_stamps(self, now: float) -> None:
+    def _post_stamps(self, now: int) -> None:
         queued, self._stamp_queue = self._stamp_queue, {}
         for engine, rds in queued.items():
             e, rds = self._on_live_engine(engine, rds, now)
@@ -795,7 +794,7 @@ class DDriver:
         it is the one the params carry (a changed stamp means P freed the blocks)."""
         return tuple(got) != tuple(want)
 
-    def _stamps_landed(self, b: _StampBatch, now: float) -> None:
+    def _stamps_landed(self, b: _StampBatch, now: int) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
         t = self.transport
         t.release(b.xfer)
@@ -819,14 +818,14 @@ class DDriver:
                 log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
                             got[off - n:off - n + 4], list(gens[:4]))
             else:
-                done_info[rd.rid] = (rd.nbytes, now - rd.started)
+                done_info[rd.rid] = (rd.nbytes, (now - rd.started) / 1000)
             # A landed READ's SendDone joins the done batch sent below.
             effects += machine.read_result(rd.rid, True, now, fenced=fenced,
                                            notif_attached=False)
         self._apply(effects, now)
         self._flush_dones()
 
-    def _batch_failed(self, rds: list[_Read], why: str, now: float) -> None:
+    def _batch_failed(self, rds: list[_Read], why: str, now: int) -> None:
         """Every READ in ``rds`` failed (one transfer, or its engine is gone)."""
         if not rds:
             return
@@ -840,7 +839,7 @@ class DDriver:
             self._lose(rds[0].engine, now, "READ reported REMOTE_DISCONNECT")
 
     # -- notifications (acks), through D's port ---------------------------------------------
-    def _poll_notifs(self, now: float) -> None:
+    def _poll_notifs(self, now: int) -> None:
         try:
             notifs = self.transport.receive()
         except Exception as ex:

@@ -56,7 +56,7 @@ from kvproto.lifecycle import (
     TransferParams,
 )
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
-from kvproto.port import p_receive
+from kvproto.port import now_ms, p_receive
 from kvproto.wire import (
     HANDSHAKE_VERSION,
     Handshake,
@@ -71,17 +71,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TIME_DECIMALS = 3  # the times fed to the ledger are whole milliseconds
 # Handshake outcomes the listener thread may queue for the engine thread; beyond it a
 # handshake is refused as "busy" (D retries) and a closed channel goes uncounted.
 MAX_HANDSHAKE_QUEUE = 4096
 
-Clock = Callable[[], float]
+Clock = Callable[[], float]  # seconds (time.monotonic); the ledger sees it as int ms
 # Fault hook for incoming notifications: (peer, bytes) -> the messages to deliver
 # (``[]`` drops, ``[m, m]`` duplicates). Tests and the demo only.
 InHook = Callable[[str, bytes], list[bytes]]
-# Observer of every applied ledger effect, with the time (demo statistics).
-EffectObserver = Callable[[Effect, float], None]
+# Observer of every applied ledger effect, with the time in ms (demo statistics).
+EffectObserver = Callable[[Effect, int], None]
 
 
 class PDriver:
@@ -117,7 +116,7 @@ class PDriver:
         self._peer_conn: dict[str, int] = {}  # peer -> the connection of its handshake
         self.counters: dict[str, int] = {}
         self.metrics: Metrics | None = metrics
-        self._reg_at: dict[int, float] = {}  # handle -> registration time (metrics only)
+        self._reg_at: dict[int, int] = {}  # handle -> registration time, ms (metrics only)
         if self.metrics is not None:
             pool, ledger = self.pool, self.ledger
             self.metrics.track_holdings(lambda: pool.held_count, lambda: ledger.held_requests)
@@ -133,12 +132,10 @@ class PDriver:
             transport.attach(self.on_handshake, self._on_channel_closed)
 
     # -- helpers ---------------------------------------------------------------------
-    def _now(self) -> float:
-        """The clock in whole milliseconds: every time the ledger sees (and the journal
-        records) then maps to a TLA+ integer in ``kvproto validate``, which rejects times
-        finer than a microsecond; milliseconds keep TLC's 32-bit integers from
-        overflowing for weeks of run time."""
-        return round(self.clock(), TIME_DECIMALS)
+    def _now(self) -> int:
+        """The clock in whole milliseconds (``now_ms``): the ledger's time, which the
+        journal records and ``kvproto validate`` hands TLC unchanged."""
+        return now_ms(self.clock)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -203,7 +200,7 @@ class PDriver:
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
-                              blocks=tuple(blocks), initial_term=self.config.initial_lease,
+                              blocks=tuple(blocks), initial_term=self.config.ms.initial_lease,
                               expected=max(1, expected), group=group, generations=gens)
 
     def fence(self, blocks: Sequence[int]) -> None:
@@ -251,21 +248,21 @@ class PDriver:
         now = self._now()
         self._tick(now, self.ledger.next_deadline())
 
-    def _tick(self, now: float, due: float | None) -> None:
+    def _tick(self, now: int, due: int | None) -> None:
         if self.metrics is None:
             self.execute(self.ledger.tick(now), now)
             return
         t0 = time.perf_counter()
         effects = self.ledger.tick(now)
         self.metrics.tick(time.perf_counter() - t0,
-                          max(0.0, now - due) if due is not None else 0.0)
+                          max(0, now - due) / 1000 if due is not None else 0.0)
         self.execute(effects, now)
 
-    def _on_message(self, peer: str, buf: bytes, now: float) -> None:
+    def _on_message(self, peer: str, buf: bytes, now: int) -> None:
         self.execute(p_receive(self.ledger, peer, buf, now, known=peer in self.peers,
                                epoch=self.epoch, max_bytes=self.config.max_message_bytes), now)
 
-    def execute(self, effects: list[Effect], now: float) -> None:
+    def execute(self, effects: list[Effect], now: int) -> None:
         """Carry out the ledger's effects, in order."""
         m = self.metrics
         for e in effects:
@@ -303,7 +300,7 @@ class PDriver:
             self._count("acks_sent")
 
     # -- handshakes ----------------------------------------------------------------------
-    def _refuse(self, reason: str, peer: str, detail: str, now: float) -> Refuse:
+    def _refuse(self, reason: str, peer: str, detail: str, now: int) -> Refuse:
         """Refuse a handshake: counted, journaled (``handshake_<reason>``), logged."""
         self._count("handshake_refused")
         if reason == "unauthenticated":
@@ -365,7 +362,7 @@ class PDriver:
         if len(self._hs_queue) < MAX_HANDSHAKE_QUEUE:
             self._hs_queue.append((-1, None, False, ("", peer, "")))
 
-    def _apply_handshakes(self, now: float) -> None:
+    def _apply_handshakes(self, now: int) -> None:
         """Engine thread: apply what the listener thread answered and saw."""
         q = self._hs_queue
         while q:
@@ -378,7 +375,7 @@ class PDriver:
             elif hs is not None and self._accept_handshake(conn, hs, authed, now) is not None:
                 self.transport.drop_conn(conn)  # answered "ok" already: D sees it close
 
-    def _accept_handshake(self, conn: int, hs: Handshake, authed: bool, now: float
+    def _accept_handshake(self, conn: int, hs: Handshake, authed: bool, now: int
                           ) -> Refuse | None:
         """Load a checked claim (engine thread): None when accepted, else the refusal.
         A peer already known is replaced only when its old handshake connection has

@@ -20,6 +20,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 from kvproto.lifecycle import Config, Effect, Free, TransferParams
+from kvproto.port import now_ms
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,14 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
 
         writer = JournalWriter(str(opts["journal"]), cfg, num_blocks,
                                meta={"engine": name, "source": "kvproto demo"})
-    reg_at: dict[int, tuple[float, int]] = {}
+    reg_at: dict[int, tuple[int, int]] = {}  # handle -> (ms, blocks)
     stats: dict[str, float] = {"stranded_block_seconds": 0.0}
 
-    def observe(e: Effect, now: float) -> None:
+    def observe(e: Effect, now: int) -> None:
         if isinstance(e, Free):
             t = reg_at.pop(e.handle, None)
             if t is not None and e.reason in ("expired", "aborted"):
-                stats["stranded_block_seconds"] += (now - t[0]) * t[1]
+                stats["stranded_block_seconds"] += (now - t[0]) / 1000 * t[1]
 
     device = str(opts.get("device") or default_device())
     p = ProducerAdapter(name, cfg, num_blocks=num_blocks, block_bytes=block_bytes,
@@ -141,7 +142,7 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                             if not shared:
                                 p.give_back(blocks)
                         else:
-                            reg_at[params.handle] = (p.clock(), len(blocks))
+                            reg_at[params.handle] = (now_ms(p.clock), len(blocks))
                             reply = params.to_dict()
                     conn.send(("registered", rid, reply))
                 elif op == "register_group":  # n>1 siblings sharing one prefill's blocks
@@ -156,7 +157,7 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         if blocks is not None:
                             params = p.register(rid, blocks, group=group, expected=1)
                         if params is not None:
-                            reg_at[params.handle] = (p.clock(), len(blocks or ()))
+                            reg_at[params.handle] = (now_ms(p.clock), len(blocks or ()))
                         results.append((rid, params.to_dict() if params is not None else None))
                     if blocks is not None and p.pool.refcount(blocks[0]) == 0:
                         p.give_back(blocks)  # no member was held

@@ -23,7 +23,6 @@ from kvproto.lifecycle import Config, Effect, Event
 from kvproto.nixl.channel import Server, secret_from_env
 from kvproto.nixl.driver_p import (
     MAX_HANDSHAKE_QUEUE,
-    TIME_DECIMALS,
     Clock,
     EffectObserver,
     InHook,
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_HANDSHAKE_QUEUE", "TIME_DECIMALS", "Clock", "EffectObserver", "InHook",
+__all__ = ["MAX_HANDSHAKE_QUEUE", "Clock", "EffectObserver", "InHook",
            "ProducerAdapter"]
 
 

@@ -103,8 +103,8 @@ class NixlPTransport:
         if self._on_closed is not None:
             self._on_closed(peer)
 
-    def serve(self, now: float) -> None:
-        self.server.poll(now)
+    def serve(self, now: int) -> None:
+        self.server.poll(now / 1000)  # the channel's timeouts are in seconds
 
     def conn_open(self, conn: int) -> bool:
         return self.server.is_open(conn)

@@ -44,7 +44,6 @@ import argparse
 import io
 import json
 import logging
-import math
 import sys
 import time
 from collections import Counter
@@ -73,10 +72,11 @@ from kvproto.lifecycle import (
     Config,
     Ledger,
     TransferParams,
+    to_ms,
 )
 from kvproto.nixl.driver_d import DDriver
 from kvproto.testing.sim import P_NAME, Simulator, quiet_drivers
-from kvproto.testing.transport import Faults, FuzzNetwork, FuzzWorld, Msg, SimXfer
+from kvproto.testing.transport import NEVER, Faults, FuzzNetwork, FuzzWorld, Msg, SimXfer
 from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
 from kvproto.verify.oracle import (
     InvariantViolation,
@@ -120,7 +120,7 @@ CAPACITY: Final = 24
 
 @dataclass
 class PendingRegister:
-    deadline: float
+    deadline: int  # ms
     handle: int
     rid: str
     blocks: tuple[int, ...]
@@ -131,7 +131,7 @@ class PendingRegister:
 
 @dataclass
 class PendingAdmit:
-    deadline: float
+    deadline: int  # ms
     rank: str
     rid: str
     params: TransferParams
@@ -159,7 +159,7 @@ class FuzzSim(Simulator):
                          driver_cls=driver_cls)
         self.oracle = Oracle(self.config)
         self.ledger.oracle = self.oracle
-        self.register_lag = register_lag
+        self.register_lag = to_ms(register_lag)  # ms
         self.pending_regs: list[PendingRegister] = []
         self.pending_admits: list[PendingAdmit] = []
 
@@ -220,7 +220,7 @@ class FuzzSim(Simulator):
                                  len(ranks) if expected_known else 0, ranks)
             params = self._hand_out(h, rid, blocks, group, list(ranks))
             for rk in ranks:
-                self.pending_admits.append(PendingAdmit(self.now + self.config.max_delay,
+                self.pending_admits.append(PendingAdmit(self.now + self.config.ms.max_delay,
                                                         rk, rid, params))
             # The engine pins the blocks from hand-out to registration (a pool pin per
             # sibling).
@@ -333,8 +333,8 @@ class FuzzSim(Simulator):
         self.deliver(self.net.take(i))
 
     # -- time ----------------------------------------------------------------------------
-    def _next_forced(self) -> float:
-        times = [math.inf]
+    def _next_forced(self) -> int:
+        times = [NEVER]
         if self.net.queue:
             times.append(self.net.queue[0].at)
         times.extend(x.end for x in self.world.xfers)
@@ -362,16 +362,16 @@ class FuzzSim(Simulator):
             for rk in self.live_ranks():
                 self.d_poll(rk)
 
-    def advance(self, dt: float, *, d_ticks: bool = True) -> None:
-        """Let ``dt`` seconds pass. Events the timing assumptions force (deliveries, READ
-        landings, admissions, registrations, restarts) happen at their forced times; with
-        ``d_ticks`` every D rank polls then and at least every heartbeat interval, without
-        it the D ranks are stalled (they read their inboxes later)."""
-        target = self.now + max(0.0, dt)
+    def advance(self, dt: int, *, d_ticks: bool = True) -> None:
+        """Let ``dt`` milliseconds pass. Events the timing assumptions force (deliveries,
+        READ landings, admissions, registrations, restarts) happen at their forced times;
+        with ``d_ticks`` every D rank polls then and at least every heartbeat interval,
+        without it the D ranks are stalled (they read their inboxes later)."""
+        target = self.now + max(0, dt)
         while True:
             nxt = self._next_forced()
             if d_ticks:
-                nxt = min(nxt, self.now + self.config.heartbeat_interval)
+                nxt = min(nxt, self.now + self.config.ms.heartbeat_interval)
             if nxt > target:
                 break
             self.now = max(self.now, nxt)
@@ -382,7 +382,7 @@ class FuzzSim(Simulator):
     def settle(self) -> None:
         """End of a run: resolve everything D still has, then let every lease, grace and
         staging age run out."""
-        cfg = self.config
+        cfg = self.config.ms
         for _ in range(64):
             while self.pending_hs:
                 self.handshake(0, True)
@@ -395,9 +395,9 @@ class FuzzSim(Simulator):
             if not (self.d_requests() or self.world.xfers or self.net.queue or self.pending_hs
                     or self.pending_admits):
                 break
-            self.advance(cfg.max_read_time / 2 + cfg.max_delay)
+            self.advance(cfg.max_read_time // 2 + cfg.max_delay)
         horizon = max(cfg.lease_horizon, cfg.abort_grace) + cfg.max_staged_age + \
-            cfg.max_read_time + 4 * cfg.max_delay + 1
+            cfg.max_read_time + 4 * cfg.max_delay + 1000
         self.advance(horizon)
 
 
@@ -587,8 +587,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         With ``stall`` the D ranks hang with it (no heartbeat) until P's leases ran out."""
         self.sim.slow_read(i % len(self.sim.world.xfers))
         if stall:
-            cfg = self.cfg
-            self.sim.advance(cfg.lease_horizon + cfg.max_read_time + 2 * cfg.max_delay,
+            ms = self.cfg.ms
+            self.sim.advance(ms.lease_horizon + ms.max_read_time + 2 * ms.max_delay,
                              d_ticks=False)
 
     @precondition(lambda self: bool(self.sim.d_requests()))
@@ -618,22 +618,23 @@ class LifecycleMachine(RuleBasedStateMachine):
           d_ticks=st.booleans())
     def advance(self, frac: float, d_ticks: bool) -> None:
         """Tick by an arbitrary amount: a fraction of the shortest lease term."""
-        cfg = self.cfg
-        self.sim.advance(frac * min(cfg.initial_lease, cfg.lease_extension), d_ticks=d_ticks)
+        ms = self.cfg.ms
+        self.sim.advance(round(frac * min(ms.initial_lease, ms.lease_extension)),
+                         d_ticks=d_ticks)
 
     @precondition(lambda self: self.sim.busy())
     @rule(dt=st.floats(min_value=0.0, max_value=2.0, allow_nan=False))
     def advance_by_delay(self, dt: float) -> None:
         """Let up to two message delays pass (no D tick)."""
-        self.sim.advance(dt * self.cfg.max_delay, d_ticks=False)
+        self.sim.advance(round(dt * self.cfg.ms.max_delay), d_ticks=False)
 
     @precondition(lambda self: self.sim.ledger.next_deadline() is not None)
-    @rule(offset=st.sampled_from([-1e-6, 0.0, 1e-6]))
-    def advance_to_deadline(self, offset: float) -> None:
-        """Land exactly on (or just around) P's next deadline: boundary conditions."""
+    @rule(offset=st.sampled_from([-1, 0, 1]))
+    def advance_to_deadline(self, offset: int) -> None:
+        """Land exactly on (or one ms around) P's next deadline: boundary conditions."""
         nd = self.sim.ledger.next_deadline()
         assert nd is not None
-        self.sim.advance(max(0.0, nd + offset - self.sim.now), d_ticks=False)
+        self.sim.advance(max(0, nd + offset - self.sim.now), d_ticks=False)
 
     # -- network faults ----------------------------------------------------------------
     @precondition(lambda self: bool(self.sim.net.queue))

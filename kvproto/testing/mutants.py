@@ -1,8 +1,8 @@
 """Known upstream lifecycle bugs, re-introduced into the P machine.
 
 Each mutant is a ``Ledger`` subclass that either replaces rows of the transition table
-(``Ledger.with_rows``) or overrides one documented hook (``_tally``, ``_sweep``); none
-copies the ledger's internals, and ``kvproto.lifecycle`` is never modified.
+(``Ledger.with_rows``) or overrides one documented public hook (``tally``, ``sweep``);
+none copies or reads the ledger's internals, and ``kvproto.lifecycle`` is never modified.
 ``tests/test_mutants.py`` shows that the stateful fuzzer (``kvproto.testing.fuzz``) catches every
 one of them within the CI budget, with the invariant named in ``Mutant.caught_by``;
 ``kvproto fuzz --mutant NAME`` fuzzes one by hand.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvproto.lifecycle import (
     ABORT,
@@ -45,54 +45,53 @@ from kvproto.lifecycle import (
     Fx,
     Ledger,
 )
-from kvproto.lifecycle.producer import _Req
 from kvproto.nixl.driver_d import DDriver
 
 _HELD_LIVE = ("registered", "leased", "notified")
 
 
 class CountMessagesLedger(Ledger):
-    """Mutant (a): a reader that reports twice counts twice (hook ``_tally``)."""
+    """Mutant (a): a reader that reports twice counts twice (hook ``tally``)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._reports: dict[int, int] = {}
 
-    def _tally(self, r: _Req, event: str, reader: str) -> int:
-        super()._tally(r, event, reader)  # the reader set itself stays right
-        n = self._reports[r.handle] = self._reports.get(r.handle, 0) + 1
+    def tally(self, handle: int, event: str, reader: str) -> int:
+        super().tally(handle, event, reader)  # the reader set itself stays right
+        n = self._reports[handle] = self._reports.get(handle, 0) + 1
         return n  # BUG: messages, not distinct readers; a duplicate is never noticed
 
 
 # Mutant (b): table rows (held, abort, hold) go straight to freed with the abort's free.
 AbortFreesNowLedger = Ledger.with_rows(
-    *(P_TABLE[(s, ABORT, "hold")]._replace(dst=FREED, effects=(Fx("free", "aborted"),))
+    *(replace(P_TABLE[(s, ABORT, "hold")], dst=FREED, effects=(Fx("free", "aborted"),))
       for s in _HELD_LIVE),
     name="AbortFreesNowLedger")
 
 # Mutant (c): table rows (unregistered, done/release/heartbeat, early) drop the message.
 NoStagingLedger = Ledger.with_rows(
-    *(P_TABLE[(UNREGISTERED, ev, "early")]._replace(effects=(Fx("count", "staged_dropped"),))
+    *(replace(P_TABLE[(UNREGISTERED, ev, "early")], effects=(Fx("count", "staged_dropped"),))
       for ev in (DONE, RELEASE, HEARTBEAT)),
     name="NoStagingLedger")
 
 
 class StoppingSweepLedger(Ledger):
-    """Mutant (d): expiry (hook ``_sweep``) scans a registration-ordered list and stops
+    """Mutant (d): expiry (hook ``sweep``) scans a registration-ordered list and stops
     at the first request whose deadline has not passed."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._order: deque[int] = deque()
 
-    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: int, *,
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         out = super().register(handle, request_id, blocks, now, group=group, expected=expected)
         if self.held(handle) is not None and (not self._order or self._order[-1] != handle):
             self._order.append(handle)
         return out
 
-    def _sweep(self, now: float, out: list[Effect]) -> None:
+    def sweep(self, now: int, out: list[Effect]) -> None:
         order = self._order
         while order:
             dl = self.deadline(order[0])
@@ -101,7 +100,7 @@ class StoppingSweepLedger(Ledger):
                 continue
             if dl > now:
                 break  # BUG: the entries behind a renewed lease are never looked at
-            self._expire(order.popleft(), now, out)
+            self.expire(order.popleft(), now, out)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle import (
     CLOCK_START,
     D_NEW,
@@ -74,11 +75,11 @@ from kvproto.lifecycle import (
 # ---------------------------------------------------------------------------
 
 
-def machine_time(ms: int) -> float:
-    """A script time or duration (integer milliseconds) as the machines take it (float
-    seconds). The only function that knows the machines' time unit: the renderer's
-    inverse is derived from it (``_script_ms``)."""
-    return ms / 1000
+def machine_time(ms: int) -> int:
+    """A script time or duration (integer milliseconds) as the machines take it (integer
+    milliseconds too). The only function that knows the machines' time unit: the
+    renderer's inverse is derived from it (``_script_ms``)."""
+    return ms
 
 
 def _script_ms(t: float) -> float:
@@ -91,6 +92,8 @@ def _fmt_time(t: float | None) -> str:
     time that is not a whole millisecond keeps three decimals)."""
     if t is None:
         return "none"
+    if t == CLOCK_START:  # "before any time" (the machines' int stand-in for -inf)
+        return "-inf"
     if not math.isfinite(t):
         return "inf" if t > 0 else "-inf"
     ms = _script_ms(t)
@@ -254,7 +257,7 @@ def _consumer_state(m: Consumer, known: Iterable[Any],
 # ---------------------------------------------------------------------------
 
 
-class ScriptError(ValueError):
+class ScriptError(UsageError, ValueError):
     """A malformed script, or a command the machine could not run: names file and line."""
 
     def __init__(self, path: str, line: int, message: str) -> None:
@@ -440,7 +443,7 @@ class _Driver:
     def configure(self, values: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
-    def at(self, args: Mapping[str, Any]) -> float:
+    def at(self, args: Mapping[str, Any]) -> int:
         """The event's machine time: its ``t=``, else the script's clock."""
         t = args["t"]
         if t is not None:
@@ -588,7 +591,7 @@ class LedgerDriver(_Driver):
         return [_counters(self.ledger.counters, "counters"), _counters(self.ledger.frees, "frees")]
 
 
-_ConsumerView = tuple[str, float | None, bool]
+_ConsumerView = tuple[str, int | None, bool]
 
 
 class ConsumerDriver(_Driver):

@@ -18,7 +18,9 @@ and the faults, and it checks after every step:
   READ lands late on reused blocks);
 
 and after the drain the liveness property *NoLeak* (P holds nothing, no live D rank
-tracks a request). It measures stranded block-seconds.
+tracks a request). It measures stranded block-seconds. Its clock (``now``, the world's)
+is the machines' time, integer milliseconds; its knobs (``dt``, durations, ``Faults``)
+are seconds, turned into milliseconds once.
 
 Faults (``Faults``): message loss, duplication, reordering, delay, handshake failures,
 partitions, D rank crashes, READs landing late, stamps changed by reuse, aborts on P and
@@ -51,6 +53,7 @@ from kvproto.lifecycle import (
     Free,
     Ledger,
     TransferParams,
+    to_ms,
 )
 from kvproto.nixl.driver_d import Completion, DDriver
 from kvproto.nixl.driver_p import PDriver
@@ -88,8 +91,8 @@ class Read:
     handle: int
     blocks: tuple[int, ...]
     gens: tuple[int, ...]
-    start: float
-    end: float
+    start: int  # ms
+    end: int
 
 
 @dataclass
@@ -111,7 +114,8 @@ class Stats:
 
 
 class Simulator:
-    """One P rank and D engines. ``step()`` advances time by ``dt`` and runs everything due.
+    """One P rank and D engines. ``step()`` advances time by ``dt`` (seconds, whole ms)
+    and runs everything due.
 
     ``ledger_cls`` and ``driver_cls`` replace the machine of P and the driver of every D
     rank (a mutant, or an observed one)."""
@@ -129,14 +133,15 @@ class Simulator:
         self.rng = random.Random(seed)
         self.config = (config or Config()).validate()
         self.faults = faults if faults is not None else Faults()
-        self.dt = dt
+        self.dt_ms = max(1, to_ms(dt))
+        self.dt = self.dt_ms / 1000
         self.arrival_rate = arrival_rate  # requests per simulated second
         self.max_queue = max_queue  # D may queue a request this long before pulling it
         self.epoch = self.rng.randrange(1, 1 << 32)
         self.capacity = capacity
         max_delay = self.faults.max_delay if self.faults.max_delay is not None \
             else self.config.max_delay
-        self.net = self.network_cls(self.rng, self.faults, max_delay)
+        self.net = self.network_cls(self.rng, self.faults, to_ms(max_delay))
         self.world = self.world_cls(self.rng, self.faults, self.config, self.net, capacity)
         self.p = PDriver(P_NAME, self.config, SimPTransport(self.world, P_NAME, capacity),
                          num_blocks=capacity, epoch=self.epoch, clock=self._clock,
@@ -153,15 +158,15 @@ class Simulator:
             self.engine_ranks[f"D{e}"] = names
             for n in names:
                 self._new_rank(n)
-        self.agenda: list[tuple[float, int, str, str]] = []  # (time, seq, rank, what)
+        self.agenda: list[tuple[int, int, str, str]] = []  # (time, seq, rank, what)
         self._aseq = 0
         self._next_req = 0
         self.stats = Stats()
         self.violations: list[InvariantViolation] = []  # the records behind stats.violations
         self.holders: dict[int, set[str]] = {}  # handle -> D ranks that may still pull it
-        self.p_agenda: list[tuple[float, int, str, tuple[int, ...], str | None, int,
+        self.p_agenda: list[tuple[int, int, str, tuple[int, ...], str | None, int,
                                   tuple[str, ...]]] = []
-        self.restarts: list[tuple[float, str]] = []
+        self.restarts: list[tuple[int, str]] = []
         self.incarnation: dict[str, int] = {}
         # What P handed out per request id: the writes its blocks held and how often
         # each block had been freed (reclaimed while not pinned) by then.
@@ -172,14 +177,17 @@ class Simulator:
 
     # -- helpers -----------------------------------------------------------------------
     def _clock(self) -> float:
-        return self.world.now
+        """The drivers' clock: the world's time in seconds (their ``now_ms`` reads back
+        exactly ``now``)."""
+        return self.world.now / 1000
 
     @property
-    def now(self) -> float:
+    def now(self) -> int:
+        """The world's time, ms."""
         return self.world.now
 
     @now.setter
-    def now(self, t: float) -> None:
+    def now(self, t: int) -> None:
         self.world.now = t
 
     @property
@@ -199,7 +207,7 @@ class Simulator:
     @property
     def reads(self) -> dict[tuple[str, str], Read]:
         """Every READ in flight, of live and crashed ranks."""
-        mrt = self.config.max_read_time
+        mrt = self.config.ms.max_read_time
         return {(n, rid): Read(n, rid, rd.params.handle, tuple(rd.remote), tuple(rd.gens),
                                rd.started, rd.started + mrt)
                 for ds in (self.drivers, self.dead) for n, d in ds.items()
@@ -211,9 +219,9 @@ class Simulator:
 
     def _violation(self, invariant: str, detail: str) -> None:
         v = InvariantViolation(invariant, detail)
-        log.error("violation at t=%.3f: %s", self.now, v)
+        log.error("violation at t=%.3f: %s", self.now / 1000, v)
         self.violations.append(v)
-        self.stats.violations.append(f"t={self.now:.3f} {v}")
+        self.stats.violations.append(f"t={self.now / 1000:.3f} {v}")
 
     def _new_rank(self, name: str) -> DDriver:
         t = SimDTransport(self.world, name, self.capacity, self.p.transport.layout())
@@ -232,7 +240,7 @@ class Simulator:
         """The P driver carries out ``effects`` (as if its ledger had produced them)."""
         self.p.execute(effects, self.now)
 
-    def _observe(self, e: Effect, now: float) -> None:
+    def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
             self._on_free(e)
 
@@ -243,7 +251,7 @@ class Simulator:
         if reclaimed:
             for b in reclaimed:
                 self.freed[b] += 1
-            mrt = self.config.max_read_time
+            mrt = self.config.ms.max_read_time
             gone = set(reclaimed)
             for ds in (self.drivers, self.dead):
                 for n, d in ds.items():
@@ -252,7 +260,7 @@ class Simulator:
                             self._violation(
                                 "NoFreeUnderRead", f"handle {eff.handle} ({eff.reason}) "
                                 f"freed blocks under {n}'s READ of handle "
-                                f"{rd.params.handle}, started {self.now - rd.started:.3f}s ago")
+                                f"{rd.params.handle}, started {(self.now - rd.started) / 1000:.3f}s ago")
             f = self.faults
             if f.reuse and self.rng.random() < f.reuse:
                 self.world.write(reclaimed)  # the engine reuses them at once
@@ -264,7 +272,7 @@ class Simulator:
         """P hands D the params of one request: what its blocks hold is remembered."""
         self.expect[rid] = tuple(self.world.content[b] for b in blocks)
         self.freed_at[rid] = tuple(self.freed[b] for b in blocks)
-        return TransferParams(P_NAME, self.epoch, h, blocks, self.config.initial_lease,
+        return TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
                               expected=len(ranks), group=group,
                               generations=self.p.stamps(blocks))
 
@@ -297,13 +305,14 @@ class Simulator:
             expected = len(ranks) if self.rng.random() < 0.5 else 0
             # The early-notification race: P's registration may lag the params it already
             # handed out (scheduler vs worker), so D's messages can arrive first.
-            lag = self.rng.uniform(0, 1.0) if self.rng.random() < self.faults.register_lag else 0
+            lag = round(self.rng.uniform(0, 1000)) if self.rng.random() < self.faults.register_lag \
+                else 0
             self.p_agenda.append((self.now + lag, h, rid, blocks, group, expected, tuple(ranks)))
             # P holds the blocks from the moment it hands out params: one engine pin per
             # sibling until its registration, so they are not handed out meanwhile.
             self.pool.pin(blocks)
             params = self._hand_out(h, rid, blocks, group, ranks)
-            delay = self.rng.uniform(0, self.net.max_delay)
+            delay = round(self.rng.uniform(0, self.net.max_delay))
             for rk in ranks:
                 self._aseq += 1
                 heapq.heappush(self.agenda, (self.now + delay, self._aseq, rk,
@@ -382,7 +391,7 @@ class Simulator:
         self.stats.crashes += 1
         for rs in self.holders.values():
             rs.discard(rank)
-        self.restarts.append((self.now + self.faults.restart_after, rank))
+        self.restarts.append((self.now + to_ms(self.faults.restart_after), rank))
 
     def _restart(self, old: str) -> None:
         base = old.split("#", 1)[0]
@@ -396,7 +405,7 @@ class Simulator:
 
     def partition(self, rank: str, duration: float) -> None:
         """Cut ``rank`` off P for ``duration`` seconds."""
-        self.world.partition(rank, self.now + duration)
+        self.world.partition(rank, self.now + to_ms(duration))
         self.stats.partitions += 1
 
     def abort_p(self, rid: str) -> None:
@@ -474,7 +483,7 @@ class Simulator:
                 d.admit(rid, TransferParams.from_dict(json.loads(pj)))
                 self._aseq += 1
                 q = rng.uniform(0, self.max_queue) if rng.random() < 0.3 else rng.uniform(0, 1)
-                heapq.heappush(self.agenda, (now + q, self._aseq, rk, "sched\0" + rid))
+                heapq.heappush(self.agenda, (now + to_ms(q), self._aseq, rk, "sched\0" + rid))
             else:
                 rid = what.split("\0", 1)[1]
                 if d.state(rid) != "new":  # a finished request is never scheduled
@@ -482,7 +491,7 @@ class Simulator:
                     self._check_reads(rk, d)
 
     def step(self, *, generate: bool = True) -> None:
-        self.now = round(self.now + self.dt, 9)
+        self.now += self.dt_ms
         now = self.now
         if generate:
             self._generate()
@@ -526,7 +535,7 @@ class Simulator:
         for i in range(steps):
             self.step()
             if progress is not None and i % 500 == 0:
-                progress(self.now)
+                progress(self.now / 1000)
         if drain:
             self.drain()
         return self.stats
@@ -540,8 +549,9 @@ class Simulator:
     def drain(self) -> None:
         """Stop new work and let every lease, grace and READ run out."""
         cfg = self.config
-        limit = self.now + self.max_queue + cfg.lease_horizon + cfg.abort_grace + \
-            self.world.late_bound() + cfg.peer_timeout + 10 * cfg.max_delay + 10
+        limit = self.now + self.world.late_bound() + to_ms(
+            self.max_queue + cfg.lease_horizon + cfg.abort_grace + cfg.peer_timeout
+            + 10 * cfg.max_delay + 10)
         while self.now < limit and self.busy():
             self.step(generate=False)
         for v in ledger_violations(self.ledger):
@@ -696,7 +706,7 @@ def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faul
             log.debug("seed %d crashed", s, exc_info=True)
             where = traceback.extract_tb(e.__traceback__)[-1]
             crashes.append(f"seed {s}: {type(e).__name__}: {e} "
-                           f"({where.filename}:{where.lineno}, t={sim.now:.3f})")
+                           f"({where.filename}:{where.lineno}, t={sim.now / 1000:.3f})")
         finally:
             if writer:
                 writer.close()

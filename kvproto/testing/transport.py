@@ -17,17 +17,19 @@ and stamps changed by reuse (the
 engine overwrites freed blocks at once). Memory is modelled by what was written, not by
 bytes: P's block ``b`` holds write ``content[b]``; a data READ copies the writes its
 remote blocks hold *when it lands*, a stamp READ the stamps they carry then.
+
+Every time here is the machines' time, integer milliseconds (``World.now``); the
+``Faults`` knobs and the config's durations are seconds, turned into ms where used.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
-import math
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Final
 
 from kvproto.lifecycle import Config
 from kvproto.nixl.driver import DISCONNECT, DONE, PROC, Accept, HandshakeHandler, PeerError
@@ -35,6 +37,8 @@ from kvproto.wire import Handshake, Layout
 
 # What the simulated agents' metadata looks like (a name, nothing to load).
 _MD = b"sim-agent:"
+# A time (ms) that never comes: a handshake request the fuzzer has not sent on yet.
+NEVER: Final = 1 << 62
 
 
 @dataclass
@@ -91,7 +95,7 @@ class Faults:
 
 @dataclass(order=True)
 class Msg:
-    at: float
+    at: int  # ms
     seq: int
     src: str = field(compare=False)
     dst: str = field(compare=False)
@@ -99,9 +103,10 @@ class Msg:
 
 
 class Network:
-    """Delivers bytes after a random delay; may lose, duplicate or delay them."""
+    """Delivers bytes after a random delay (within ``max_delay`` ms unless delayed); may
+    lose, duplicate or delay them."""
 
-    def __init__(self, rng: random.Random, faults: Faults, max_delay: float) -> None:
+    def __init__(self, rng: random.Random, faults: Faults, max_delay: int) -> None:
         self.rng = rng
         self.faults = faults
         self.max_delay = max_delay
@@ -109,14 +114,14 @@ class Network:
         self._seq = 0
         self.sent = self.lost = self.duplicated = self.delayed = 0
 
-    def _delay(self) -> float:
+    def _delay(self) -> int:
         f = self.faults
         if f.delay and self.rng.random() < f.delay:
             self.delayed += 1
-            return self.rng.uniform(self.max_delay, 4 * self.max_delay)
-        return self.rng.uniform(0, self.max_delay) if f.reorder else self.max_delay
+            return round(self.rng.uniform(self.max_delay, 4 * self.max_delay))
+        return round(self.rng.uniform(0, self.max_delay)) if f.reorder else self.max_delay
 
-    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
         if self.rng.random() < self.faults.loss:
             self.lost += 1
@@ -127,7 +132,7 @@ class Network:
             self._seq += 1
             heapq.heappush(self.queue, Msg(now + self._delay(), self._seq, src, dst, data))
 
-    def due(self, now: float) -> list[Msg]:
+    def due(self, now: int) -> list[Msg]:
         out = []
         while self.queue and self.queue[0].at <= now:
             out.append(heapq.heappop(self.queue))
@@ -143,8 +148,8 @@ class SimXfer:
     local: tuple[int, ...]
     remote: tuple[int, ...]
     stamps: bool
-    posted: float
-    end: float
+    posted: int  # ms
+    end: int
     late: bool = False
     state: str = PROC
     seq: int = 0
@@ -157,10 +162,10 @@ class HsAttempt:
 
     rank: str
     payload: bytes
-    at: float
+    at: int  # ms
     seq: int
     reachable: bool = True
-    ready: float = float("inf")
+    ready: int = NEVER
     result: tuple[str, bytes | str] | None = None
 
 
@@ -174,7 +179,7 @@ class World:
         self.faults = faults
         self.config = config
         self.net = net
-        self.now = 0.0
+        self.now = 0  # ms
         self.inbox: dict[str, list[tuple[str, bytes]]] = {}
         self.content = [0] * capacity  # P's blocks: the write each one holds
         self.stamps = [0] * capacity  # P's generation stamps
@@ -184,7 +189,7 @@ class World:
         self.xfers: list[SimXfer] = []  # posted, not landed yet
         self.attempts: dict[str, HsAttempt] = {}  # rank -> its handshake in progress
         self.down: set[str] = set()  # crashed D ranks
-        self.cut: dict[str, float] = {}  # D rank -> end of its partition from P
+        self.cut: dict[str, int] = {}  # D rank -> end of its partition from P (ms)
         self.conns: dict[int, str] = {}  # P's handshake connections: id -> rank
         self.p: SimPTransport | None = None
         self.ranks: dict[str, SimDTransport] = {}
@@ -205,7 +210,7 @@ class World:
             return False
         return True
 
-    def partition(self, rank: str, until: float) -> None:
+    def partition(self, rank: str, until: int) -> None:
         self.cut[rank] = max(until, self.cut.get(rank, until))
 
     def crash(self, rank: str) -> None:
@@ -238,7 +243,7 @@ class World:
 
     # -- handshakes ----------------------------------------------------------------------
     def start_handshake(self, rank: str, payload: bytes) -> None:
-        at = self.now + self.rng.uniform(0.005, 0.25)
+        at = self.now + round(self.rng.uniform(5, 250))
         ok = self.rng.random() >= self.faults.handshake_fail
         self.attempts[rank] = HsAttempt(rank, payload, at, self._next(), reachable=ok)
 
@@ -257,29 +262,29 @@ class World:
         else:
             a.result = ("refused", json.dumps({"reason": r.reason, "detail": r.detail}).encode())
             del self.conns[cid]
-        a.ready = self.now + self.rng.uniform(0.005, 0.25)
+        a.ready = self.now + round(self.rng.uniform(5, 250))
 
     # -- READs ---------------------------------------------------------------------------
-    def read_bound(self) -> float:
-        """How long one transfer may take within the timing assumption: a READ is a data
-        transfer then a stamp transfer, posted at the next poll, and the whole must fit
-        ``max_read_time``."""
-        return self.config.max_read_time / 3
+    def read_bound(self) -> int:
+        """How long one transfer may take within the timing assumption (ms): a READ is a
+        data transfer then a stamp transfer, posted at the next poll, and the whole must
+        fit ``max_read_time``."""
+        return self.config.ms.max_read_time // 3
 
-    def late_bound(self) -> float:
-        """How long a late READ may take: long enough for P to free its blocks under it
-        (a lease lapsing, an abort's grace running out) and reuse them."""
-        cfg = self.config
-        return cfg.max_read_time + cfg.lease_horizon + cfg.abort_grace
+    def late_bound(self) -> int:
+        """How long a late READ may take (ms): long enough for P to free its blocks under
+        it (a lease lapsing, an abort's grace running out) and reuse them."""
+        m = self.config.ms
+        return m.max_read_time + m.lease_horizon + m.abort_grace
 
     def post(self, rank: str, local: Sequence[int], remote: Sequence[int], stamps: bool
              ) -> SimXfer:
         bound = self.read_bound()
         late = self.faults.late_read > 0 and self.rng.random() < self.faults.late_read
         if late:
-            dur = self.rng.uniform(self.config.max_read_time, self.late_bound())
+            dur = round(self.rng.uniform(self.config.ms.max_read_time, self.late_bound()))
         else:
-            dur = self.rng.uniform(min(0.001, bound / 2), bound)
+            dur = round(self.rng.uniform(min(1, bound / 2), bound))
         x = SimXfer(rank, tuple(local), tuple(remote), stamps, self.now, self.now + dur, late,
                     seq=self._next())
         self.xfers.append(x)
@@ -302,7 +307,7 @@ class World:
                 held[lb] = self.content[rb]
         x.state = DONE
 
-    def run_due(self, now: float) -> None:
+    def run_due(self, now: int) -> None:
         """Everything due by ``now``: messages, handshake answers, READs landing."""
         self.now = now
         for m in self.net.due(now):
@@ -313,9 +318,9 @@ class World:
         for x in sorted((x for x in self.xfers if x.end <= now), key=lambda x: (x.end, x.seq)):
             self.land(x)
 
-    def next_due(self) -> float:
-        """When the world next has something to do on its own."""
-        t = min((x.end for x in self.xfers), default=float("inf"))
+    def next_due(self) -> int:
+        """When the world next has something to do on its own (``NEVER``: nothing)."""
+        t = min((x.end for x in self.xfers), default=NEVER)
         if self.net.queue:
             t = min(t, self.net.queue[0].at)
         for a in self.attempts.values():
@@ -337,7 +342,7 @@ class FuzzNetwork(Network):
     drop_next: int = 0
     dup_next: int = 0
 
-    def send(self, now: float, src: str, dst: str, data: bytes) -> None:
+    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
         self.sent += 1
         if self.drop_next > 0:
             self.drop_next -= 1
@@ -372,7 +377,7 @@ class FuzzWorld(World):
     slow_next: int = 0
 
     def start_handshake(self, rank: str, payload: bytes) -> None:
-        self.attempts[rank] = HsAttempt(rank, payload, math.inf, self._next())
+        self.attempts[rank] = HsAttempt(rank, payload, NEVER, self._next())
 
     def decide(self, rank: str, ok: bool) -> None:
         """``rank``'s handshake request reaches P (``ok``) or P is unreachable."""
@@ -421,7 +426,7 @@ class SimPTransport:
         self.handler = handler
         self.on_closed = on_closed
 
-    def serve(self, now: float) -> None:
+    def serve(self, now: int) -> None:
         """Handshakes are answered by the world as they arrive."""
 
     def conn_open(self, conn: int) -> bool:

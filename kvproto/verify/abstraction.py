@@ -8,14 +8,11 @@ Shared by graph equality (:mod:`kvproto.verify.conformance`) and the oracle
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import TypeAlias
 
-from kvproto import lifecycle
 from kvproto.lifecycle import (
     DONE,
     HEARTBEAT,
@@ -26,7 +23,7 @@ from kvproto.lifecycle import (
     Free,
     Ledger,
 )
-from kvproto.verify.models import Action, GraphModel
+from kvproto.verify.models import UNIT_MS, Action, GraphModel
 from kvproto.verify.tlc import (
     Fn,
     State,
@@ -43,45 +40,23 @@ LedgerFactory: TypeAlias = Callable[[Config, BlockPool], Ledger]
 
 @dataclass
 class PyNode:
-    """A concrete Python ledger at model time ``now``, plus the ghost free counts."""
+    """A concrete Python ledger at model time ``now`` (units; the ledger's clock is
+    ``now * UNIT_MS`` ms), plus the ghost free counts."""
 
     ledger: Ledger
     now: int
     nfree: dict[str, int]
 
     def clone(self) -> PyNode:
-        return PyNode(thaw(freeze(self.ledger)), self.now, dict(self.nfree))
+        return PyNode(self.ledger.clone(), self.now, dict(self.nfree))
 
 
-_CANON: Final[dict[str, str]] = {s: s for s in (*lifecycle.P_STATES, *lifecycle.P_EVENTS)}
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles the lifecycle's state/event names by reference. Ledger.heartbeat compares
-    states by identity (``st is REGISTERED``) and unpickled strings are new objects, so a
-    plain pickle round trip yields a ledger that refuses every heartbeat."""
-
-    def persistent_id(self, obj: Any) -> str | None:
-        if type(obj) is str and _CANON.get(obj) is obj:
-            return obj
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        return _CANON[pid]
-
-
-def freeze(ledger: Ledger) -> bytes:
-    """A snapshot of a ledger, cheap to :func:`thaw` many times."""
-    buf = io.BytesIO()
-    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(ledger)
-    return buf.getvalue()
-
-
-def thaw(blob: bytes) -> Ledger:
-    L: Ledger = _Unpickler(io.BytesIO(blob)).load()
-    return L
+def units(ms: int, what: str) -> int:
+    """A duration of the machines' (ms) in model time units; it must be whole units."""
+    u, rem = divmod(ms, UNIT_MS)
+    if rem:
+        raise ValueError(f"{what} of {ms} ms is not a whole number of model time units")
+    return u
 
 
 def abstract(model: GraphModel, node: PyNode) -> State:
@@ -89,11 +64,12 @@ def abstract(model: GraphModel, node: PyNode) -> State:
 
     pstate[r] = Ledger.state(h); expected/finished/released from snapshot() (0/{}/FALSE
     when not live); deadline[r] = snapshot deadline - now (relative); reports[r] =
-    |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = list(_staged) as names;
-    staged[r] = _staged[h].msgs as [kind, reader, exp, age] (age = now - arrival for
-    heartbeats, 0 otherwise); stagedAge[r] = now - _staged[h].since; groupsDone =
-    set(_groups_done); nfree[r] = the ghost count of Free effects for r."""
-    L, now = node.ledger, node.now
+    |finished[r]|; rc[b+1] = pool.refcount(b); stagedQ = the handles of
+    staged_entries() as names; staged[r] = its msgs as [kind, reader, exp, age] (age =
+    now - arrival for heartbeats, 0 otherwise); stagedAge[r] = now - its since;
+    groupsDone = set(groups_done()); nfree[r] = the ghost count of Free effects for r.
+    Times in model units (``units``)."""
+    L, now = node.ledger, node.now * UNIT_MS
     snap = L.snapshot()
     staged_all = {h: (since, msgs) for h, since, msgs in L.staged_entries()}
     cols: dict[str, list[tuple[Value, Value]]] = {
@@ -105,10 +81,8 @@ def abstract(model: GraphModel, node: PyNode) -> State:
         s = snap.get(h)
         if s is not None:
             _st, exp, fin, rel, dl = s
-            d = dl - now
-            if d != int(d):
-                raise ValueError(f"non-integral relative deadline {d} for {r}")
-            vals: tuple[Value, ...] = (exp, fin, rel, int(d), len(fin))
+            vals: tuple[Value, ...] = (exp, fin, rel, units(dl - now, f"deadline of {r}"),
+                                       len(fin))
         else:
             vals = (0, frozenset(), False, 0, 0)
         for var, v in zip(("expected", "finished", "released", "deadline", "reports"), vals,
@@ -120,10 +94,10 @@ def abstract(model: GraphModel, node: PyNode) -> State:
             cols["stagedAge"].append((r, 0))
         else:
             cols["staged"].append((r, tuple(
-                Fn((("age", int(now - t) if k == HEARTBEAT else 0), ("exp", e), ("kind", k),
-                    ("reader", d_)))
+                Fn((("age", units(now - t, "age") if k == HEARTBEAT else 0), ("exp", e),
+                    ("kind", k), ("reader", d_)))
                 for k, d_, e, t in stg[1])))
-            cols["stagedAge"].append((r, int(now - stg[0])))
+            cols["stagedAge"].append((r, units(now - stg[0], "staged age")))
         cols["nfree"].append((r, node.nfree[r]))
     name_of = {model.handle(r): r for r in model.requests}
     state: dict[str, Value] = {var: Fn(tuple(items)) for var, items in cols.items()}
@@ -141,7 +115,7 @@ def initial_node(model: GraphModel, factory: LedgerFactory = Ledger) -> PyNode:
 
 def apply_action(model: GraphModel, node: PyNode, a: Action) -> list[Effect]:
     """Feed one input to the (already cloned) node's ledger; update time and ghost."""
-    L, now = node.ledger, float(node.now)
+    L, now = node.ledger, node.now * UNIT_MS
     h = model.handle(a.request) if a.request else 0
     if a.kind == "register":
         g = model.group_of[a.request]
@@ -157,7 +131,7 @@ def apply_action(model: GraphModel, node: PyNode, a: Action) -> list[Effect]:
         out = L.abort(a.request, now)
     elif a.kind == "tick":
         node.now += 1
-        out = L.tick(float(node.now))
+        out = L.tick(node.now * UNIT_MS)
     else:  # pragma: no cover
         raise ValueError(a.kind)
     names = {model.handle(r): r for r in model.requests}

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvproto.cli import number
+from kvproto.errors import UsageError
 from kvproto.lifecycle import MAX_DURATION, Config, ConfigError
 from kvproto.verify.models import TLC_MODELS
 from kvproto.verify.models import TlcModel as Model
@@ -87,7 +88,7 @@ MAX_LEASE_CONFIG_BYTES = 1 << 20
 MAX_MODEL_UNITS = 1 << 20
 
 
-class LeaseConfigError(ValueError):
+class LeaseConfigError(UsageError, ValueError):
     """A lease config file or flag that cannot be read (not: a config that is unsafe)."""
 
 

@@ -48,9 +48,7 @@ from kvproto.verify.abstraction import (
     abstract,
     apply_action,
     describe,
-    freeze,
     initial_node,
-    thaw,
 )
 from kvproto.verify.models import GRAPH_MODELS, GraphModel
 from kvproto.verify.oracle import refused
@@ -146,9 +144,8 @@ def explore_python(model: Model, factory: LedgerFactory = Ledger, *,
     while queue:
         s = queue.popleft()
         node = rep.pop(s)
-        blob = freeze(node.ledger)
         for a in acts:
-            nxt = PyNode(thaw(blob), node.now, dict(node.nfree))
+            nxt = node.clone()
             out = apply_action(model, nxt, a)
             if refused(out):
                 continue

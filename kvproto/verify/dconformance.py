@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +51,8 @@ from kvproto.lifecycle import (
     StartHandshake,
     TransferParams,
 )
-from kvproto.lifecycle.consumer import _DReq, _Peer
 from kvproto.verify.conformance import read_dot
+from kvproto.verify.models import UNIT_MS
 from kvproto.verify.replay import replay
 from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
 
@@ -116,7 +116,8 @@ class DAction:
 
 @dataclass(frozen=True)
 class DModel:
-    """A small D model, the same for TLC and the Python BFS. Times in model units."""
+    """A small D model, the same for TLC and the Python BFS. Times in model units (one
+    is ``UNIT_MS`` of the Consumer's milliseconds: its Config takes them as seconds)."""
 
     name: str
     requests: tuple[str, ...]
@@ -141,7 +142,7 @@ class DModel:
 
     def params(self, r: str) -> TransferParams:
         return TransferParams(ENGINE, 1, self.handle(r), (self.handle(r),),
-                              float(self.term_of[r]), 1, self.group_of[r])
+                              self.term_of[r] * UNIT_MS, 1, self.group_of[r])
 
     def handle(self, r: str) -> int:
         return self.requests.index(r) + 1
@@ -249,36 +250,6 @@ class _DNode:
     gone: dict[str, tuple[str, ...]]  # rid -> (state,) once it left the machine
 
 
-_CONSUMER_FIELDS: Final = frozenset({
-    "reader", "config", "sink", "reqs", "peers", "_group_owner", "_lease_heap", "_next_hb",
-    "now", "heartbeat_chunk", "counters", "finished"})
-
-
-def clone_consumer(c: Consumer) -> Consumer:
-    """A copy of ``c`` that shares nothing mutable (as deepcopy, about 5x faster: the
-    BFS copies one machine per edge; trace validation keeps segment starts). Fails loudly when Consumer gains a field."""
-    extra = set(vars(c)) - _CONSUMER_FIELDS
-    if extra:
-        raise AssertionError(f"clone_consumer does not know Consumer fields {sorted(extra)}")
-    n = object.__new__(type(c))
-    n.__dict__.update(vars(c))
-    reqs: dict[int, _DReq] = {}
-    for r in c.reqs.values():
-        q = object.__new__(_DReq)
-        for k in _DReq.__slots__:
-            setattr(q, k, getattr(r, k))
-        reqs[id(r)] = q
-    n.reqs = {rid: reqs[id(r)] for rid, r in c.reqs.items()}
-    n.peers = {e: _Peer(p.state, p.seq, p.last_heard, OrderedDict(p.outstanding),
-                        {h: reqs[id(r)] for h, r in p.reqs.items()})
-               for e, p in c.peers.items()}
-    n._group_owner = dict(c._group_owner)
-    n._lease_heap = list(c._lease_heap)
-    n.counters = dict(c.counters)
-    n.finished = dict(c.finished)
-    return n
-
-
 def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
     recs: list[Value] = []
     for e in out:
@@ -302,6 +273,7 @@ def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
 def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
     """The abstraction function of KVConsumer.tla's header."""
     c = n.c
+    now = n.now * UNIT_MS
     dst: dict[str, Value] = {}
     lease: dict[str, Value] = {}
     pend: dict[str, Value] = {}
@@ -309,18 +281,20 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
         st = n.gone[r][0] if r in n.gone else c.state(r)
         dst[r] = st
         le = c.lease_end(r)
-        lease[r] = int(le - n.now) if le is not None and st in ("waiting", "handshaking") else 0
+        lease[r] = (le - now) // UNIT_MS if le is not None and st in ("waiting", "handshaking") \
+            else 0
         pend[r] = c.abort_pending(r)
     groups = sorted({g for g in m.group_of.values() if g is not None})
     owner = {g: c.group_owner(ENGINE, g) or "none" for g in groups}
-    peer = c.peers.get(ENGINE)
+    peer = c.peer(ENGINE)
     ready = peer is not None and peer.state == "ready"
     hbs = frozenset(
         mk_fn({"seq": 0, "rs": frozenset(m.requests[h - 1] for h in sent.handles),
-               "age": int(n.now - sent.sent_at)})
+               "age": (now - sent.sent_at) // UNIT_MS})
         for sent in (peer.outstanding.values() if peer is not None else ()))
-    heard = min(n.now - peer.last_heard, m.peer_timeout + 1) if peer is not None and ready else 0
-    hb_wait = max(0, c._next_hb - n.now)
+    heard = min((now - peer.last_heard) // UNIT_MS, m.peer_timeout + 1) \
+        if peer is not None and ready else 0
+    hb_wait = max(0, c.next_heartbeat_at - now) // UNIT_MS
     state = mk_fn({"dst": mk_fn(dst), "dlease": mk_fn(lease), "abortPending": mk_fn(pend),
                    "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "hbs": hbs,
                    "hbWait": int(hb_wait), "heard": int(heard), "eff": eff})
@@ -358,7 +332,7 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
     c, r = n.c, a.request
     if a.kind == "tick":
         n.now += 1
-    now = float(n.now)
+    now = n.now * UNIT_MS
     if a.kind == "admit":
         out = c.admit(r, m.params(r), now)
     elif a.kind == "schedule":
@@ -376,12 +350,14 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
     elif a.kind == "peer_lost":
         out = c.peer_lost(ENGINE, now)
     elif a.kind == "ack":
-        peer = c.peers[ENGINE]
-        seq = next(k for k, sent in peer.outstanding.items() if n.now - sent.sent_at == a.age)
-        out = c.ack(ENGINE, seq, float(m.lease_extension), tuple(m.handle(r) for r in a.refused),
-                    now)
+        peer = c.peer(ENGINE)
+        assert peer is not None
+        seq = next(k for k, sent in peer.outstanding.items()
+                   if now - sent.sent_at == a.age * UNIT_MS)
+        out = c.ack(ENGINE, seq, m.lease_extension * UNIT_MS,
+                    tuple(m.handle(r) for r in a.refused), now)
     elif a.kind == "ack_unknown":
-        out = c.ack(ENGINE, 0xFFFFFFFF, float(m.lease_extension), (), now)
+        out = c.ack(ENGINE, 0xFFFFFFFF, m.lease_extension * UNIT_MS, (), now)
     else:
         out = c.tick(now)
     for e in out:
@@ -406,7 +382,7 @@ def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
         for a in acts:
             if not _enabled(m, s, a):
                 continue
-            n = _DNode(clone_consumer(base.c), base.now, dict(base.gone))
+            n = _DNode(base.c.clone(), base.now, dict(base.gone))
             t = _abstract(m, n, _effects(_apply(m, n, a)))
             if t not in g:
                 if g.number_of_nodes() >= max_states:

@@ -9,7 +9,8 @@ spec's. The traces run through the same batches and TLC runner as P journals
 Mapping (TraceConsumer.tla's header): each admission D created a machine for is a
 request ``q<k>``; a request id or handle that names no live admission names ``"-"``, a
 request never admitted (events on it are no-ops, effects naming it are the journal's
-own); times, terms and durations become integer units. Long journals are cut into
+own); times, terms and durations are the journal's integer milliseconds (one TLA+ time
+unit). Long journals are cut into
 segments chained through the journal replayed by the Python ``Consumer`` (the
 abstraction function of KVConsumer.tla's header), so TLC's time grows linearly.
 
@@ -20,7 +21,6 @@ heartbeats awaiting an ack (D forgets the oldest beyond, which the spec does not
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,14 +52,12 @@ from kvproto.lifecycle import (
     SendRelease,
     StartHandshake,
 )
-from kvproto.verify.dconformance import clone_consumer
 from kvproto.verify.tlc import render
 from kvproto.verify.trace import (
     DEFAULT_SEGMENT_STEPS,
     TLC_INT_MAX,
     Trace,
     TraceError,
-    choose_scale,
 )
 
 # KVConsumer's variables (the trace module works on a record of them).
@@ -91,7 +89,7 @@ class _Adm:
     rid: str
     handle: int
     group: str | None
-    term: float
+    term: int
     expected: int
 
 
@@ -116,9 +114,9 @@ class _Names:
         new one when Consumer will create a machine for it."""
         if ev.request_id in c.reqs:
             return self.live(c, ev.request_id)
-        peer = c.peers.get(engine)
-        if peer is not None and ev.params.handle in peer.reqs:
-            return self.by_rid.get(peer.reqs[ev.params.handle].rid, NOBODY)
+        holder = c.request_id(engine, ev.params.handle)
+        if holder is not None:
+            return self.by_rid.get(holder, NOBODY)
         name = f"q{len(self.adm) + 1}"
         p = ev.params
         self.adm[name] = _Adm(name, ev.request_id, p.handle, p.group, p.initial_term, p.expected)
@@ -148,25 +146,21 @@ class _DTraceBuilder:
             raise TraceError(f"the journal talks to {len(engines)} P engines "
                              f"({', '.join(sorted(engines))}): KVConsumer models one")
         self.engine = next(iter(engines), "P")
-        cfg = self.cfg
-        durations = [cfg.max_delay, cfg.max_read_time, cfg.clock_drift, cfg.heartbeat_interval,
-                     cfg.lease_extension, cfg.peer_timeout]
+        ms = self.cfg.ms
+        durations = [ms.max_delay, ms.max_read_time, ms.clock_drift, ms.heartbeat_interval,
+                     ms.lease_extension, ms.peer_timeout]
         for _, ev, _ in rows:
             if isinstance(ev, Admit):
                 durations.append(ev.params.initial_term)
             elif isinstance(ev, DAck):
                 durations.append(ev.term)
-        self.scale = choose_scale(durations + [float(ev.now) for _, ev, _ in rows])
-        if any(abs(v) * self.scale > TLC_INT_MAX for v in durations):
-            raise TraceError("a duration or term overflows TLC's integers in time units")
+        if any(abs(v) > TLC_INT_MAX for v in durations):
+            raise TraceError("a duration or term overflows TLC's integers in milliseconds")
         groups = {ev.params.group for _, ev, _ in rows
                   if isinstance(ev, Admit) and ev.params.group is not None}
         self.no_group = "nogroup"
         while self.no_group in groups:
             self.no_group += "_"
-
-    def units(self, x: float) -> int:
-        return round(x * self.scale)
 
     # -- the abstraction function of KVConsumer.tla's header ---------------------------
     def record(self, c: Consumer, names: _Names, reqs: Sequence[str],
@@ -188,7 +182,7 @@ class _DTraceBuilder:
                     st = c.state(a.rid)
                     end = c.lease_end(a.rid)
                     if st in ("waiting", "handshaking") and end is not None:
-                        le = self.units(end) - self.units(now)
+                        le = end - now
                     ap = c.abort_pending(a.rid)
             dst.append((_s(n), _s(st)))
             dlease.append((_s(n), str(le)))
@@ -198,7 +192,7 @@ class _DTraceBuilder:
                          and a.group is not None}):
             o = c.group_owner(self.engine, g)
             owners.append((_s(g), _s(names.by_rid.get(o, NOBODY) if o is not None else "none")))
-        peer = c.peers.get(self.engine)
+        peer = c.peer(self.engine)
         keep = set(reqs)
         hbs: list[str] = []
         heard = 0
@@ -206,13 +200,12 @@ class _DTraceBuilder:
             for seq, sent in peer.outstanding.items():
                 rs = {names.handle(h) for h in sent.handles} & keep
                 hbs.append(f"[seq |-> {seq}, rs |-> {_set(_s(q) for q in rs)}, "
-                           f"age |-> {self.units(now) - self.units(sent.sent_at)}]")
+                           f"age |-> {now - sent.sent_at}]")
             if peer.state == PEER_READY:
-                pt = self.units(cfg.peer_timeout)
-                heard = pt + 1 if not math.isfinite(peer.last_heard) else \
-                    min(self.units(now) - self.units(peer.last_heard), pt + 1)
-        nhb = c._next_hb
-        hb_wait = 0 if not math.isfinite(nhb) else max(0, self.units(nhb) - self.units(now))
+                # Never heard (last_heard is CLOCK_START): as silent as can be, pt + 1.
+                pt = cfg.ms.peer_timeout
+                heard = min(now - peer.last_heard, pt + 1)
+        hb_wait = max(0, c.next_heartbeat_at - now)  # 0 before the first heartbeat (CLOCK_START)
         fields = {
             "dst": _fn(dst), "dlease": _fn(dlease), "abortPending": _fn(pend),
             "owner": _fn(owners) if owners else "[x \\in {} |-> \"none\"]",
@@ -246,7 +239,7 @@ class _DTraceBuilder:
                 ev.fenced if isinstance(ev, ReadFailed) else False
             f.update(type=_s(typ), r=_s(r), flag="TRUE" if flag else "FALSE")
         elif isinstance(ev, DAck):
-            f.update(type='"ack"', seq=str(ev.seq), term=str(self.units(ev.term)),
+            f.update(type='"ack"', seq=str(ev.seq), term=str(ev.term),
                      ref=_set(_s(names.handle(h)) for h in ev.refused),
                      pen=_set(_s(names.handle(h)) for h in ev.pending))
         elif isinstance(ev, PeerLost):
@@ -303,12 +296,12 @@ class _DTraceBuilder:
         prev: int | None = None
         fixed = {
             "NoGroup": _s(self.no_group),
-            "MaxDelay": str(self.units(self.cfg.max_delay)),
-            "MaxReadTime": str(self.units(self.cfg.max_read_time)),
-            "ClockDrift": str(self.units(self.cfg.clock_drift)),
-            "HeartbeatInterval": str(self.units(self.cfg.heartbeat_interval)),
-            "LeaseExtension": str(self.units(self.cfg.lease_extension)),
-            "PeerTimeout": str(self.units(self.cfg.peer_timeout)),
+            "MaxDelay": str(self.cfg.ms.max_delay),
+            "MaxReadTime": str(self.cfg.ms.max_read_time),
+            "ClockDrift": str(self.cfg.ms.clock_drift),
+            "HeartbeatInterval": str(self.cfg.ms.heartbeat_interval),
+            "LeaseExtension": str(self.cfg.ms.lease_extension),
+            "PeerTimeout": str(self.cfg.ms.peer_timeout),
         }
         for lo in range(0, max(n, 1), seg):
             hi = min(n, lo + seg)
@@ -316,13 +309,13 @@ class _DTraceBuilder:
             start_names = set(live_at_start)
             # The states at the start, for every name the segment may meet, are taken
             # after the fact (admissions are named as the segment runs): keep a copy.
-            snapshot = clone_consumer(c)
+            snapshot = c.clone()
             final_at_start = dict(names.final)
             steps: list[str] = []
             lines: list[int] = []
             admitted: list[str] = []
             for lineno, ev, effs in rows[lo:hi]:
-                t = self.units(float(ev.now))
+                t = ev.now
                 if prev is None:
                     dt, late, prev = 0, 0, t
                 elif t >= prev:
@@ -330,7 +323,7 @@ class _DTraceBuilder:
                 else:
                     dt, late = 0, prev - t
                 if dt > TLC_INT_MAX:
-                    raise TraceError(f"line {lineno}: time step of {dt} units overflows TLC "
+                    raise TraceError(f"line {lineno}: time step of {dt} ms overflows TLC "
                                      "integers")
                 if isinstance(ev, DTick) and c.outstanding_heartbeats(self.engine) \
                         >= MAX_OUTSTANDING_HEARTBEATS:
@@ -358,14 +351,14 @@ class _DTraceBuilder:
                 "Requests": _set(_s(x) for x in order),
                 "GroupOf": _fn([(_s(x), _s(a.group if (a := names.adm.get(x)) and a.group
                                             else self.no_group)) for x in order]),
-                "TermOf": _fn([(_s(x), str(self.units(a.term)) if (a := names.adm.get(x))
+                "TermOf": _fn([(_s(x), str(a.term) if (a := names.adm.get(x))
                                 else "0") for x in order]),
                 "ExpOf": _fn([(_s(x), str(a.expected) if (a := names.adm.get(x)) else "0")
                               for x in order]),
                 "StartC": start,
                 "EndC": end,
             }
-            out.append(Trace(self.path, self.scale, constants, steps, lines,
+            out.append(Trace(self.path, constants, steps, lines,
                              [self.raw.get(k, {}) for k in lines], lo, module="TraceConsumer",
                              spec_vars=D_VARS,
                              files=("KVConsumer.tla", "conformance/TraceConsumer.tla")))

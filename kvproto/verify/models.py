@@ -20,6 +20,11 @@ from typing import Any, Final, TypeAlias
 from kvproto.lifecycle import Config
 from kvproto.verify.tlc import render, spec_dir
 
+# One model time unit in the machines' milliseconds. A model's terms are small numbers of
+# units, and each graph model's Config takes them as seconds, so that its heartbeat and
+# READ bounds (a few ms, which the ledger alone never reads) fit below a one-unit term.
+UNIT_MS: Final = 1000
+
 
 @dataclass(frozen=True)
 class TlcModel:
@@ -89,7 +94,8 @@ class Action:
 class GraphModel:
     """A small bounded model, the same for TLC and for the Python BFS.
 
-    Time is in discrete units (Python time = TLA+ units). Blocks are 1..n in TLA+ and
+    Time is in discrete units (Python time = TLA+ units * ``UNIT_MS``, always a whole
+    number of units). Blocks are 1..n in TLA+ and
     0..n-1 in Python. Handles are 1..len(requests) in Python, request names in TLA+."""
 
     name: str
@@ -116,8 +122,8 @@ class GraphModel:
         return self.requests.index(r) + 1
 
     def config(self) -> Config:
-        """The Python Config with the same terms (timing checks satisfied with tiny
-        heartbeat/READ bounds; they do not affect the ledger)."""
+        """The Python Config with the same terms, one unit a second (``UNIT_MS``; timing
+        checks satisfied with tiny heartbeat/READ bounds; they do not affect the ledger)."""
         return Config(initial_lease=float(self.initial_lease),
                       lease_extension=float(self.lease_extension),
                       abort_grace=float(self.abort_grace), heartbeat_interval=0.01,

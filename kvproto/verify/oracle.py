@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, cast
 
+from kvproto.errors import KVProtoError
 from kvproto.lifecycle import (
     ABORT,
     ABORTED,
@@ -88,7 +89,7 @@ graph; ``NoFreeUnderRead``, ``ServedIntact`` and ``NoLeak``: raised by the simul
 the fuzzer)."""
 
 
-class InvariantViolation(AssertionError):
+class InvariantViolation(KVProtoError, AssertionError):
     """The one violation record: ``invariant`` is the check's name (one of
     :data:`INVARIANTS`), ``detail`` says what happened."""
 
@@ -165,7 +166,7 @@ class Step:
     event: str  # register | done | release | heartbeat | abort | tick | reject
     pre: Mapping[int, str]
     effects: Sequence[Effect]
-    now: float
+    now: int
     handles: Sequence[int] = ()
     reader: str = ""
     expected: int = 0
@@ -178,7 +179,7 @@ class Step:
 
 @dataclass
 class _StagedModel:
-    since: float
+    since: int
     msgs: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, reader, expected)
 
 
@@ -328,7 +329,7 @@ class Oracle:
                       "successor")
 
     # -- the table model ------------------------------------------------------------------
-    def _stage(self, kind: str, reader: str, h: int, expected: int, now: float) -> None:
+    def _stage(self, kind: str, reader: str, h: int, expected: int, now: int) -> None:
         st_ = self.staged.get(h)
         if st_ is None:
             if len(self.staged) >= self.config.max_staged:
@@ -343,7 +344,7 @@ class Oracle:
             self.expected[h] = expected
 
     def _model_event(self, kind: str, reader: str, handles: Sequence[int], expected: int,
-                     pre: dict[int, str], now: float) -> None:
+                     pre: dict[int, str], now: int) -> None:
         for h in handles:
             s = pre[h]
             if self.raw.get(h) == UNREGISTERED:  # unknown to the ledger: staged
@@ -423,11 +424,11 @@ class Oracle:
                           f"({_st}) although all {want} expected readers reported "
                           f"({sorted(got)})")
 
-    def _check_expired_freed(self, ledger: Ledger, now: float) -> None:
+    def _check_expired_freed(self, ledger: Ledger, now: int) -> None:
         for h, (s, _exp, _fin, _rel, dl) in ledger.snapshot().items():
             if dl <= now:
-                self.fail("ExpiredFreed", f"after tick at {now:.6g}: handle {h} ({s}) is still "
-                          f"held with deadline {dl:.6g} <= now")
+                self.fail("ExpiredFreed", f"after tick at {now}: handle {h} ({s}) is still "
+                          f"held with deadline {dl} <= now")
 
     # -- per event ------------------------------------------------------------------------
     def _on_register(self, ledger: Ledger, pre: dict[int, str], step: Step) -> None:
@@ -471,10 +472,10 @@ class Oracle:
                                   f"{got}, not {want}")
         self._check_prompt_free(ledger, f"{kind} from {reader} for {list(handles)}")
 
-    def _on_tick(self, ledger: Ledger, pre: dict[int, str], now: float,
+    def _on_tick(self, ledger: Ledger, pre: dict[int, str], now: int,
                  out: Sequence[Effect]) -> None:
         self._post(ledger, TICK, pre, [], out)
-        limit = now - self.config.max_staged_age
+        limit = now - self.config.ms.max_staged_age
         while self.staged:
             st_ = next(iter(self.staged.values()))
             if st_.since > limit:
@@ -535,7 +536,7 @@ class ObservedLedger(Ledger):
 
     oracle: Oracle | None = None
 
-    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: float, *,
+    def register(self, handle: int, request_id: str, blocks: Iterable[int], now: int, *,
                  group: str | None = None, expected: int = 0) -> list[Effect]:
         o = self.oracle
         if o is None:
@@ -547,7 +548,7 @@ class ObservedLedger(Ledger):
                                 request=request_id, group=group))
         return out
 
-    def done(self, reader: str, handle: int, expected: int, now: float) -> list[Effect]:
+    def done(self, reader: str, handle: int, expected: int, now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().done(reader, handle, expected, now)
@@ -557,7 +558,7 @@ class ObservedLedger(Ledger):
         return out
 
     def release(self, reader: str, handles: Sequence[int], expected: int,
-                now: float) -> list[Effect]:
+                now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().release(reader, handles, expected, now)
@@ -567,7 +568,7 @@ class ObservedLedger(Ledger):
         return out
 
     def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
-                  now: float) -> list[Effect]:
+                  now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().heartbeat(reader, seq, handles, expected, now)
@@ -576,7 +577,7 @@ class ObservedLedger(Ledger):
         o.check_step(self, Step(HEARTBEAT, pre, out, self.now, handles, reader, expected))
         return out
 
-    def abort(self, request_id: str, now: float) -> list[Effect]:
+    def abort(self, request_id: str, now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().abort(request_id, now)
@@ -587,7 +588,7 @@ class ObservedLedger(Ledger):
         o.check_step(self, Step(ABORT, pre, out, self.now, targets, request=request_id))
         return out
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().tick(now)
@@ -596,7 +597,7 @@ class ObservedLedger(Ledger):
         o.check_step(self, Step(TICK, pre, out, self.now))
         return out
 
-    def reject(self, reason: str, peer: str, detail: str, now: float) -> list[Effect]:
+    def reject(self, reason: str, peer: str, detail: str, now: int) -> list[Effect]:
         o = self.oracle
         if o is None:
             return super().reject(reason, peer, detail, now)

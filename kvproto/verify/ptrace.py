@@ -2,8 +2,8 @@
 
 Mapping journal -> spec (TraceLedger.tla's header): handle h -> request "h<h>"; readers keep
 their names; blocks keep their ids; group None -> NoGroup; request ids are tracked for
-abort (abort names a request id) and for duplicate registers; times -> integer units,
-clamped to be monotone like the ledger's clock; ``reject`` events are stuttering steps.
+abort (abort names a request id) and for duplicate registers; times are the journal's
+integer milliseconds (one TLA+ time unit), clamped to be monotone like the ledger's clock; ``reject`` events are stuttering steps.
 
 Long journals are checked in segments: each segment names only the requests live or staged
 at its start and those its events touch, starts from the journal's events replayed through
@@ -49,7 +49,6 @@ from kvproto.verify.trace import (
     TLC_INT_MAX,
     Trace,
     TraceError,
-    choose_scale,
     req_name,
     tla_fn,
     tla_set,
@@ -107,15 +106,11 @@ class _Replay:
     """The implementation's ledger replayed from the journal's events: each segment
     starts from its state (restricted to the segment's requests), and must end in it."""
 
-    def __init__(self, cfg: Config, capacity: int, scale: int, no_group: str,
+    def __init__(self, cfg: Config, capacity: int, no_group: str,
                  first_reg: dict[int, Register]) -> None:
         self.ledger = Ledger(cfg, BlockPool(capacity, strict=False))
-        self.scale = scale
         self.no_group = no_group
         self.first_reg = first_reg
-
-    def units(self, dt: float) -> int:
-        return round(dt * self.scale)
 
     def ledger_record(self, handles: Sequence[int], blocks: str) -> tuple[str, str]:
         """The ledger as KVLedger's record over ``handles`` (the abstraction function of
@@ -140,7 +135,7 @@ class _Replay:
                 cols["expected"].append((r, str(exp)))
                 cols["finished"].append((r, tla_set(tla_str(d) for d in fin)))
                 cols["released"].append((r, "TRUE" if rel else "FALSE"))
-                cols["deadline"].append((r, str(self.units(dl - now))))
+                cols["deadline"].append((r, str(dl - now)))
                 cols["reports"].append((r, str(len(fin))))
                 rid.append((r, tla_str(L.request_id(h) or "")))
             if st in lifecycle.TERMINAL_STATES:
@@ -148,10 +143,10 @@ class _Replay:
             stg = staged.get(h)
             if stg is not None:
                 since, msgs = stg
-                cols["stagedAge"].append((r, str(self.units(now - since))))
+                cols["stagedAge"].append((r, str(now - since)))
                 cols["staged"].append((r, "<<" + ", ".join(
                     f"[kind |-> {tla_str(k)}, reader |-> {tla_str(d)}, exp |-> {e}, age |-> "
-                    f"{self.units(now - t) if k == lifecycle.HEARTBEAT else 0}]"
+                    f"{now - t if k == lifecycle.HEARTBEAT else 0}]"
                     for k, d, e, t in msgs) + ">>"))
         for h in handles:
             reg = self.first_reg.get(h)
@@ -200,12 +195,10 @@ def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STE
         raise TraceError(f"journal header config: {e}") from None
     capacity = header_capacity(header)
 
-    durations = [cfg.initial_lease, cfg.lease_extension, cfg.abort_grace, cfg.max_staged_age]
-    times = [float(ev.now) for _, ev, _ in rows]
-    scale = choose_scale(durations + times)
-
-    def units(x: float) -> int:
-        return round(x * scale)
+    ms = cfg.ms
+    if max(ms.initial_lease, ms.lease_extension, ms.abort_grace, ms.max_staged_age) \
+            > TLC_INT_MAX:
+        raise TraceError("a lease duration overflows TLC's integers in milliseconds")
 
     readers: set[str] = set()
     first_reg: dict[int, Register] = {}
@@ -228,12 +221,12 @@ def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STE
     fixed = {
         "Readers": tla_set(tla_str(d) for d in readers),
         "NoGroup": tla_str(no_group),
-        "InitialLease": str(units(cfg.initial_lease)),
-        "LeaseExtension": str(units(cfg.lease_extension)),
-        "AbortGrace": str(units(cfg.abort_grace)),
+        "InitialLease": str(ms.initial_lease),
+        "LeaseExtension": str(ms.lease_extension),
+        "AbortGrace": str(ms.abort_grace),
         "MaxStaged": str(cfg.max_staged),
         "MaxStagedMsgs": str(lifecycle.MAX_STAGED_MSGS_PER_HANDLE),
-        "MaxStagedAge": str(units(cfg.max_staged_age)),
+        "MaxStagedAge": str(ms.max_staged_age),
         "LedgerMaxExpected": "0",
         "BugCountMessages": "FALSE",
         "BugDropEarly": "FALSE",
@@ -248,12 +241,12 @@ def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STE
     lines: list[int] = []
     prev: int | None = None
     for lineno, ev, effs in rows:
-        t = units(float(ev.now))
+        t = ev.now
         t = t if prev is None else max(prev, t)
         dt = 0 if prev is None else t - prev
         prev = t
         if dt > TLC_INT_MAX:
-            raise TraceError(f"line {lineno}: time step of {dt} units overflows TLC integers")
+            raise TraceError(f"line {lineno}: time step of {dt} ms overflows TLC integers")
         fld: dict[str, str] = {"type": '"stutter"', "dt": str(dt), "r": '""', "rs": "<<>>",
                              "d": '""', "e": "0", "rid": '""', "valid": "TRUE"}
         if isinstance(ev, Register):
@@ -279,7 +272,7 @@ def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STE
     n = len(rows)
     seg = n if segment_steps <= 0 else segment_steps
     bounds = list(range(0, n, max(seg, 1))) or [0]
-    replay = _Replay(cfg, capacity, scale, no_group, first_reg)
+    replay = _Replay(cfg, capacity, no_group, first_reg)
     traces: list[Trace] = []
     for lo in bounds:
         hi = min(n, lo + max(seg, 1)) if n else 0
@@ -304,6 +297,6 @@ def journal_to_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STE
         for _, ev, _ in rows[lo:hi]:
             L.apply(ev)
         constants["EndL"], _ = replay.ledger_record(handles, "Blocks")
-        traces.append(Trace(str(path), scale, constants, steps[lo:hi], lines[lo:hi],
+        traces.append(Trace(str(path), constants, steps[lo:hi], lines[lo:hi],
                             [raw.get(k, {}) for k in lines[lo:hi]], lo))
     return traces

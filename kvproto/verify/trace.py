@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kvproto.errors import UsageError
 from kvproto.verify.tlc import (
     ParseError,
     TLCError,
@@ -34,7 +35,7 @@ TLC_INT_MAX: Final = 2**31 - 1
 DEFAULT_BATCH_BYTES: Final = 800_000
 
 
-class TraceError(ValueError):
+class TraceError(UsageError, ValueError):
     """The journal cannot be expressed as a trace of the spec (bad input)."""
 
 
@@ -53,10 +54,10 @@ class Trace:
     REJECT verdicts), ``spec_vars`` the variables of the spec it extends (unused by the
     trace operators, substituted by the batch's variable), and ``files`` the modules it
     needs, relative to the shipped spec. P journals use TraceLedger over KVLedger; another
-    machine's journals name their own."""
+    machine's journals name their own. Times are the journal's own integers: one TLA+
+    time unit is one millisecond, as in the machines, so no scale and no rounding."""
 
     path: str
-    scale: int  # time units per second
     constants: dict[str, str]  # TLA+ constant name -> TLA+ expression
     steps: list[str]  # TLA+ record literals
     lines: list[int]
@@ -108,20 +109,6 @@ def tla_fn(domain: str, default: str, items: Iterable[tuple[str, str]]) -> str:
     base = f"[x \\in {domain} |-> {default}]"
     ex = [f"![{k}] = {v}" for k, v in items if v != default]
     return f"[{base} EXCEPT {', '.join(ex)}]" if ex else base
-
-
-def choose_scale(values: Iterable[float]) -> int:
-    """The coarsest 10^k (k <= 6) units per second making every value an integer."""
-    vals = list(values)
-    for k in range(7):
-        scale = int(10**k)
-        # tolerance: float noise of decimal times (0.1 + 0.2), relative to the value
-        if all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale))
-               for v in vals):
-            return scale
-    raise TraceError("times are not multiples of a microsecond; cannot express them in "
-                     "integer time units")
-
 
 
 DEFAULT_SEGMENT_STEPS: Final = 250

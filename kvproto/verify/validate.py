@@ -16,12 +16,14 @@ linearly with the journal's length.
 
 Mapping journal -> spec (TraceLedger.tla's header): handle h -> request "h<h>"; readers keep
 their names; blocks keep their ids; group None -> NoGroup; request ids are tracked for
-abort (abort names a request id) and for duplicate registers; times -> integer units
-(the coarsest 10^-k s that makes every time and duration integral), clamped to be
-monotone like the ledger's clock; ``reject`` events are stuttering steps.
+abort (abort names a request id) and for duplicate registers; times are the journal's
+integer milliseconds, one TLA+ time unit each (a version 1 journal's seconds are read as
+milliseconds), clamped to be monotone like the ledger's clock; ``reject`` events are
+stuttering steps.
 
 Exit codes: 0 every journal is allowed; 1 some journal is not; 2 bad input (unreadable
-journal, times not representable, outside the spec's assumptions); 3 Java/TLC missing.
+journal, a version 1 time that is not whole milliseconds, outside the spec's
+assumptions); 3 Java/TLC missing.
 """
 
 from __future__ import annotations

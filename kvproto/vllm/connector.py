@@ -44,6 +44,13 @@ P (prefill engine)
     ``has_finished_requests``) keeps the loop running with empty steps; each step calls
     the worker (``kv_connector_no_forward``), which polls the adapter (handshakes,
     notifications, acks, expiry ticks).
+  * Idle wait: a step that only exists because blocks are held (the scheduler scheduled
+    nothing and ordered nothing, and the worker has no D work) waits in ``get_finished``
+    up to ``idle_wait_ms``, polling the adapter every ``IDLE_SLICE`` seconds, and ends
+    early on any message handled or free decided, and never later than the ledger's next
+    deadline. So an expiry is freed at most one slice late, a done at most one slice
+    after it arrives, D's READs never wait on it (NIXL's progress thread serves them),
+    and a client request arriving meanwhile is scheduled at most ``idle_wait_ms`` later.
   * The handshake listener answers from a thread of its own, so a long forward pass does
     not outlast D's handshake budget; the handshakes take effect on the engine thread at
     its next poll (``ProducerAdapter(handshake_thread=True)``).
@@ -135,6 +142,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
+from kvproto.port import now_ms
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -164,6 +172,7 @@ def _share_vllm_logging() -> None:
 
 
 STATS_INTERVAL = 0.5  # seconds between connector-stats deltas
+IDLE_SLICE = 0.002  # seconds between adapter polls inside one idle wait
 MAX_ENDED = 65536  # D worker: requests ended before their load order, remembered (oldest dropped)
 
 
@@ -177,6 +186,7 @@ class KVProtoMetadata(KVConnectorMetadata):
     """Scheduler -> worker, every step."""
 
     orders: Orders = field(default_factory=Orders)
+    idle: bool = False  # nothing scheduled and nothing ordered this step
 
 
 @dataclass
@@ -320,7 +330,7 @@ class _PWorker:
                                         flush_every=opts.journal_flush_every)
         self.finished_sending: set[str] = set()
         self.stamps: dict[int, int] = {}
-        self._reg_at: dict[int, tuple[float, int]] = {}
+        self._reg_at: dict[int, tuple[int, int]] = {}  # handle -> (ms, blocks)
         self.stranded = 0.0
         self.adapter: ProducerAdapter = ProducerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
@@ -329,8 +339,12 @@ class _PWorker:
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
             metrics=metrics, identity=identity, handshake_thread=True)
         self._gen = self.adapter.region.gen
+        self.idle_wait_s = opts.idle_wait_ms / 1000.0
+        self.steps = 0  # worker steps (get_finished calls)
+        self.idle_waits = 0  # of those, steps that waited
+        self.idle_polls = 0  # adapter polls made inside idle waits
 
-    def _observe(self, e: Effect, now: float) -> None:
+    def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
             # The adapter bumped the reclaimed blocks' stamps before calling us.
             self.finished_sending.add(e.request_id)
@@ -340,7 +354,7 @@ class _PWorker:
                     self.stamps[b] = int(g)
             t = self._reg_at.pop(e.handle, None)
             if t is not None and e.reason in ("expired", "aborted"):
-                self.stranded += (now - t[0]) * t[1]
+                self.stranded += (now - t[0]) / 1000 * t[1]
 
     def apply(self, orders: Orders) -> None:
         a = self.adapter
@@ -358,13 +372,33 @@ class _PWorker:
                     self.stamps[b] = int(g)
                 self.finished_sending.add(o.request_id)
                 continue
-            self._reg_at.setdefault(o.handle, (a.clock(), len(o.blocks)))
+            self._reg_at.setdefault(o.handle, (now_ms(a.clock), len(o.blocks)))
             if tp is not None and tp.generations != o.generations:
                 # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
                 a._count("stale_stamp_snapshot")
 
     def poll(self) -> None:
         self.adapter.poll()
+
+    def idle_wait(self) -> None:
+        """Wait up to ``idle_wait_s``, polling every ``IDLE_SLICE``; return as soon as a
+        poll handled a message or decided a free, and never after the ledger's next
+        deadline (so an expiry is late by at most one slice)."""
+        if self.idle_wait_s <= 0 or self.finished_sending or self.stamps:
+            return
+        a = self.adapter
+        end = a.clock() + self.idle_wait_s
+        self.idle_waits += 1
+        while True:
+            due = a.ledger.next_deadline()
+            stop = end if due is None else min(end, due)
+            left = stop - a.clock()
+            if left <= 0:
+                return
+            time.sleep(min(IDLE_SLICE, left))
+            self.idle_polls += 1
+            if a.poll() or self.finished_sending or self.stamps:
+                return
 
     def take(self) -> tuple[set[str], dict[int, int]]:
         out, self.finished_sending = self.finished_sending, set()
@@ -384,6 +418,9 @@ class _PWorker:
         c["handshake_failures"] = float(ac.get("handshake_refused", 0)
                                         + ac.get("handshake_metadata_error", 0))
         c["model_mismatches"] = float(ac.get("rejected:handshake_model_mismatch", 0))
+        c["worker_steps"] = float(self.steps)
+        c["idle_waits"] = float(self.idle_waits)
+        c["idle_polls"] = float(self.idle_polls)
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
         return c
@@ -484,6 +521,11 @@ class _DWorker:
                 if local is not None:
                     self.adapter.schedule(rid, local)
         self._drain(self.adapter.poll())
+
+    @property
+    def busy(self) -> bool:
+        """Requests admitted, loading or delayed: D's worker must poll every step."""
+        return bool(self.admitted or self.loads or self.delayed)
 
     def _ended(self, rid: str) -> None:
         self.ended_before_load += 1
@@ -679,7 +721,12 @@ class KVProtoConnector(KVConnectorBase_V1):
         sending: set[str] | None = None
         recving: set[str] | None = None
         if self.pw is not None:
+            self.pw.steps += 1
             self.pw.poll()
+            meta = self._connector_metadata
+            if isinstance(meta, KVProtoMetadata) and meta.idle and \
+                    (self.dw is None or not self.dw.busy):
+                self.pw.idle_wait()
             s, stamps = self.pw.take()
             self._stamps.update(stamps)
             sending = s or None
@@ -800,7 +847,18 @@ class KVProtoConnector(KVConnectorBase_V1):
         orders = self.dsched.drain() if self.dsched is not None else Orders()
         if self.psched is not None:
             orders.registers = self.psched.drain()
-        return KVProtoMetadata(orders)
+        idle = not orders and not int(getattr(scheduler_output,
+                                              "total_num_scheduled_tokens", 0) or 0)
+        return KVProtoMetadata(orders, idle)
+
+    def set_idle_wait_ms(self, ms: float) -> float:
+        """Worker side: change ``idle_wait_ms`` at run time (0: off); returns the old
+        value (benchmarks compare both in one engine)."""
+        if self.pw is None:
+            return 0.0
+        old = self.pw.idle_wait_s * 1000.0
+        self.pw.idle_wait_s = max(0.0, min(1000.0, float(ms))) / 1000.0
+        return old
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

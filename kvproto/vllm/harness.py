@@ -41,6 +41,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvproto.errors import KVProtoError
+
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 32
@@ -53,7 +55,7 @@ KVPROTO_CONNECTOR: dict[str, Any] = {"kv_connector": "KVProtoConnector",
                                      "kv_load_failure_policy": "recompute"}
 
 
-class HarnessError(RuntimeError):
+class HarnessError(KVProtoError, RuntimeError):
     """An engine process failed to start, died, or did not answer in time."""
 
 
@@ -650,6 +652,11 @@ class _Child:  # pragma: no cover - runs in the engine process
                     self.conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
                 return
             self._outputs(outs)
+            if not outs and self.sched.get_request_counts()[0] == 0 \
+                    and self.sched.has_requests():
+                # As vLLM's engine-core loop: a step that ran no model while requests
+                # remain (delayed frees, remote KV) yields for a millisecond.
+                time.sleep(0.001)
             if self.abort_when:
                 self._abort_when()
 

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvproto.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 WHOLE_FILE_BYTES = 1 << 20  # files up to this size are hashed whole (configs, tokenizers)
@@ -46,7 +48,7 @@ FINGERPRINT_HEX = 32  # hex digits of the fingerprint kept (128 bits)
 MAX_VALUE = 200  # longer identity values are sent as their digest
 
 
-class FingerprintError(ValueError):
+class FingerprintError(UsageError, ValueError):
     """The checkpoint cannot be fingerprinted (missing, unreadable, too many files)."""
 
 

@@ -24,10 +24,12 @@ LATE_D_DELAY = 10.0
 
 
 def lease_config(lease: float = LEASE) -> dict[str, float]:
-    """Lifecycle ``Config`` fields for a short lease, valid under ``Config.timing_rules``."""
-    return {"initial_lease": lease, "lease_extension": lease,
-            "heartbeat_interval": lease / 6, "abort_grace": lease, "max_delay": lease / 12,
-            "max_read_time": lease / 3, "clock_drift": lease / 30}
+    """Lifecycle ``Config`` fields for a short lease, valid under ``Config.timing_rules``
+    (seconds, each a whole number of milliseconds)."""
+    return {k: round(v, 3) for k, v in (
+        ("initial_lease", lease), ("lease_extension", lease), ("heartbeat_interval", lease / 6),
+        ("abort_grace", lease), ("max_delay", lease / 12), ("max_read_time", lease / 3),
+        ("clock_drift", lease / 30))}
 
 
 def kvproto_extras(journal_dir: str | None, lease: float = LEASE, *, tag: str = ""

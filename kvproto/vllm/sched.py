@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 from typing import Any
 
+from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ EXTRA_KEYS: dict[str, str] = {
                     "r uses port + r; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
+    "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
+                    "scheduled, no D work), each step waits up to this many milliseconds "
+                    "for a message or the next lease deadline instead of spinning; a new "
+                    "request arriving then waits at most this long (0: off, the default; worth it only with "
+                    "progress_thread false, see spec/VLLM.md)",
     "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
                       "the start-up fingerprint of the weight files in the handshake's model "
                       "identity (default: fingerprint)",
@@ -78,6 +84,7 @@ class ConnectorOptions:
     handshake_attempts: int = 4
     group_siblings: bool = True
     progress_thread: bool = True
+    idle_wait_ms: float = 0.0
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
@@ -141,6 +148,7 @@ class ConnectorOptions:
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
                    group_siblings=group, progress_thread=prog,
+                   idle_wait_ms=num("idle_wait_ms", 0.0, 0.0, 1000.0),
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
@@ -173,7 +181,7 @@ class ConnectorOptions:
                        metrics_port=shifted("metrics_port", self.metrics_port), journal=journal)
 
 
-class ParamsError(ValueError):
+class ParamsError(RemoteInputError, ValueError):
     """Malformed ``kv_transfer_params`` from a client: a counted, logged rejection."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -235,15 +243,12 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
     for v in (*blocks, *gens):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
             raise ParamsError("bad_params", "block ids and generations must be integers >= 0")
-    term = d.get("initial_term")
-    if isinstance(term, bool) or not isinstance(term, (int, float)) or not math.isfinite(term) \
-            or not 0 < term <= 1e6:
-        raise ParamsError("bad_params", f"initial_term must be a positive duration, got {term!r}")
+    term = _int(d, "initial_term", 1, 0xFFFFFFFF)  # ms, as the machines count time
     group = d.get("group")
     if group is not None and (not isinstance(group, str) or len(group) > MAX_NAME):
         raise ParamsError("bad_params", "group must be a name or null")
     tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
-                        initial_term=float(term), expected=expected, group=group,
+                        initial_term=term, expected=expected, group=group,
                         generations=tuple(gens))
     return RemoteParams(tp, host, port, num_tokens)
 
@@ -373,7 +378,7 @@ class PScheduler:
         self.held[request_id] = handle
         tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
                             blocks=tuple(blocks),
-                            initial_term=self.options.config.initial_lease,
+                            initial_term=self.options.config.ms.initial_lease,
                             expected=expected, group=group, generations=gens)
         return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens)
 
