@@ -51,7 +51,9 @@ def test_simulate_two_seeds_has_no_violations_and_reclaims_every_block(
     assert set(summary["frees"]) == set(FREE_REASONS)
     assert sum(summary["frees"].values()) > 100
     assert summary["frees"]["transferred"] > 0
-    assert summary["fenced_reads"] == 0
+    # No exact count of fenced READs: one fails closed when a block it shares with another
+    # request was reclaimed (its stamp bumped by the P driver) while its own registration
+    # lagged; which seeds see that depends on timing. Safety is violations == 0 above.
     # the fault mix was really exercised
     assert summary["lost"] > 0 and summary["duplicated"] > 0
     assert summary["aborts_p"] > 0 and summary["aborts_d"] > 0
