@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvproto.errors import RemoteInputError
 from kvproto.wire import Handshake, Layout
 
 PROC = "proc"
@@ -58,10 +59,11 @@ class Refuse:
 HandshakeHandler = Callable[[int, bytes, bool], Accept | Refuse]
 
 
-class PeerError(Exception):
+class PeerError(RemoteInputError):
     """A P engine's handshake reply cannot be used (``DTransport.load_peer``):
     ``reason`` names why (``handshake_malformed``, ``handshake_wrong_peer``,
-    ``metadata``); ``final`` says whether retrying can help."""
+    ``metadata``); ``final`` says whether retrying can help. D's driver catches it and
+    counts the handshake as failed or retried."""
 
     def __init__(self, reason: str, detail: str, *, final: bool) -> None:
         super().__init__(f"{reason}: {detail}")
