@@ -4,9 +4,10 @@
   table or file handed in (``ConfigError``, ``TableError``, ``MissingRow``,
   ``DoubleFree``, ``JournalError``...). Raised to the caller.
 * ``RemoteInputError`` -- bad bytes or values from a peer (``WireError``,
-  ``FrameError``, ``ParamsError``). Raised only inside a decoder; the port or adapter
-  that called it catches it, counts it and journals it as a rejection (``Ledger.reject``):
-  it never leaves a machine, a port or an adapter, so a peer cannot crash an engine.
+  ``FrameError``, ``ParamsError``, ``PeerError``). Raised only inside a decoder; the port
+  or adapter that called it catches it, counts it and journals it as a rejection
+  (``Ledger.reject``): it never leaves a machine, a port or an adapter, so a peer cannot
+  crash an engine.
 
 Errors that are neither (a verification finding, a failed engine process, a missing
 tool) derive from ``KVProtoError`` directly. Every type also keeps the builtin base it

@@ -47,6 +47,8 @@ from kvproto.lifecycle import (
     DEffect,
     DEvent,
     Done,
+    DReject,
+    DRejected,
     DropPeer,
     DTick,
     Effect,
@@ -95,12 +97,12 @@ _EFFECT_TYPES: Final[dict[str, type]] = {"free": Free, "ack": Ack, "rejected": R
 _D_EVENT_TYPES: Final[dict[str, type]] = {
     "admit": Admit, "handshake_ok": HandshakeOk, "handshake_failed": HandshakeFailed,
     "schedule": Schedule, "read_ok": ReadOk, "read_failed": ReadFailed, "abort": DAbort,
-    "ack": DAck, "peer_lost": PeerLost, "tick": DTick,
+    "ack": DAck, "peer_lost": PeerLost, "tick": DTick, "reject": DReject,
 }
 _D_EFFECT_TYPES: Final[dict[str, type]] = {
     "start_handshake": StartHandshake, "post_read": PostRead, "send_done": SendDone,
     "send_release": SendRelease, "send_heartbeat": SendHeartbeat, "finished": Finished,
-    "drop_peer": DropPeer,
+    "drop_peer": DropPeer, "rejected": DRejected,
 }
 _TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPES,
                                       _D_EFFECT_TYPES) for k, v in table.items()}

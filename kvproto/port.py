@@ -1,11 +1,15 @@
-"""The one port between P's wire messages and its ledger events.
+"""The one port per side between wire messages and machine events.
 
 :func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
 from) into the ledger event it stands for, feeds the ledger, and returns the effects for
-the caller to carry out. The NIXL producer, the simulator and the fuzzer all receive
-through it, so they decode, reject and dispatch alike: an unknown peer, bytes that do
-not decode, or a message kind P does not take are recorded rejections
-(``Ledger.reject``), never a crash. Standard library only.
+the caller to carry out; :func:`d_receive` does the same for one message that arrived at
+a D rank (P's acks) and its ``Consumer``. The P and D drivers
+(:mod:`kvproto.nixl.driver_p`, :mod:`kvproto.nixl.driver_d`) receive through them, over
+NIXL and in the simulator and the fuzzer alike, so every side decodes, rejects and
+dispatches one way: an unknown peer, bytes that do not decode (malformed, truncated,
+oversized, another epoch or version), or a message kind the side does not take are
+recorded rejections (``Ledger.reject``, ``Consumer.reject``: counted and journaled),
+never a crash. Standard library only.
 
 :func:`now_ms` is the adapters' one reading of their clock as the machines' time.
 """
@@ -15,8 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvproto.lifecycle import Effect, Ledger, to_ms
-from kvproto.wire import KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
+from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
+from kvproto.wire import KIND_ACK, KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +61,25 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, e
     if msg.kind == KIND_RELEASE:
         return ledger.release(peer, msg.handles, msg.expected, now)
     return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
+
+
+def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: bool,
+              epoch: int, max_bytes: int) -> list[DEffect]:
+    """Feed one D rank's machine the event one incoming message stands for (an ack of
+    one of its heartbeats); return its effects.
+
+    ``known``: whether ``peer`` is a P engine this rank completed a handshake with (and
+    still holds); ``epoch``: that engine's epoch (from its handshake: a message of another
+    incarnation is rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``."""
+    if not known:
+        return consumer.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
+    try:
+        msg = decode(buf, max_bytes=max_bytes, epoch=epoch)
+    except WireError as e:
+        return consumer.reject(e.reason, peer, e.detail, now)
+    except Exception as e:  # the decoder should only raise WireError; never crash on input
+        log.exception("decoding %d bytes from %s failed", len(buf), peer)
+        return consumer.reject("malformed", peer, type(e).__name__, now)
+    if msg.kind != KIND_ACK:
+        return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
+    return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

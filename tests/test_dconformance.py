@@ -170,7 +170,7 @@ def test_simulator_d_journals_validate_under_tlc(tmp_path: Path, segment_steps: 
     assert kinds.get("ack", 0) > 20 and kinds.get("send_heartbeat", 0) > 20, kinds
     verdicts = _validate(paths, segment_steps)
     assert all(v.allowed for v in verdicts), [v.describe() for v in verdicts if not v.allowed]
-    assert sum(v.steps for v in verdicts) > 5000
+    assert sum(v.steps for v in verdicts) > 1000  # D ticks only when something is due
 
 
 def _tampered(rows: list[dict[str, Any]]) -> dict[str, tuple[list[dict[str, Any]], int]]:

@@ -38,6 +38,7 @@ from kvproto.lifecycle import (
     with_rows,
 )
 from kvproto.nixl.channel import FrameError
+from kvproto.nixl.driver import PeerError
 from kvproto.testing.script import ScriptError
 from kvproto.verify.check import LeaseConfigError
 from kvproto.verify.oracle import InvariantViolation
@@ -59,6 +60,7 @@ ERRORS: dict[type[Exception], tuple[type[KVProtoError], type[Exception]]] = {
     wire.WireError: (RemoteInputError, ValueError),
     FrameError: (RemoteInputError, Exception),
     ParamsError: (RemoteInputError, ValueError),
+    PeerError: (RemoteInputError, Exception),
     InvariantViolation: (KVProtoError, AssertionError),
     MissingDependency: (KVProtoError, RuntimeError),
     TLCError: (KVProtoError, RuntimeError),

@@ -5,7 +5,8 @@ caught within the CI budget by one of the invariants the mutant lists in ``caugh
 The runs are derandomized, so each result is reproducible. Each test can fail: the real
 ``Ledger`` under exactly the same budget and settings finds nothing
 (``test_the_real_ledger_passes_the_same_budget``), so a mutant run that raises is a
-detection, not noise.
+detection, not noise. The fuzzer runs the production D driver too, and a driver mutant
+(``DRIVER_MUTANTS``: one that skips stamp fencing) is caught the same way.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from conftest import budget_d_journal
 from hypothesis import Phase, settings
 
 from kvproto.lifecycle import P_TABLE, Consumer, Ledger
+from kvproto.nixl.driver_d import DDriver
 from kvproto.testing import fuzz
-from kvproto.testing.mutants import D_MUTANTS, MUTANTS, Mutant
+from kvproto.testing.mutants import D_MUTANTS, DRIVER_MUTANTS, MUTANTS, DriverMutant, Mutant
 from kvproto.verify.dconformance import check_d_journal
 
 
@@ -80,3 +82,29 @@ def test_d_journal_validation_catches_the_unbounded_tick(tmp_path: Path) -> None
     caught = [p for p in bad.problems if p.startswith("VIOLATION")]
     assert caught and all(any(c in p for c in m.caught_by) for p in caught), caught
     assert "a tick failed 5 leases, more than max_tick_work (2)" in caught[0]
+
+# ---------------------------------------------------------------------------
+# Driver mutants: the fuzzer runs the production D driver, so a bug there is caught too.
+# ---------------------------------------------------------------------------
+
+
+def test_every_driver_mutant_overrides_documented_hooks_only() -> None:
+    assert DRIVER_MUTANTS
+    for m in DRIVER_MUTANTS.values():
+        assert issubclass(m.driver_cls, DDriver) and m.driver_cls is not DDriver
+        assert m.caught_by and m.caught_by <= fuzz.INVARIANTS, m.name
+        overridden = {k for k, v in vars(m.driver_cls).items()
+                      if callable(v) and getattr(DDriver, k, None) is not v
+                      and not k.startswith("__")}
+        assert overridden and overridden <= {"_fenced"}, (m.name, overridden)
+
+
+@pytest.mark.parametrize("mutant", list(DRIVER_MUTANTS.values()), ids=lambda m: m.name)
+def test_the_fuzzer_catches_the_driver_mutant(
+        mutant: DriverMutant, record_property: Callable[[str, object], None]) -> None:
+    fuzz.FuzzCounters.reset()
+    with pytest.raises(fuzz.InvariantViolation) as info:
+        fuzz.run_fuzz(fuzz.machine_class(Ledger, driver_cls=mutant.driver_cls),
+                      mutant_budget())
+    assert info.value.invariant in mutant.caught_by, str(info.value)
+    record_property("examples_to_catch", fuzz.FuzzCounters.examples)

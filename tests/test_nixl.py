@@ -301,7 +301,7 @@ def test_model_identity_mismatch_fails_requests_before_any_read(
     request fails with ``model_mismatch``. With ``checked_by="D"`` P skips its own check
     (an older or lenient P): D's check of P's reply refuses it alike."""
     if checked_by == "D":
-        import kvproto.nixl.producer as producer_mod
+        import kvproto.nixl.driver_p as producer_mod  # P's handshake checks live there
         from kvproto import wire
 
         def no_identity(hs: object, role: str, layout: object, identity: object) -> None:

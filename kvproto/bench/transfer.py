@@ -174,7 +174,7 @@ def _raw_round(d: Any, engine: str, pairs: list[tuple[tuple[int, ...], tuple[int
     stamps (the fail-closed check's transfer, without the lifecycle)."""
     from kvproto.nixl.agent import DONE, Xfer
 
-    e = d.engines[engine]
+    e = d.transport.remotes[engine]  # the engine's prepared descriptor lists
     bb = d.region.block_bytes
     t0 = time.perf_counter()
     pending: list[tuple[Xfer, int, bool]] = []
@@ -216,7 +216,7 @@ def _raw_coalesced_round(d: Any, engine: str,
     this workload. Not the baseline of ``ratio``; shown so that the ratio can be read."""
     from kvproto.nixl.agent import DONE, Xfer
 
-    e = d.engines[engine]
+    e = d.transport.remotes[engine]  # the engine's prepared descriptor lists
     local = [b for lb, _ in pairs for b in lb]
     remote = [b for _, rb in pairs for b in rb]
     t0 = time.perf_counter()

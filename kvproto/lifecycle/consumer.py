@@ -141,7 +141,17 @@ class DropPeer:
     reason: str
 
 
-DEffect = StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished | DropPeer
+@dataclass(slots=True, unsafe_hash=True)
+class DRejected:
+    """Effect: counted, logged rejection of bad remote input (see ``DReject``)."""
+
+    reason: str
+    peer: str
+    detail: str
+
+
+DEffect = (StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
+           | DropPeer | DRejected)
 
 
 # D events (inputs of ``Consumer.apply``; the journal of a D rank records them).
@@ -218,8 +228,20 @@ class DTick:
     now: int
 
 
+@dataclass(frozen=True, slots=True)
+class DReject:
+    """Bad input the port rejected before it became an event (bytes that do not decode,
+    a message for another epoch, an oversized one, an unknown peer, a kind D does not
+    take). Journaled and counted, changes nothing but the clock."""
+
+    reason: str
+    peer: str
+    detail: str
+    now: int
+
+
 DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed | DAbort
-          | DAck | PeerLost | DTick)
+          | DAck | PeerLost | DTick | DReject)
 
 
 class _DReq:
@@ -642,6 +664,8 @@ class Consumer:
             return self.abort(ev.request_id, ev.now)
         if isinstance(ev, PeerLost):
             return self.peer_lost(ev.engine, ev.now)
+        if isinstance(ev, DReject):
+            return self.reject(ev.reason, ev.peer, ev.detail, ev.now)
         raise TypeError(f"not a consumer event: {ev!r}")
 
     # -- events ------------------------------------------------------------------------------
@@ -906,3 +930,12 @@ class Consumer:
                                 self._count("heartbeat_memory_evicted")
                             out.append(SendHeartbeat(engine, peer.seq, part, expected))
         return self._emit(DTick(now), out)
+
+    def reject(self, reason: str, peer: str, detail: str, now: int) -> list[DEffect]:
+        """Record a rejection of bad remote input (``kvproto.port.d_receive``): counted
+        (``rejected:<reason>``), journaled, and nothing else changes. A ``now`` that is
+        not an int is recorded at the rank's clock (0 before any event)."""
+        clk = self._clock(now)
+        now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0)
+        self._count("rejected:" + reason)
+        return self._emit(DReject(reason, peer, detail, now), [DRejected(reason, peer, detail)])

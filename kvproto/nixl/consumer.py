@@ -1,242 +1,48 @@
-"""The D adapter: one decode rank (one reader). NIXL I/O in, ``Consumer`` events;
-``Consumer`` effects out, NIXL calls. No lifecycle decision is made here.
+"""The D adapter: one decode rank's driver (:class:`kvproto.nixl.driver_d.DDriver`) over
+NIXL (:class:`kvproto.nixl.transport.NixlDTransport`).
 
-Effects and what they become:
-
-* ``StartHandshake`` -> a non-blocking handshake with that P engine (its own socket,
-  deadline, retries with exponential backoff), so one dead P never delays another;
-* ``PostRead``       -> a block-granular READ of the data with prepared dlists. READs
-  queued for the same P engine between two ``poll`` calls are posted as one NIXL
-  transfer; when it completes, one READ fetches the generation stamps of every request
-  whose data landed, and they are compared with ``TransferParams.generations``: any
-  difference -> ``fenced``, the data is never served (fail closed);
-* ``SendDone``       -> collected, and sent right after the stamps that verified them as
-  one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
-  hears ``done`` only after the data and the stamps landed;
-* ``SendRelease``/``SendHeartbeat`` -> encoded and sent with ``send_notif`` (releases
-  batched per step, held while their P engine's handshake runs: one handle per request,
-  for a bounded time; heartbeats chunked so that each fits ``max_message_bytes``);
-* ``Finished``       -> a ``Completion`` for the engine;
-* ``DropPeer``       -> the machine declared the P engine lost (ack silence for
-  ``Config.peer_timeout``): its connection is closed.
-
-A handle whose transfer is still in progress is never released. Transfer errors,
-REMOTE_DISCONNECT and the handshake channel closing become ``peer_lost``.
-
-Not re-entrant: effects are queued and executed after the machine call that produced
-them returned; an effect whose execution feeds the machine again (a failed handshake, a
-READ that cannot be posted) queues that call's effects behind the others.
+What each ``Consumer`` effect becomes, READ batching, stamp fencing, done and release
+batching and the handshake bookkeeping are the driver's (see there); the transport
+posts block-granular READs with prepared dlists, keeps one handshake connection per P
+engine (its own socket, deadline, retries: one dead P never delays another), and turns
+NIXL's exceptions into error tokens.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvproto.lifecycle import (
-    D_DONE,
-    D_NEW,
-    HANDSHAKING,
-    PEER_HANDSHAKING,
-    PEER_READY,
-    PEER_UNKNOWN,
-    WAITING,
-    Config,
-    Consumer,
-    DEffect,
-    DEvent,
-    DropPeer,
-    Finished,
-    PostRead,
-    SendDone,
-    SendHeartbeat,
-    SendRelease,
-    StartHandshake,
-    TransferParams,
-    to_ms,
+from kvproto.lifecycle import Config, DEffect, DEvent
+from kvproto.nixl.channel import secret_from_env
+from kvproto.nixl.driver_d import (
+    MAX_READ_DESCS,
+    MAX_STAMP_DESCS,
+    Clock,
+    Completion,
+    DDriver,
+    OutHook,
+    PhaseHook,
 )
-from kvproto.nixl.agent import (
-    DISCONNECT,
-    DONE,
-    NOT_FOUND,
-    PROC,
-    KVRegion,
-    RemoteRegion,
-    Xfer,
-    error_name,
-    make_agent,
-    metadata_agent_name,
-    prep_blocks,
-)
-from kvproto.nixl.channel import Client, parse_refusal, secret_from_env
-from kvproto.port import now_ms
-from kvproto.wire import (
-    HANDSHAKE_VERSION,
-    KIND_ACK,
-    Handshake,
-    WireError,
-    check_peer,
-    decode,
-    decode_handshake,
-    encode_done_batch,
-    encode_heartbeat,
-    encode_release,
-)
+from kvproto.nixl.transport import NixlDTransport
 
 if TYPE_CHECKING:
     from kvproto.metrics import Exporter, Metrics
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]  # seconds (time.monotonic); the machine sees it as int ms
-# Outgoing fault hook: (kind, engine, bytes) -> messages to send. Tests and the demo only.
-OutHook = Callable[[str, str, bytes], list[bytes]]
-# Test hook called with the request id at a READ phase ("before_post", "before_gen").
-PhaseHook = Callable[[str, str], None]
-
-# Stamps fetched by one stamp READ at most (a request with more blocks gets its own READ).
-# Bounds the descriptor list of one READ; the queue itself is bounded by the local blocks.
-MAX_STAMP_DESCS = 4096
-# Descriptors of one coalesced data READ at most: READs queued for one P engine are posted
-# as transfers of up to this many descriptors (a request with more gets its own).
-MAX_READ_DESCS = 4096
-
-_SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
-# Machine states in which a schedule intent is kept and retried by ``poll``.
-_RETRY = frozenset((WAITING, HANDSHAKING, D_NEW))
-
-# Refusals/decoding failures that retrying cannot fix.
-_FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
-          "model_mismatch": "model_mismatch",
-          "malformed_handshake": "handshake_malformed", "bad_layout": "layout_mismatch",
-          "wrong_name": "handshake_wrong_peer", "unauthenticated": "handshake_unauthenticated"}
+__all__ = ["MAX_READ_DESCS", "MAX_STAMP_DESCS", "Clock", "Completion", "ConsumerAdapter",
+           "OutHook", "PhaseHook"]
 
 
-class Completion(NamedTuple):
-    """A request left the machine. For ``done`` the KV is in ``local_blocks`` of this
-    rank's cache until ``free_local`` is called. (A named tuple: one is built per
-    request on D's hot path.)"""
-
-    request_id: str
-    state: str
-    reason: str
-    local_blocks: tuple[int, ...] | None
-    nbytes: int = 0
-    read_seconds: float = 0.0
-
-
-class _Engine:
-    __slots__ = (
-        "attempt",
-        "client",
-        "deadline",
-        "epoch",
-        "host",
-        "name",
-        "next_check",
-        "next_try",
-        "port",
-        "region",
-        "remote_gen",
-        "remote_kv",
-        "stale_handles",
-        "state",
-    )
-
-    def __init__(self, name: str, host: str, port: int) -> None:
-        self.name = name
-        self.host = host
-        self.port = port
-        self.state = PEER_UNKNOWN  # one of lifecycle.PEER_STATES
-        self.client: Client | None = None
-        self.attempt = 0
-        self.deadline = self.next_try = self.next_check = 0  # ms, as every time here
-        self.epoch = 0
-        self.region: RemoteRegion | None = None
-        self.remote_kv: Any = None
-        self.remote_gen: Any = None
-        self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
-
-
-class _Read:
-    __slots__ = ("engine", "gens", "local", "nbytes", "params", "remote", "rid", "started",
-                 "warned")
-
-    def __init__(self, rid: str, params: TransferParams, local: list[int], started: int,
-                 remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
-        self.rid = rid
-        self.params = params
-        self.engine = params.engine
-        self.local = local
-        # The remote blocks read and the stamps they must carry (all of the params' by
-        # default; a suffix when the engine already holds a prefix locally).
-        self.remote: Sequence[int] = params.blocks if remote is None else remote
-        self.gens: Sequence[int] = params.generations if gens is None else gens
-        self.started = started
-        self.nbytes = 0
-        self.warned = False
-
-
-def _chunks(rds: list[_Read], cap: int) -> list[list[_Read]]:
-    """``rds`` in order, cut into runs of at most ``cap`` blocks (a READ larger than
-    ``cap`` alone makes a run of its own)."""
-    if len(rds) == 1:
-        return [rds]
-    out: list[list[_Read]] = []
-    run: list[_Read] = []
-    n = 0
-    for rd in rds:
-        k = len(rd.local)
-        if run and n + k > cap:
-            out.append(run)
-            run, n = [], 0
-        run.append(rd)
-        n += k
-    if run:
-        out.append(run)
-    return out
-
-
-def _blocks(rds: list[_Read]) -> tuple[list[int], Sequence[int]]:
-    """The local and the remote blocks of ``rds``, in order (one transfer's pairs)."""
-    if len(rds) == 1:
-        return rds[0].local, rds[0].remote
-    return [b for rd in rds for b in rd.local], [b for rd in rds for b in rd.remote]
-
-
-class _ReadBatch:
-    """One data READ (one NIXL transfer) of several requests' blocks (same P engine)."""
-
-    __slots__ = ("reads", "xfer")
-
-    def __init__(self, reads: list[_Read], xfer: Xfer) -> None:
-        self.reads = reads
-        self.xfer = xfer
-
-
-class _StampBatch:
-    """One READ of the generation stamps of several requests (same P engine)."""
-
-    __slots__ = ("local", "reads", "xfer")
-
-    def __init__(self, reads: list[_Read], local: list[int], xfer: Xfer) -> None:
-        self.reads = reads
-        self.local = local  # the local stamp slots, in the order of ``reads``
-        self.xfer = xfer
-
-
-class ConsumerAdapter:
+class ConsumerAdapter(DDriver):
     """One D rank. Call ``poll`` from the step loop; it never blocks."""
 
-    # Effect type -> the method that executes it (filled in below the class).
-    _run: ClassVar[dict[type, Callable[[Any, Any, int], None]]]
+    transport: NixlDTransport
 
     def __init__(self, name: str, config: Config, *, num_blocks: int, block_bytes: int,
                  device: str = "cpu", clock: Clock = time.monotonic, tp_rank: int = 0,
@@ -253,63 +59,27 @@ class ConsumerAdapter:
         ``handshake_secret``: authenticate handshakes (and require P's reply to be
         authenticated) with this shared secret; default: ``KVPROTO_HANDSHAKE_SECRET``.
         ``sink`` receives every machine event and its effects (a D journal:
-        ``JournalWriter(..., reader=name).sink``)."""
-        self.name, self.identity = name, dict(identity or {})  # model identity, as on P
-        self.handshake_secret = handshake_secret if handshake_secret is not None \
-            else secret_from_env()
-        if peer_timeout is not None:  # kept for callers: the machine reads the config
-            config = replace(config, peer_timeout=peer_timeout)
-        self.config = config.validate()
-        self.clock = clock
-        # The machine chunks heartbeats so that each one (one seq) is one wire message.
-        self.machine = Consumer(name, self.config, sink=sink)
-        self.agent = make_agent(name, progress_thread=progress_thread)
-        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
-                               tensors=kv_tensors)
-        self.local_kv, self.local_gen = self.region.local_dlists()
-        self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.handshake_timeout = handshake_timeout
-        self.handshake_attempts = handshake_attempts
-        self.backoff = backoff
-        self._effects: deque[tuple[DEffect, int]] = deque()  # queued, not yet executed
-        self._draining = False
-        self.fault_hook = fault_hook
-        self.phase_hook = phase_hook
-        self.handshake_version = HANDSHAKE_VERSION  # test hook
-        self.engines: dict[str, _Engine] = {}
-        self.params: dict[str, TransferParams] = {}
-        self.reads: dict[str, _Read] = {}  # every READ not finished yet
-        self._post_queue: dict[str, list[_Read]] = {}  # engine -> READs to post at poll
-        self._polling: list[_ReadBatch] = []  # data READs posted and still in progress
-        self._stamp_queue: dict[str, list[_Read]] = {}  # engine -> data landed, no stamps yet
-        self._batches: list[_StampBatch] = []  # stamp READs in progress
-        self.zombies: list[Xfer] = []  # handles whose release failed: kept, retried
-        self._want: dict[str, None] = {}  # schedule intents (ordered)
-        self._plans: dict[str, list[int]] = {}  # rid -> engine-chosen local blocks
-        self._free_local: deque[int] = deque(range(num_blocks))
-        self._held_local: dict[str, list[int]] = {}
-        self._releases: dict[tuple[str, int, int], list[int]] = {}
-        self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
-        self._out: list[Completion] = []
-        self._done_info: dict[str, tuple[int, float]] = {}
-        self.counters: dict[str, int] = {}
-        self._metadata: bytes = self.agent.get_agent_metadata()
-        self._rng = random.Random(hash(name) & 0xFFFF)
-        self._closed = False
-        # Prometheus (opt-in), as on P: ``metrics`` shares a registry, ``metrics_port``
-        # (0: any free port) serves it on 127.0.0.1 and becomes the chosen port.
-        self.metrics: Metrics | None = metrics
-        self._exporter: Exporter | None = None
-        self.metrics_port: int | None = None
-        if metrics_port is not None and self.metrics is None:
+        ``JournalWriter(..., reader=name).sink``). ``identity``: the model identity sent in
+        the handshake (``kvproto.vllm.identity``). Prometheus (opt-in), as on P:
+        ``metrics`` shares a registry, ``metrics_port`` (0: any free port) serves it on
+        127.0.0.1 and becomes the chosen port."""
+        secret = handshake_secret if handshake_secret is not None else secret_from_env()
+        transport = NixlDTransport(name, num_blocks=num_blocks, block_bytes=block_bytes,
+                                   device=device, tp_rank=tp_rank, tp_size=tp_size,
+                                   progress_thread=progress_thread, kv_tensors=kv_tensors,
+                                   handshake_secret=secret)
+        if metrics_port is not None and metrics is None:
             from kvproto.metrics import Metrics
 
-            self.metrics = Metrics(labels={"role": "D", "engine": name})
-        if self.metrics is not None:
-            reads = self.reads
-            self.metrics.track_in_flight(lambda: len(reads))
+            metrics = Metrics(labels={"role": "D", "engine": name})
+        super().__init__(name, config, transport, clock=clock,
+                         handshake_timeout=handshake_timeout,
+                         handshake_attempts=handshake_attempts, backoff=backoff,
+                         peer_timeout=peer_timeout, fault_hook=fault_hook,
+                         phase_hook=phase_hook, metrics=metrics, identity=identity, sink=sink)
+        self.handshake_secret = secret
+        self._exporter: Exporter | None = None
+        self.metrics_port: int | None = None
         if metrics_port is not None:
             from kvproto.metrics import serve
 
@@ -318,682 +88,30 @@ class ConsumerAdapter:
             self.metrics_port = self._exporter.port
             log.info("%s: metrics on %s", name, self._exporter.url)
 
-    def _count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
-
-    # -- the engine's side ------------------------------------------------------------
-    def add_engine(self, name: str, host: str, port: int) -> None:
-        """Where P engine ``name`` answers handshakes (from the router / discovery)."""
-        e = self.engines.get(name)
-        if e is None:
-            self.engines[name] = _Engine(name, host, port)
-        elif (e.host, e.port) != (host, port):
-            e.host, e.port = host, port
-
-    def admit(self, rid: str, params: TransferParams) -> None:
-        now = now_ms(self.clock)
-        if rid not in self.params and rid not in self.machine.reqs:
-            self.params[rid] = params
-        self._apply(self.machine.admit(rid, params, now), now)
-
-    def schedule(self, rid: str, local_blocks: Sequence[int] | None = None) -> None:
-        """D's scheduler wants this KV. Applied as soon as the request is waiting.
-
-        ``local_blocks``: where the READ lands (the engine's allocator chose them); when
-        fewer than P's blocks, the engine holds the prefix already and only the last
-        ``len(local_blocks)`` are read. Without it this adapter allocates them."""
-        machine = self.machine
-        st = machine.state(rid)
-        if local_blocks is not None and st != D_NEW:
-            self._plans[rid] = list(local_blocks)
-        if st == WAITING:
-            now = now_ms(self.clock)
-            self._apply(machine.schedule(rid, now), now)
-            st = machine.state(rid)
-        if st in _RETRY:
-            # Retried by poll: after the handshake, or while a sibling's READ is in flight.
-            self._want[rid] = None
-
-    def abort(self, rid: str) -> None:
-        now = now_ms(self.clock)
-        self._want.pop(rid, None)
-        self._apply(self.machine.abort(rid, now), now)
-
-    def free_local(self, rid: str) -> None:
-        """The engine is done with a completed request's local blocks."""
-        if self._plans.pop(rid, None) is not None:
-            self._held_local.pop(rid, None)  # the engine's blocks, not this free list
-            return
-        for b in self._held_local.pop(rid, []):
-            self._free_local.append(b)
-
-    def state(self, rid: str) -> str:
-        return self.machine.state(rid)
-
-    # -- step loop ---------------------------------------------------------------------
-    def poll(self) -> list[Completion]:
-        now = now_ms(self.clock)
-        for e in list(self.engines.values()):
-            if e.state == PEER_HANDSHAKING:
-                self._progress_handshake(e, now)
-            elif e.state == PEER_READY:
-                self._check_peer(e, now)
-        self._poll_reads(now)
-        self._poll_notifs(now)
-        if now >= self.machine.next_deadline():  # else the tick would change nothing
-            self._apply(self.machine.tick(now), now)
-        self._schedule_ready(now)
-        if self._post_queue:  # READs scheduled during this poll
-            self._post_queued(now)
-        self._flush_dones()
-        self._flush_releases()
-        self._reap(now)
-        out, self._out = self._out, []
-        return out
-
-    def _schedule_ready(self, now: int) -> None:
-        for rid in list(self._want):
-            st = self.machine.state(rid)
-            if st == WAITING:
-                self._apply(self.machine.schedule(rid, now), now)
-                if self.machine.state(rid) != WAITING:  # else: a sibling is in flight
-                    self._want.pop(rid, None)
-            elif st not in (HANDSHAKING, D_NEW):
-                del self._want[rid]
-
-    # -- effects -----------------------------------------------------------------------
-    def _apply(self, effects: Sequence[DEffect], now: int) -> None:
-        """Execute a machine call's effects in order, unless already executing: then
-        queue them behind the others (an effect that feeds the machine again only adds
-        to the queue, so this adapter is never re-entered)."""
-        if not effects:
-            return
-        if self._draining:
-            self._effects.extend((eff, now) for eff in effects)
-            return
-        self._draining = True
-        run = self._run
-        try:
-            for eff in effects:
-                run[type(eff)](self, eff, now)
-            q = self._effects
-            while q:
-                eff, t = q.popleft()
-                run[type(eff)](self, eff, t)
-        finally:
-            self._draining = False
-
-    def _batch(self, into: dict[tuple[str, int, int], list[int]],
-               eff: SendRelease | SendDone) -> None:
-        """Collect a release or done for its (engine, epoch, expected) batch."""
-        p = self.params.get(eff.request_id)
-        epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
-        into.setdefault((eff.engine, epoch, eff.expected), []).append(eff.handle)
-
-    def _x_release(self, eff: SendRelease, now: int) -> None:
-        self._batch(self._releases, eff)
-
-    def _x_done(self, eff: SendDone, now: int) -> None:
-        """Batched: every SendDone of one step goes out in one done batch per P engine
-        (``_flush_dones``, right after the stamps that verified them)."""
-        self._batch(self._dones, eff)
-
-    def _flush_dones(self) -> None:
-        if not self._dones:
-            return
-        pending, self._dones = self._dones, {}
-        mb = self.config.max_message_bytes
-        for (engine, epoch, expected), handles in pending.items():
-            for m in encode_done_batch(epoch, handles, expected, mb):  # one: a plain done
-                if not self._send("done", engine, m):
-                    break
-
-    def _x_drop_peer(self, eff: DropPeer, now: int) -> None:
-        e = self.engines.get(eff.engine)
-        if e is not None and e.state == PEER_READY:
-            log.warning("%s: lost P engine %s: %s", self.name, eff.engine, eff.reason)
-            self._count("peer_lost")
-            self._disconnect(e)
-
-    def _epoch_of(self, engine: str) -> int:
-        e = self.engines.get(engine)
-        return e.epoch if e is not None else 0
-
-    def _finished(self, f: Finished, now: int = 0) -> None:
-        rid = f.request_id
-        p = self.params.pop(rid, None)
-        if self._want:
-            self._want.pop(rid, None)
-        info = self._done_info.pop(rid, None)
-        nbytes, secs = (0, 0.0) if info is None else info
-        m = self.metrics
-        if m is not None:
-            m.read_finished(f"{f.state}:{f.reason}", nbytes)
-            if f.state != D_DONE and f.reason != "aborted" and p is not None:
-                m.recomputed(len(p.blocks))  # the engine must prefill these again
-        if f.state == D_DONE:
-            local = tuple(self._held_local.get(rid, ()))
-            self._out.append(Completion(rid, f.state, f.reason, local, nbytes, secs))
-        else:
-            self.free_local(rid)
-            self._out.append(Completion(rid, f.state, f.reason, None, nbytes, secs))
-
-    def _send(self, kind: str, engine: str, buf: bytes) -> bool:
-        bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
-        c = self.counters
-        sent = _SENT.get(kind) or ("sent:" + kind, "sent_bytes:" + kind)
-        for b in bufs:
-            try:
-                self.agent.send_notif(engine, b)
-                c[sent[0]] = c.get(sent[0], 0) + 1
-                c[sent[1]] = c.get(sent[1], 0) + len(b)
-            except Exception as ex:
-                name = error_name(ex)
-                self._count("send_error")
-                log.info("%s to %s failed: %s", kind, engine, name)
-                if name in (NOT_FOUND, DISCONNECT):
-                    self._lose(engine, now_ms(self.clock), "send failed: " + name)
-                return False
-        return True
-
-    def _send_heartbeat(self, hb: SendHeartbeat, now: int = 0) -> None:
-        e = self.engines.get(hb.engine)
-        if e is None or e.state != PEER_READY:
-            return
-        msgs = encode_heartbeat(e.epoch, hb.seq, hb.handles, hb.expected,
-                                self.config.max_message_bytes)
-        if len(msgs) != 1:  # pragma: no cover - the chunk size makes this impossible
-            log.error("heartbeat seq %d needed %d messages", hb.seq, len(msgs))
-        for m in msgs:
-            if not self._send("heartbeat", hb.engine, m):
-                return
-        if self.metrics is not None:
-            self.metrics.heartbeat(len(hb.handles))
-
-    def _flush_releases(self) -> None:
-        pending, self._releases = self._releases, {}
-        for (engine, epoch, expected), handles in pending.items():
-            e = self.engines.get(engine)
-            if e is not None and e.state == PEER_HANDSHAKING:  # sent once it completes
-                self._releases[(engine, epoch, expected)] = handles
-            elif e is not None and e.state == PEER_READY:  # else nobody to tell: P expires
-                for m in encode_release(epoch, handles, expected, self.config.max_message_bytes):
-                    self._send("release", engine, m)
-
-    # -- handshakes ----------------------------------------------------------------------
-    def _payload(self) -> bytes:
-        return Handshake(engine=self.name, epoch=0,
-                         layout=self.region.layout(self.tp_rank, self.tp_size),
-                         agent_metadata=self._metadata, role="consumer", extra={},
-                         version=self.handshake_version, identity=self.identity).encode()
-
-    def _x_handshake(self, eff: StartHandshake, now: int) -> None:
-        self._start_handshake(eff.engine, now)
-
-    def _start_handshake(self, engine: str, now: int) -> None:
-        e = self.engines.get(engine)
-        if e is None:
-            self._apply(self.machine.handshake_result(engine, False, now, "unknown_engine"), now)
-            return
-        if e.state == PEER_READY:
-            self._apply(self.machine.handshake_result(engine, True, now), now)
-            return
-        if e.state == PEER_HANDSHAKING:
-            return
-        e.state = PEER_HANDSHAKING
-        e.attempt = 0
-        e.next_try = now
-        self._progress_handshake(e, now)
-
-    def _progress_handshake(self, e: _Engine, now: int) -> None:
-        if e.client is None:
-            if now < e.next_try:
-                return
-            e.client = Client(e.host, e.port, self._payload(), secret=self.handshake_secret)
-            e.deadline = now + to_ms(self.handshake_timeout)
-        r = e.client.poll()
-        if r is None:
-            if now > e.deadline:
-                self._retry(e, now, "handshake_timeout", "no reply before the deadline")
-            return
-        status, payload = r
-        if status == "error":
-            self._retry(e, now, "unreachable", str(payload))
-            return
-        assert isinstance(payload, bytes)
-        if status == "refused":
-            reason, detail = parse_refusal(payload)
-            if reason in _FINAL:
-                self._fail_handshake(e, now, _FINAL[reason], f"refused by P: {detail}")
-            else:
-                self._retry(e, now, "handshake_refused", f"{reason}: {detail}")
-            return
-        try:
-            hs = decode_handshake(payload)
-            layout = self.region.layout(self.tp_rank, self.tp_size)
-            check_peer(hs, "producer", layout, self.identity)  # role, layout, model identity
-            if hs.engine != e.name:
-                raise WireError("wrong_name", f"expected {e.name!r}, got {hs.engine!r}")
-            region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
-        except WireError as ex:
-            self._fail_handshake(e, now, _FINAL.get(ex.reason, "handshake_malformed"), ex.detail)
-            return
-        except ValueError as ex:
-            self._fail_handshake(e, now, "handshake_malformed", str(ex))
-            return
-        md_name = metadata_agent_name(hs.agent_metadata)
-        if md_name != e.name:  # checked before loading: never replace another agent's
-            self._fail_handshake(e, now, "handshake_wrong_peer",
-                                 f"metadata of {str(md_name)[:64]!r}")
-            return
-        try:
-            name = self.agent.add_remote_agent(hs.agent_metadata)
-            name_s = name.decode() if isinstance(name, bytes) else str(name)
-            if name_s != e.name:  # pragma: no cover - the name was read out above
-                self._fail_handshake(e, now, "handshake_wrong_peer", f"metadata of {name_s!r}")
-                return
-            e.remote_kv, e.remote_gen = prep_blocks(self.agent, e.name, region)
-        except Exception as ex:
-            self._retry(e, now, "metadata", error_name(ex))
-            return
-        e.state = PEER_READY
-        e.epoch = hs.epoch
-        e.region = region
-        e.attempt = 0
-        self._count("handshakes")
-        log.info("%s: handshake with %s ok (epoch %d)", self.name, e.name, hs.epoch)
-        self._apply(self.machine.handshake_result(e.name, True, now), now)
-
-    def _retry(self, e: _Engine, now: int, reason: str, detail: str) -> None:
-        if e.client is not None:
-            e.client.close()
-            e.client = None
-        e.attempt += 1
-        self._count("handshake_retry")
-        if e.attempt >= self.handshake_attempts:
-            self._fail_handshake(e, now, reason, detail)
-            return
-        delay = self.backoff * (2 ** (e.attempt - 1)) * (0.5 + self._rng.random())
-        e.next_try = now + to_ms(delay)
-        log.info("%s: handshake with %s: %s (%s); retry %d in %.2fs", self.name, e.name, reason,
-                 detail, e.attempt, delay)
-
-    def _fail_handshake(self, e: _Engine, now: int, reason: str, detail: str) -> None:
-        if e.client is not None:
-            e.client.close()
-            e.client = None
-        e.state = PEER_UNKNOWN
-        self._count("handshake_failed:" + reason)
-        if self.metrics is not None:
-            self.metrics.handshake_failed(reason)
-        log.warning("%s: handshake with %s failed: %s (%s)", self.name, e.name, reason, detail)
-        self._apply(self.machine.handshake_result(e.name, False, now, reason), now)
-
-    # -- peer liveness ---------------------------------------------------------------------
-    def _check_peer(self, e: _Engine, now: int) -> None:
-        if now < e.next_check:
-            return
-        e.next_check = now + 20  # a syscall per engine, at most 50 times a second
-        if e.client is not None and not e.client.alive():
-            self._lose(e.name, now, "handshake channel closed")
-
-    def _disconnect(self, e: _Engine) -> None:
-        e.state = PEER_UNKNOWN
-        if e.client is not None:
-            e.client.close()
-            e.client = None
-        e.stale_handles += [h for h in (e.remote_kv, e.remote_gen) if h is not None]
-        e.remote_kv = e.remote_gen = None
-
-    def _lose(self, engine: str, now: int, why: str) -> None:
-        e = self.engines.get(engine)
-        if e is None or e.state != PEER_READY:
-            return
-        log.warning("%s: lost P engine %s: %s", self.name, engine, why)
-        self._count("peer_lost")
-        self._disconnect(e)
-        self._apply(self.machine.peer_lost(engine, now), now)
-
-    def _reap(self, now: int) -> None:
-        """Release handles no READ uses any more; retry failed handle releases."""
-        if self.zombies:
-            self.zombies = [x for x in self.zombies if (x.poll(), x.release())[1] is False]
-        stale = [e for e in self.engines.values() if e.stale_handles]
-        if not stale:
-            return
-        busy = {r.engine for r in self.reads.values()}
-        for e in stale:
-            if e.name not in busy:
-                for h in e.stale_handles:
-                    try:
-                        self.agent.release_dlist_handle(h)
-                    except Exception as ex:
-                        log.debug("release_dlist_handle: %s", error_name(ex))
-                e.stale_handles = []
-                if e.state == PEER_UNKNOWN:
-                    try:
-                        self.agent.remove_remote_agent(e.name)
-                    except Exception as ex:
-                        log.debug("remove_remote_agent(%s): %s", e.name, error_name(ex))
-
-    # -- reads -----------------------------------------------------------------------------
-    #
-    # A READ is two phases, each one NIXL transfer per P engine and step. ``PostRead``
-    # queues the request; the next ``poll`` posts every queued request of one P engine as
-    # one data READ (at most ``MAX_READ_DESCS`` descriptors per transfer). When it lands
-    # its requests join the engine's stamp queue, and the same ``poll`` fetches the
-    # generation stamps of every queued request with one READ (at most
-    # ``MAX_STAMP_DESCS`` stamps per READ). Once they landed and were compared, the
-    # machine's ``done`` for every verified request leaves as one done batch; a fenced
-    # request sends ``release`` instead. So P hears ``done`` only after the data and the
-    # stamps landed and matched, every stamp is read after its data (fail closed: a stamp
-    # that changed means the blocks were freed, and the data is never served), and a
-    # transfer that fails fails every request in it (each is released and recomputed).
-    def _post_read(self, pr: PostRead, now: int) -> None:
-        rid = pr.request_id
-        p = self.params.get(rid)
-        e = self.engines.get(pr.engine)
-        blocks = pr.blocks
-        nblocks = len(blocks)
-        plan = self._plans.get(rid)
-        why = ""
-        if p is None or e is None or e.state != PEER_READY or e.region is None:
-            why = "engine not ready"
-        elif p.epoch != e.epoch:
-            why = f"params for epoch {p.epoch}, engine is at {e.epoch}"
-        elif nblocks and (min(blocks) < 0 or max(blocks) >= e.region.num_blocks):
-            why = "block id outside P's layout"
-        elif len(p.generations) != nblocks:
-            why = "params carry no generation per block"
-        elif plan is not None and not 0 < len(plan) <= nblocks:
-            why = f"{len(plan)} local blocks for {nblocks} remote ones"
-        elif plan is not None and (min(plan) < 0 or max(plan) >= self.region.num_blocks):
-            why = "local block id outside this cache"
-        elif plan is None and nblocks > len(self._free_local):
-            why = "no local blocks free"
-        if why:
-            self._count("read_refused")
-            log.warning("%s: cannot read %s: %s", self.name, rid, why)
-            self._apply(self.machine.read_result(rid, False, now), now)
-            return
-        assert p is not None
-        if plan is not None:
-            local, skip = plan, nblocks - len(plan)
-            rd = _Read(rid, p, local, now, blocks[skip:], p.generations[skip:])
-        else:
-            free = self._free_local
-            local = [free.popleft()] if nblocks == 1 else [free.popleft() for _ in blocks]
-            rd = _Read(rid, p, local, now)
-        self._held_local[rid] = local
-        self.reads[rid] = rd
-        q = self._post_queue.get(pr.engine)
-        if q is None:
-            self._post_queue[pr.engine] = [rd]
-        else:
-            q.append(rd)
-
-    def _post_queued(self, now: int) -> None:
-        """Post the queued READs: one transfer per P engine (and ``MAX_READ_DESCS``)."""
-        queued, self._post_queue = self._post_queue, {}
-        for engine, rds in queued.items():
-            if self.phase_hook is not None:
-                for rd in rds:
-                    self.phase_hook("before_post", rd.rid)
-            e, rds = self._on_live_engine(engine, rds, now)
-            if e is None or e.region is None:
-                continue
-            segs = bool(self.region.segments or e.region.segments)
-            for part in _chunks(rds, MAX_READ_DESCS):
-                self._post_data_batch(e, part, segs, now)
-
-    def _on_live_engine(self, engine: str, rds: list[_Read], now: int
-                        ) -> tuple[_Engine | None, list[_Read]]:
-        """The READs of ``rds`` that may go to ``engine`` now (it is ready, and at their
-        params' epoch); the others fail (``peer_gone``: P was lost or restarted)."""
-        e = self.engines.get(engine)
-        if e is None or e.state != PEER_READY or e.remote_kv is None or e.remote_gen is None:
-            self._batch_failed(rds, "error:peer_gone", now)
-            return None, []
-        if any(rd.params.epoch != e.epoch for rd in rds):  # P restarted meanwhile
-            self._batch_failed([rd for rd in rds if rd.params.epoch != e.epoch],
-                               "error:peer_gone", now)
-            rds = [rd for rd in rds if rd.params.epoch == e.epoch]
-        return e, rds
-
-    def _post_data_batch(self, e: _Engine, rds: list[_Read], segs: bool, now: int) -> None:
-        assert e.region is not None
-        local, remote = _blocks(rds)
-        if segs:  # engine caches: descriptor indices
-            li: Sequence[int] = self.region.block_index(local)
-            ri: Sequence[int] = e.region.block_index(remote)
-        else:
-            li, ri = local, remote
-        x = Xfer.make_read(self.agent, self.local_kv, li, e.remote_kv, ri, b"",
-                           len(local) * self.region.block_bytes)
-        if isinstance(x, str):
-            self._batch_failed(rds, x, now)
-            return
-        b = _ReadBatch(rds, x)
-        self._count("data_reads")
-        st = x.post()
-        if st == DONE:
-            self._data_landed(b, now)
-        elif st == PROC:
-            self._polling.append(b)
-        else:
-            self._release_xfer(x)
-            self._batch_failed(rds, st, now)
-
-    def _poll_reads(self, now: int) -> None:
-        if self._post_queue:
-            self._post_queued(now)
-        if self._batches:
-            for sb in list(self._batches):
-                st = sb.xfer.poll()
-                if st == PROC:
-                    self._warn_slow(sb.reads[0], now)
-                    continue
-                self._batches.remove(sb)
-                if st == DONE:
-                    self._stamps_landed(sb, now)
-                else:
-                    self._release_xfer(sb.xfer)
-                    self._batch_failed(sb.reads, st, now)
-        if self._polling:
-            polling, self._polling = self._polling, []
-            for b in polling:
-                st = b.xfer.poll()
-                if st == PROC:
-                    self._warn_slow(b.reads[0], now)
-                    self._polling.append(b)
-                elif st == DONE:
-                    self._data_landed(b, now)
-                else:
-                    self._release_xfer(b.xfer)
-                    self._batch_failed(b.reads, st, now)
-        if self._stamp_queue:
-            self._post_stamps(now)
-
-    def _warn_slow(self, rd: _Read, now: int) -> None:
-        if not rd.warned and now - rd.started > self.config.ms.max_read_time:
-            rd.warned = True
-            self._count("read_over_max_read_time")
-            log.warning("%s: READ of %s exceeds max_read_time; still polling (handle kept)",
-                        self.name, rd.rid)
-
-    def _release_xfer(self, x: Xfer) -> None:
-        if not x.release():
-            self.zombies.append(x)
-
-    def _data_landed(self, b: _ReadBatch, now: int) -> None:
-        """The data READ landed: release it and queue its requests for their stamp READ."""
-        self._release_xfer(b.xfer)
-        bb = self.region.block_bytes
-        hook = self.phase_hook
-        rds = b.reads
-        for rd in rds:
-            rd.nbytes += len(rd.local) * bb
-            if hook is not None:
-                hook("before_gen", rd.rid)
-        engine = rds[0].engine
-        q = self._stamp_queue.get(engine)
-        if q is None:
-            self._stamp_queue[engine] = list(rds)
-        else:
-            q += rds
-
-    def _post_stamps(self, now: int) -> None:
-        queued, self._stamp_queue = self._stamp_queue, {}
-        for engine, rds in queued.items():
-            e, rds = self._on_live_engine(engine, rds, now)
-            if e is None:
-                continue
-            for part in _chunks(rds, MAX_STAMP_DESCS):
-                self._post_stamp_batch(e, part, now)
-
-    def _post_stamp_batch(self, e: _Engine, rds: list[_Read], now: int) -> None:
-        local, remote = _blocks(rds)
-        x = Xfer.make_read(self.agent, self.local_gen, local, e.remote_gen, remote, b"", 0)
-        if isinstance(x, str):
-            self._batch_failed(rds, x, now)
-            return
-        b = _StampBatch(rds, local, x)
-        self._count("stamp_reads")
-        self._count("stamp_requests", len(rds))
-        st = x.post()
-        if st == DONE:
-            self._stamps_landed(b, now)
-        elif st == PROC:
-            self._batches.append(b)
-        else:
-            self._release_xfer(x)
-            self._batch_failed(rds, st, now)
-
-    def _stamps_landed(self, b: _StampBatch, now: int) -> None:
-        """Compare every request's stamps with its params (fail closed) and finish it."""
-        self._release_xfer(b.xfer)
-        gv = self._gen_view
-        if gv is not None:  # DRAM: a numpy view of the registered stamps
-            # Few stamps: scalar reads (numpy fancy indexing has a ~7 us fixed cost).
-            got = [int(gv[i]) for i in b.local] if len(b.local) <= 8 else gv[b.local].tolist()
-        else:  # pragma: no cover - VRAM
-            got = self.region.gen[torch.tensor(b.local, dtype=torch.int64,
-                                               device=self.region.gen.device)].tolist()
-        rds = b.reads
-        reads = self.reads
-        machine = self.machine
-        done_info = self._done_info
-        effects: list[DEffect] = []  # every request's, executed once the loop is done
-        single = len(rds) == 1
-        off = 0
-        for rd in rds:
-            gens = rd.gens
-            n = len(gens)
-            if n == 1:  # one block: compare the scalars
-                fenced = got[off] != gens[0]
-            elif single:
-                fenced = got != list(gens)
-            else:
-                fenced = got[off:off + n] != list(gens)
-            off += n
-            del reads[rd.rid]
-            if fenced:
-                self._count("fenced")
-                if self.metrics is not None:
-                    self.metrics.fenced()
-                log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
-                            got[off - n:off - n + 4], list(gens[:4]))
-            else:
-                done_info[rd.rid] = (rd.nbytes, (now - rd.started) / 1000)
-            # A landed READ's SendDone joins the done batch sent below.
-            effects += machine.read_result(rd.rid, True, now, fenced=fenced,
-                                           notif_attached=False)
-        self._apply(effects, now)
-        self._flush_dones()
-
-    def _batch_failed(self, rds: list[_Read], why: str, now: int) -> None:
-        """Every READ in ``rds`` failed (one transfer, or its engine is gone)."""
-        if not rds:
-            return
-        self._count("read_error:" + why, len(rds))
-        log.warning("%s: READ of %s%s failed: %s", self.name, rds[0].rid,
-                    f" and {len(rds) - 1} more" if len(rds) > 1 else "", why)
-        for rd in rds:
-            self.reads.pop(rd.rid, None)
-            self._apply(self.machine.read_result(rd.rid, False, now), now)
-        if why == DISCONNECT:
-            self._lose(rds[0].engine, now, "READ reported REMOTE_DISCONNECT")
-
-    # -- notifications (acks) ----------------------------------------------------------------
-    def _rejected(self, reason: str) -> None:
-        self._count("rejected:" + reason)
-        if self.metrics is not None:
-            self.metrics.rejected(reason)
-
-    def _poll_notifs(self, now: int) -> None:
-        try:
-            notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
-        except Exception as ex:
-            self._count("notif_poll_error")
-            log.warning("get_new_notifs failed: %s", error_name(ex))
-            return
-        for peer, msgs in notifs.items():
-            name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
-            e = self.engines.get(name)
-            for m in msgs:
-                if e is None or e.state != PEER_READY:
-                    self._rejected("unknown_peer")
-                    log.info("%s: message from unknown or not-ready peer %r rejected",
-                             self.name, name[:64])
-                    continue
-                try:
-                    msg = decode(m, max_bytes=self.config.max_message_bytes, epoch=e.epoch)
-                except WireError as ex:
-                    self._rejected(ex.reason)
-                    log.info("%s: bad message from %s: %s", self.name, name, ex)
-                    continue
-                except Exception:  # the decoder should only raise WireError
-                    self._rejected("malformed")
-                    log.exception("%s: decoding a message from %s failed", self.name, name)
-                    continue
-                if msg.kind != KIND_ACK:
-                    self._rejected("unexpected_kind")
-                    log.info("%s: unexpected %s from %s rejected", self.name, msg.kind_name,
-                             name)
-                    continue
-                self._apply(self.machine.ack(name, msg.seq, msg.term_ms, msg.handles,
-                                             now, pending=msg.pending), now)
-
-    # -- teardown --------------------------------------------------------------------------
+    # The NIXL parts, for tests, the demo, the benchmarks and the connector.
     @property
-    def in_flight(self) -> int:
-        return len(self.reads)
+    def agent(self) -> Any:
+        return self.transport.agent
+
+    @property
+    def region(self) -> Any:
+        return self.transport.region
+
+    @property
+    def local_kv(self) -> Any:
+        return self.transport.local_kv
+
+    @property
+    def local_gen(self) -> Any:
+        return self.transport.local_gen
+
+    @property
+    def zombies(self) -> list[Any]:
+        return self.transport.zombies
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait (bounded) for in-flight READs, then release everything."""
-        if self._closed:
-            return
-        end = time.monotonic() + timeout
-        while self.reads and time.monotonic() < end:
-            self.poll()
-            time.sleep(0.001)
-        self._closed = True
-        for e in self.engines.values():
-            if e.client is not None:
-                e.client.close()
-        self.region.close()
+        super().close(timeout)
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
-
-
-# Effect type -> what executes it (one dict look-up per effect on D's hot path).
-ConsumerAdapter._run = {
-    StartHandshake: ConsumerAdapter._x_handshake,
-    PostRead: ConsumerAdapter._post_read,
-    SendHeartbeat: ConsumerAdapter._send_heartbeat,
-    SendRelease: ConsumerAdapter._x_release,
-    SendDone: ConsumerAdapter._x_done,
-    Finished: ConsumerAdapter._finished,
-    DropPeer: ConsumerAdapter._x_drop_peer,
-}

@@ -1,17 +1,24 @@
-"""Stateful fuzzing of the real P and D machines through the simulator's faulty network.
+"""Stateful fuzzing of the real P and D machines and drivers through the simulator's
+faulty network.
 
 Three layers, all reusable by the tests (``tests/test_fuzz.py``, ``tests/test_mutants.py``)
 and by ``kvproto fuzz``:
 
 * ``FuzzSim`` -- a ``Simulator`` subclass in which *nothing* is random: every choice the
   simulator would take from its RNG (which message to deliver, drop or duplicate, when a
-  READ completes, whether a handshake succeeds, when D admits transfer params...) is an
-  explicit method the fuzzer calls. The timing assumptions are enforced, not sampled: a
-  message not delivered, dropped or duplicated by ``sent + max_delay`` is delivered then,
-  a READ not completed by ``start + max_read_time`` completes then, and so do transfer
-  params (``max_delay`` after hand-out) and lagging P registrations. NoFreeUnderRead is
-  checked twice: a free of blocks under a READ in flight, and a READ that D posts within
-  its lease on blocks whose generation changed since P handed them out (freed meanwhile).
+  READ transfer lands or fails, whether a handshake reaches P, when D admits transfer
+  params...) is an explicit method the fuzzer calls. P and every D rank run the
+  production drivers (``PDriver``, ``DDriver``) over the simulated transports, so stamp
+  fencing, READ/done/release batching and the handshake bookkeeping are fuzzed with the
+  machines. The timing assumptions are enforced, not sampled: a message not delivered,
+  dropped or duplicated by ``sent + max_delay`` is delivered then, a READ transfer lands
+  by its bound (a data and a stamp transfer fit ``max_read_time``) unless the fuzzer
+  made it late (``slow_read``, ``slow_burst``: outside the assumption, where only the
+  stamps protect the data), and so do transfer params (``max_delay`` after hand-out) and lagging P
+  registrations. The engine overwrites every freed block at once. NoFreeUnderRead is
+  checked twice: a free of blocks under a READ started less than ``max_read_time`` ago,
+  and a READ that D starts within its lease on blocks freed since P handed them out;
+  ServedIntact: every request D serves holds the KV P handed out.
 * the oracle -- ``kvproto.verify.oracle.Oracle``, the one oracle of the project, fed
   by ``observed_ledger_class`` (any ``Ledger`` class: the real one, or a mutant from
   ``kvproto.testing.mutants``): around every P event, each request's state change must be a row
@@ -26,19 +33,17 @@ and by ``kvproto fuzz``:
   reached within the CI budget (``ci_settings``; see BENCHMARKS.md for the rates).
 
 Invariant names used in failure messages (the mutant tests match on them):
-``NoDoubleFree``, ``Conservation``, ``NoFreeUnderRead``, ``StagingBounded``,
-``TombstonesBounded``, ``LegalTransition``, ``LedgerInvariants``, ``PromptFree``,
-``ExpiredFreed``, ``NoLeak``.
+``NoDoubleFree``, ``Conservation``, ``NoFreeUnderRead``, ``ServedIntact``,
+``StagingBounded``, ``TombstonesBounded``, ``LegalTransition``, ``LedgerInvariants``,
+``PromptFree``, ``ExpiredFreed``, ``NoLeak``.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import io
 import json
 import logging
-import math
 import sys
 import time
 from collections import Counter
@@ -65,14 +70,13 @@ from kvproto.lifecycle import (
     TERMINAL_STATES,
     UNREGISTERED,
     Config,
-    DEffect,
     Ledger,
-    PostRead,
-    StartHandshake,
     TransferParams,
     to_ms,
 )
-from kvproto.testing.sim import P_NAME, Faults, Msg, Network, Read, Simulator
+from kvproto.nixl.driver_d import DDriver
+from kvproto.testing.sim import P_NAME, Simulator, quiet_drivers
+from kvproto.testing.transport import NEVER, Faults, FuzzNetwork, FuzzWorld, Msg, SimXfer
 from kvproto.verify.oracle import INVARIANTS as ORACLE_INVARIANTS
 from kvproto.verify.oracle import (
     InvariantViolation,
@@ -114,44 +118,6 @@ CAPACITY: Final = 24
 # ---------------------------------------------------------------------------
 
 
-class FuzzNetwork(Network):
-    """Nothing random: every message waits for the fuzzer (deliver/drop/duplicate) and is
-    delivered at ``sent + max_delay`` at the latest (the timing assumption).
-
-    Fault bursts: while ``drop_next`` (``dup_next``) is positive, each message sent is
-    lost (sent twice) and the count goes down by one -- a flaky link for the next few
-    messages, whichever they turn out to be."""
-
-    drop_next: int = 0
-    dup_next: int = 0
-
-    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
-        self.sent += 1
-        if self.drop_next > 0:
-            self.drop_next -= 1
-            self.lost += 1
-            return
-        copies = 1
-        if self.dup_next > 0:
-            self.dup_next -= 1
-            self.duplicated += 1
-            copies = 2
-        for _ in range(copies):
-            self._seq += 1
-            heapq.heappush(self.queue, Msg(now + self.max_delay, self._seq, src, dst, data))
-
-    def take(self, i: int) -> Msg:
-        m = self.queue.pop(i)
-        heapq.heapify(self.queue)
-        return m
-
-    def duplicate(self, i: int) -> None:
-        m = self.queue[i]
-        self._seq += 1
-        self.duplicated += 1
-        heapq.heappush(self.queue, Msg(m.at, self._seq, m.src, m.dst, m.data))
-
-
 @dataclass
 class PendingRegister:
     deadline: int  # ms
@@ -172,73 +138,61 @@ class PendingAdmit:
 
 
 class FuzzSim(Simulator):
-    """The simulator with explicit choices (see the module docstring)."""
+    """The simulator with explicit choices (see the module docstring). P and every D rank
+    run the production drivers; D ranks are polled after every action on them (and, while
+    time passes with D ticking, at least every heartbeat interval)."""
 
+    network_cls = FuzzNetwork
+    world_cls = FuzzWorld
     net: FuzzNetwork
+    world: FuzzWorld
     ledger: ObservedLedger
 
     def __init__(self, config: Config, *, ledger_cls: type[Ledger] = Ledger,
-                 capacity: int = CAPACITY, engines: tuple[int, ...] = ENGINES,
-                 sink: Callable[..., None] | None = None, register_lag: float = 1.0) -> None:
-        super().__init__(0, config=config, faults=Faults.none(), capacity=capacity,
-                         engines=engines)
-        self.net = FuzzNetwork(self.rng, self.faults, self.config.ms.max_delay)
-        cls = observed_ledger_class(ledger_cls)
-        self.ledger = cls(self.config, self.pool, sink=sink)
+                 driver_cls: type[DDriver] = DDriver, capacity: int = CAPACITY,
+                 engines: tuple[int, ...] = ENGINES, sink: Callable[..., None] | None = None,
+                 register_lag: float = 1.0) -> None:
+        faults = Faults.none()
+        faults.reuse = 1.0  # the engine overwrites every freed block at once
+        super().__init__(0, config=config, faults=faults, capacity=capacity, engines=engines,
+                         journal=sink, ledger_cls=observed_ledger_class(ledger_cls),
+                         driver_cls=driver_cls)
         self.oracle = Oracle(self.config)
         self.ledger.oracle = self.oracle
         self.register_lag = to_ms(register_lag)  # ms
         self.pending_regs: list[PendingRegister] = []
         self.pending_admits: list[PendingAdmit] = []
-        self.pending_hs: list[str] = []  # ranks whose handshake with P is in progress
-        self.next_d_tick = 0
-
-    # -- effects --------------------------------------------------------------------------
-    def _d_effects(self, rank: str, effects: list[DEffect]) -> None:
-        rest: list[DEffect] = []
-        for eff in effects:
-            if isinstance(eff, StartHandshake):
-                if rank not in self.pending_hs:
-                    self.pending_hs.append(rank)
-            elif isinstance(eff, PostRead):
-                gens = tuple(self.gens[b] for b in eff.blocks)
-                dreq = self.ranks[rank].reqs.get(eff.request_id)
-                want = dreq.params.generations if dreq is not None else ()
-                if want and want != gens:
-                    # D posts a READ its lease covers, on blocks P has given back since it
-                    # handed them out: a free the reader, within the timing assumptions,
-                    # can observe (the READ would be fenced at best).
-                    self._violation("NoFreeUnderRead", f"{rank} starts a READ of handle "
-                                    f"{eff.handle} within its lease on blocks freed since "
-                                    "hand-out")
-                self.reads[(rank, eff.request_id)] = Read(
-                    rank, eff.request_id, eff.handle, eff.blocks, gens, self.now,
-                    self.now + self.config.ms.max_read_time)
-            else:
-                rest.append(eff)
-        if rest:
-            super()._d_effects(rank, rest)
 
     # -- queries ----------------------------------------------------------------------------
     def live_ranks(self) -> list[str]:
-        return [r for names in self.engine_ranks.values() for r in names
-                if r not in self.crashed]
+        return [r for names in self.engine_ranks.values() for r in names if r in self.drivers]
+
+    @property
+    def pending_hs(self) -> list[str]:
+        """Ranks whose handshake request waits for the fuzzer's answer."""
+        return [a.rank for a in sorted(self.world.attempts.values(), key=lambda a: a.seq)
+                if a.result is None]
 
     def waiting(self) -> list[tuple[str, str]]:
         return [(rk, rid) for rk in self.live_ranks()
-                for rid, r in sorted(self.ranks[rk].reqs.items()) if r.state == "waiting"]
+                for rid, r in sorted(self.drivers[rk].machine.reqs.items())
+                if r.state == "waiting"]
 
-    def read_keys(self) -> list[tuple[str, str]]:
-        return sorted(self.reads)
+    def xfers(self) -> list[SimXfer]:
+        """The READs in flight, in posting order."""
+        return sorted(self.world.xfers, key=lambda x: x.seq)
 
     def d_requests(self) -> list[tuple[str, str]]:
-        return [(rk, rid) for rk in self.live_ranks() for rid in sorted(self.ranks[rk].reqs)]
+        return [(rk, rid) for rk in self.live_ranks()
+                for rid in sorted(self.drivers[rk].machine.reqs)]
 
     def busy(self) -> bool:
         """Anything in flight: held or staged on P, tracked on D, or on its way."""
-        return bool(self.ledger.held_requests or self.ledger.staged_count or self.reads
+        return bool(self.ledger.held_requests or self.ledger.staged_count or self.world.xfers
                     or self.net.queue or self.pending_regs or self.pending_admits
-                    or self.pending_hs or any(self.ranks[rk].reqs for rk in self.live_ranks()))
+                    or self.pending_hs or any(self.drivers[rk].machine.reqs or
+                                              self.drivers[rk].reads
+                                              for rk in self.live_ranks()))
 
     def known_handles(self) -> list[tuple[int, str]]:
         """(handle, request id) of every registration the ledger still remembers (live or
@@ -257,15 +211,14 @@ class FuzzSim(Simulator):
         self._next_req += 1
         parent = f"req{self._next_req}"
         group = parent if n > 1 else None
+        self.world.write([b for b in blocks if self.pool.refcount(b) == 0])  # the prefill
         rids: list[str] = []
         for i in range(n):
             rid = f"{i}_{parent}" if n > 1 else parent
             h = self.ledger.new_handle()
             pr = PendingRegister(self.now + self.register_lag, h, rid, blocks, group,
                                  len(ranks) if expected_known else 0, ranks)
-            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
-                                    expected=len(ranks), group=group,
-                                    generations=tuple(self.gens[b] for b in blocks))
+            params = self._hand_out(h, rid, blocks, group, list(ranks))
             for rk in ranks:
                 self.pending_admits.append(PendingAdmit(self.now + self.config.ms.max_delay,
                                                         rk, rid, params))
@@ -273,7 +226,7 @@ class FuzzSim(Simulator):
             # sibling).
             self.pool.pin(blocks)
             if register_now or (on_time_mask >> i) & 1:
-                self._register(pr)
+                self._register_pending(pr)
             else:
                 self.pending_regs.append(pr)
             rids.append(rid)
@@ -282,60 +235,79 @@ class FuzzSim(Simulator):
             self.stats.siblings += n
         return rids
 
-    def _register(self, pr: PendingRegister) -> None:
-        self.pool.unpin(pr.blocks)
-        self._p_effects(self.ledger.register(pr.handle, pr.rid, pr.blocks, self.now,
-                                             group=pr.group, expected=pr.expected))
+    def _register_pending(self, pr: PendingRegister) -> None:
+        self._register(pr.handle, pr.rid, pr.blocks, pr.group, pr.expected, pr.ranks)
 
     def register_pending(self, i: int) -> None:
-        self._register(self.pending_regs.pop(i))
+        self._register_pending(self.pending_regs.pop(i))
 
     def free_for_new(self) -> list[int]:
         return self.pool.allocatable_blocks()
 
     # -- D side --------------------------------------------------------------------------
+    def d_poll(self, rank: str) -> None:
+        """D rank ``rank`` runs one step of its driver (a no-op once it crashed)."""
+        self._d_poll(rank)
+
     def admit(self, i: int) -> None:
         pa = self.pending_admits.pop(i)
-        if pa.rank in self.crashed:
+        d = self.drivers.get(pa.rank)
+        if d is None:
             return
-        self._d_effects(pa.rank, self.ranks[pa.rank].admit(pa.rid, pa.params, self.now))
+        d.admit(pa.rid, pa.params)
+        self.d_poll(pa.rank)
 
     def drop_admit(self, i: int) -> None:
         """The router lost the params: this rank never learns of the request."""
         self.pending_admits.pop(i)
 
     def handshake(self, i: int, ok: bool) -> None:
-        rk = self.pending_hs.pop(i)
-        if rk in self.crashed:
-            return
-        if ok:
-            self.known_peers.add(rk)
-        self._d_effects(rk, self.ranks[rk].handshake_result(P_NAME, ok, self.now))
+        rk = self.pending_hs[i]
+        self.world.decide(rk, ok)
+        self.d_poll(rk)
 
     def schedule(self, rank: str, rid: str) -> None:
-        self._d_effects(rank, self.ranks[rank].schedule(rid, self.now))
+        d = self.drivers.get(rank)
+        if d is None:
+            return
+        d.schedule(rid)
+        self.d_poll(rank)
 
-    def complete_read(self, key: tuple[str, str], ok: bool) -> None:
-        r = self.reads[key]
-        if ok:
-            self._finish_read(key, r)
-            return
-        del self.reads[key]
-        if r.reader in self.crashed:
-            return
-        self._d_effects(r.reader, self.ranks[r.reader].read_result(r.rid, False, self.now))
+    def complete_read(self, i: int, ok: bool) -> None:
+        """READ transfer ``i`` (of ``xfers()``) lands now (``ok``) or fails."""
+        x = self.xfers()[i]
+        self.world.land(x, ok)
+        self.d_poll(x.rank)
+
+    def slow_read(self, i: int) -> None:
+        """READ transfer ``i`` (of ``xfers()``) will land late, past ``max_read_time``."""
+        self.world.slow(self.xfers()[i])
+
+    def deliver(self, m: Msg) -> None:
+        """One message arrives and its destination polls."""
+        self.world.deliver(m)
+        if m.dst == P_NAME:
+            self.p.poll()
+        else:
+            self.d_poll(m.dst)
 
     def d_tick(self, rank: str) -> None:
-        self._d_effects(rank, self.ranks[rank].tick(self.now))
+        self.d_poll(rank)
+
+    def abort_d(self, engine: str, rid: str) -> None:
+        super().abort_d(engine, rid)
+        for rk in self.engine_ranks[engine]:
+            self.d_poll(rk)
 
     def progress_items(self, *, schedule: bool = True) -> int:
         return len(self.pending_admits) + len(self.pending_hs) + \
-            (len(self.waiting()) if schedule else 0) + len(self.reads) + len(self.net.queue)
+            (len(self.waiting()) if schedule else 0) + len(self.world.xfers) + \
+            len(self.net.queue)
 
     def progress(self, i: int, *, schedule: bool = True) -> None:
         """Item ``i`` (modulo their number) of: admissions, handshakes (ok), schedules
-        (unless not ``schedule``: D's scheduler pulls nothing new), READ completions (ok),
-        deliveries."""
+        (unless not ``schedule``: D's scheduler pulls nothing new), READ transfers landing
+        (ok), deliveries."""
         n = self.progress_items(schedule=schedule)
         if not n:
             return
@@ -344,28 +316,28 @@ class FuzzSim(Simulator):
             self.admit(i)
             return
         i -= len(self.pending_admits)
-        if i < len(self.pending_hs):
+        hs = self.pending_hs
+        if i < len(hs):
             self.handshake(i, True)
             return
-        i -= len(self.pending_hs)
+        i -= len(hs)
         w = self.waiting() if schedule else []
         if i < len(w):
             self.schedule(*w[i])
             return
         i -= len(w)
-        keys = self.read_keys()
-        if i < len(keys):
-            self.complete_read(keys[i], True)
+        if i < len(self.world.xfers):
+            self.complete_read(i, True)
             return
-        i -= len(keys)
+        i -= len(self.world.xfers)
         self.deliver(self.net.take(i))
 
     # -- time ----------------------------------------------------------------------------
-    def _next_forced(self) -> float:
-        times: list[float] = [math.inf]
+    def _next_forced(self) -> int:
+        times = [NEVER]
         if self.net.queue:
             times.append(self.net.queue[0].at)
-        times.extend(r.end for r in self.reads.values())
+        times.extend(x.end for x in self.world.xfers)
         times.extend(p.deadline for p in self.pending_admits)
         times.extend(p.deadline for p in self.pending_regs)
         times.extend(t for t, _ in self.restarts)
@@ -375,26 +347,26 @@ class FuzzSim(Simulator):
         now = self.now
         for pr in [p for p in self.pending_regs if p.deadline <= now]:
             self.pending_regs.remove(pr)
-            self._register(pr)
+            self._register_pending(pr)
         while self.restarts and self.restarts[0][0] <= now:
             _, old = self.restarts.pop(0)
             self._restart(old)
         for pa in [p for p in self.pending_admits if p.deadline <= now]:
-            self.admit(self.pending_admits.index(pa))
-        for key, r in sorted(self.reads.items(), key=lambda kv: (kv[1].end, kv[0])):
-            if r.end <= now and key in self.reads:
-                self.complete_read(key, True)
-        for m in self.net.due(now):
-            self.deliver(m)
+            self.pending_admits.remove(pa)
+            d = self.drivers.get(pa.rank)
+            if d is not None:
+                d.admit(pa.rid, pa.params)
+        self.world.run_due(now)  # messages into the inboxes, READs landing
+        self.p.poll()
         if d_ticks:
             for rk in self.live_ranks():
-                self.d_tick(rk)
-        self._p_effects(self.ledger.tick(now))
+                self.d_poll(rk)
 
     def advance(self, dt: int, *, d_ticks: bool = True) -> None:
         """Let ``dt`` milliseconds pass. Events the timing assumptions force (deliveries,
-        READ completions, admissions, registrations, restarts) happen at their forced
-        times; with ``d_ticks`` every D rank ticks at least every heartbeat interval."""
+        READ landings, admissions, registrations, restarts) happen at their forced times;
+        with ``d_ticks`` every D rank polls then and at least every heartbeat interval,
+        without it the D ranks are stalled (they read their inboxes later)."""
         target = self.now + max(0, dt)
         while True:
             nxt = self._next_forced()
@@ -402,7 +374,7 @@ class FuzzSim(Simulator):
                 nxt = min(nxt, self.now + self.config.ms.heartbeat_interval)
             if nxt > target:
                 break
-            self.now = max(self.now, int(nxt))
+            self.now = max(self.now, nxt)
             self._run_forced(d_ticks)
         self.now = target
         self._run_forced(d_ticks)
@@ -420,7 +392,7 @@ class FuzzSim(Simulator):
                 self.admit(0)
             for rk, rid in self.waiting():
                 self.schedule(rk, rid)
-            if not (self.d_requests() or self.reads or self.net.queue or self.pending_hs
+            if not (self.d_requests() or self.world.xfers or self.net.queue or self.pending_hs
                     or self.pending_admits):
                 break
             self.advance(cfg.max_read_time // 2 + cfg.max_delay)
@@ -439,8 +411,10 @@ _IDX = st.integers(min_value=0, max_value=255)
 class FuzzCounters:
     """Global progress counters (examples started, state-machine steps run) and what the
     examples exercised, summed at each teardown: ``coverage`` counts P transitions
-    (``"register: unregistered -> registered"``), faults (``"fault:lost"``...) and D
-    outcomes (``"d:done"``, ``"d:failed:..."``)."""
+    (``"register: unregistered -> registered"``), faults (``"fault:lost"``...), D
+    outcomes (``"d:done"``, ``"d:failed:..."``), and the counters of the ledger
+    (``"p:..."``), of the D drivers (``"driver:..."``) and of the P driver
+    (``"pdriver:..."``)."""
 
     examples = 0
     steps = 0
@@ -460,6 +434,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     """
 
     LEDGER_CLS: ClassVar[type[Ledger]] = Ledger
+    DRIVER_CLS: ClassVar[type[DDriver]] = DDriver
     CONFIG_NAMES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
     JOURNAL: ClassVar[bool] = False
     DISABLED: ClassVar[frozenset[str]] = frozenset()  # invariants not checked
@@ -482,7 +457,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             owner = type(self)._JOURNAL_OWNER or type(self)
             owner.last_journal = buf
             sink = writer.sink
-        return FuzzSim(config, ledger_cls=self.LEDGER_CLS, sink=sink)
+        return FuzzSim(config, ledger_cls=self.LEDGER_CLS, driver_cls=self.DRIVER_CLS,
+                       sink=sink)
 
     @initialize(name=st.sampled_from(list(CONFIGS)))
     def choose_config(self, name: str) -> None:
@@ -597,11 +573,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         w = self.sim.waiting()
         self.sim.schedule(*w[i % len(w)])
 
-    @precondition(lambda self: bool(self.sim.reads))
+    @precondition(lambda self: bool(self.sim.world.xfers))
     @rule(i=_IDX, ok=st.sampled_from([True, True, False]))
     def complete_read(self, i: int, ok: bool) -> None:
-        keys = self.sim.read_keys()
-        self.sim.complete_read(keys[i % len(keys)], ok)
+        """A READ transfer (data or stamps) lands, or fails."""
+        self.sim.complete_read(i % len(self.sim.world.xfers), ok)
+
+    @precondition(lambda self: bool(self.sim.world.xfers))
+    @rule(i=_IDX, stall=st.booleans())
+    def slow_read(self, i: int, stall: bool) -> None:
+        """A READ transfer will land late, past max_read_time (outside the timing
+        assumption): P may free and reuse its blocks meanwhile; the stamps must fence it.
+        With ``stall`` the D ranks hang with it (no heartbeat) until P's leases ran out."""
+        self.sim.slow_read(i % len(self.sim.world.xfers))
+        if stall:
+            ms = self.cfg.ms
+            self.sim.advance(ms.lease_horizon + ms.max_read_time + 2 * ms.max_delay,
+                             d_ticks=False)
 
     @precondition(lambda self: bool(self.sim.d_requests()))
     @rule(i=_IDX)
@@ -681,6 +669,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The next ``n`` messages sent (by anyone) are lost."""
         self.sim.net.drop_next = n
 
+    @precondition(lambda self: self.sim.busy())
+    @rule(n=st.integers(min_value=1, max_value=3))
+    def slow_burst(self, n: int) -> None:
+        """The next ``n`` READ transfers posted (by any rank) land late, past
+        max_read_time: a stalled link."""
+        self.sim.world.slow_next = n
+
     @precondition(lambda self: bool(self.sim.pending_admits))
     @rule(i=_IDX)
     def drop_params(self, i: int) -> None:
@@ -688,8 +683,10 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.sim.busy())
     @rule(kind=st.sampled_from(["random", "header", "truncated", "epoch"]),
-          data=st.binary(max_size=24), src_idx=_IDX)
-    def malformed(self, kind: str, data: bytes, src_idx: int) -> None:
+          data=st.binary(max_size=24), src_idx=_IDX, to_d=st.booleans())
+    def malformed(self, kind: str, data: bytes, src_idx: int, to_d: bool) -> None:
+        """Bad bytes into P's inbox, or (``to_d``) into a D rank's as if from P: each
+        side's port must reject them (counted, journaled) and change nothing."""
         sim = self.sim
         if kind == "header":
             data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 1 + src_idx % 5, sim.epoch) + data
@@ -701,6 +698,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             wire.decode(data, max_bytes=sim.config.max_message_bytes, epoch=sim.epoch)
         except wire.WireError:
+            ranks = sim.live_ranks()
+            if to_d and ranks:
+                rk = ranks[src_idx % len(ranks)]
+                sim.inject_malformed_d(rk, data)
+                sim.d_poll(rk)
+                return
             # Mostly from a peer P knows (so the bytes reach the decoder), sometimes from
             # a stranger.
             peers = sorted(sim.known_peers)
@@ -742,13 +745,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         for name, n in (("lost", sim.net.lost), ("duplicated", sim.net.duplicated),
                         ("crashes", st_.crashes), ("aborts_p", st_.aborts_p),
                         ("aborts_d", st_.aborts_d), ("malformed", st_.malformed),
-                        ("siblings", st_.siblings)):
+                        ("malformed_d", st_.malformed_d), ("siblings", st_.siblings),
+                        ("reused", st_.reused)):
             cov[f"fault:{name}"] += n
         cov["d:done"] += st_.completed
         for reason, n in st_.failed.items():
             cov[f"d:failed:{reason}"] += n
         for name, n in sim.ledger.counters.items():
             cov[f"p:{name}"] += n
+        for ds in (sim.drivers, sim.dead):
+            for d in ds.values():
+                for name, n in d.counters.items():
+                    cov[f"driver:{name}"] += n
+        for name, n in sim.p.counters.items():
+            cov[f"pdriver:{name}"] += n
 
     def teardown(self) -> None:
         sim = self.sim
@@ -767,9 +777,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             if s not in TERMINAL_STATES:
                 leaks.append(f"handle {h} in {s}")
         for rk, rid in sim.d_requests():
-            leaks.append(f"D {rk} still tracks {rid} ({sim.ranks[rk].state(rid)})")
-        if sim.reads or sim.net.queue:
-            leaks.append(f"{len(sim.reads)} READs / {len(sim.net.queue)} messages pending")
+            leaks.append(f"D {rk} still tracks {rid} ({sim.drivers[rk].state(rid)})")
+        if sim.world.xfers or sim.net.queue:
+            leaks.append(f"{len(sim.world.xfers)} READs / {len(sim.net.queue)} messages "
+                         "pending")
         for v in ledger_violations(L):
             raise v
         if leaks:
@@ -778,17 +789,21 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 def machine_class(ledger_cls: type[Ledger] = Ledger, *,
                   configs: Sequence[str] | None = None, journal: bool = False,
-                  disabled: Iterable[str] = ()) -> type[LifecycleMachine]:
-    """A ``LifecycleMachine`` subclass over ``ledger_cls`` (a mutant, or the real one),
-    fuzzing under ``configs`` (names in ``CONFIGS``), with the ``disabled`` oracle
-    invariants not checked (to show which other check catches a mutant)."""
+                  disabled: Iterable[str] = (),
+                  driver_cls: type[DDriver] = DDriver) -> type[LifecycleMachine]:
+    """A ``LifecycleMachine`` subclass over ``ledger_cls`` (a mutant, or the real one) and
+    the D driver ``driver_cls`` (likewise), fuzzing under ``configs`` (names in
+    ``CONFIGS``), with the ``disabled`` oracle invariants not checked (to show which other
+    check catches a mutant)."""
     names = tuple(configs) if configs else tuple(CONFIGS)
     for n in names:
         if n not in CONFIGS:
             raise ValueError(f"unknown fuzz config {n!r} (known: {', '.join(CONFIGS)})")
-    attrs: dict[str, Any] = {"LEDGER_CLS": ledger_cls, "CONFIG_NAMES": names,
-                             "JOURNAL": journal, "DISABLED": frozenset(disabled)}
-    return type(f"LifecycleMachine_{ledger_cls.__name__}", (LifecycleMachine,), attrs)
+    attrs: dict[str, Any] = {"LEDGER_CLS": ledger_cls, "DRIVER_CLS": driver_cls,
+                             "CONFIG_NAMES": names, "JOURNAL": journal,
+                             "DISABLED": frozenset(disabled)}
+    suffix = "" if driver_cls is DDriver else "_" + driver_cls.__name__
+    return type(f"LifecycleMachine_{ledger_cls.__name__}{suffix}", (LifecycleMachine,), attrs)
 
 
 # ---------------------------------------------------------------------------
@@ -842,7 +857,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", choices=sorted(CONFIGS),
                    help="fuzz only under this config (repeatable; default: all)")
     p.add_argument("--mutant", default=None,
-                   help="fuzz a mutant ledger from kvproto.testing.mutants instead of the real one")
+                   help="fuzz a mutant ledger or D driver from kvproto.testing.mutants "
+                        "instead of the real one")
     p.add_argument("--out", default="fuzz-failures",
                    help="directory for the example database and failing journals")
     p.add_argument("--no-shrink", action="store_true", help="report the first failure unshrunk")
@@ -876,19 +892,26 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto fuzz: --examples and --steps must be >= 1", file=sys.stderr)
         return 2
     ledger_cls: type[Ledger] = Ledger
+    driver_cls: type[DDriver] = DDriver
     if args.mutant:
         from kvproto.testing import mutants
 
         found = mutants.MUTANTS.get(args.mutant)
-        if found is None:
+        found_d = mutants.DRIVER_MUTANTS.get(args.mutant)
+        if found is not None:
+            ledger_cls = found.ledger_cls
+        elif found_d is not None:
+            driver_cls = found_d.driver_cls
+        else:
+            known = [*mutants.MUTANTS, *mutants.DRIVER_MUTANTS]
             print(f"kvproto fuzz: unknown mutant {args.mutant!r} "
-                  f"(known: {', '.join(mutants.MUTANTS)})", file=sys.stderr)
+                  f"(known: {', '.join(known)})", file=sys.stderr)
             return 2
-        ledger_cls = found.ledger_cls
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     db_dir = out / "hypothesis-db"
-    machine = machine_class(ledger_cls, configs=args.config, journal=True)
+    machine = machine_class(ledger_cls, configs=args.config, journal=True,
+                            driver_cls=driver_cls)
     # No explain phase: it traces every line and makes shrinking many times slower.
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
     if not args.no_shrink:
@@ -900,11 +923,13 @@ def run(args: argparse.Namespace) -> int:
     prog = _Progress(sys.stderr)
     FuzzCounters.examples = FuzzCounters.steps = 0
     FuzzCounters.progress = prog
-    print(f"[fuzz] {ledger_cls.__name__}: up to {args.examples} examples of up to "
+    what = ledger_cls.__name__ + ("" if driver_cls is DDriver else f" + {driver_cls.__name__}")
+    print(f"[fuzz] {what}: up to {args.examples} examples of up to "
           f"{args.steps} steps, seed {args.seed}, configs "
           f"{', '.join(machine.CONFIG_NAMES)}", file=sys.stderr, flush=True)
     try:
-        run_fuzz(machine, stg, seed=args.seed)
+        with quiet_drivers(getattr(args, "verbose", 0)):
+            run_fuzz(machine, stg, seed=args.seed)
     except Exception as e:  # any failure of the run is reported the same way
         prog.report(final=True)
         stem = out / f"failing-seed{args.seed}"
@@ -925,7 +950,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvproto fuzz: P journal of the failing example: {journal_path} "
                   f"(kvproto replay {journal_path})", file=sys.stderr)
         print(json.dumps({"examples": FuzzCounters.examples, "steps": FuzzCounters.steps,
-                          "ledger": ledger_cls.__name__, "ok": False, "invariant": name,
+                          "ledger": ledger_cls.__name__, "driver": driver_cls.__name__,
+                          "ok": False, "invariant": name,
                           "database": str(db_dir), "steps_file": str(steps_path),
                           "journal": str(journal_path) if buf is not None else None}))
         return 1
@@ -937,7 +963,8 @@ def run(args: argparse.Namespace) -> int:
                       "seconds": round(el, 2),
                       "examples_per_s": round(FuzzCounters.examples / el, 2),
                       "steps_per_s": round(FuzzCounters.steps / el, 1),
-                      "ledger": ledger_cls.__name__, "ok": True}))
+                      "ledger": ledger_cls.__name__, "driver": driver_cls.__name__,
+                      "ok": True}))
     return 0
 
 

@@ -28,12 +28,17 @@ One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented h
   fails every lost lease in one tick: 10^5 requests losing their lease at once stall the
   rank for one long step. Caught by the replay's ``TickBounded`` check and by TLC's trace
   validation (TraceConsumer: a tick failed more leases than its work budget).
+
+Driver mutants (``DRIVER_MUTANTS``) are bugs of D's driver, which the simulator and the
+fuzzer run as production code does: ``no_fencing`` never compares the stamps a READ
+fetched after its data, so a READ that lands late on blocks P freed and reused is served
+(ServedIntact).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvproto.lifecycle import (
@@ -51,6 +56,7 @@ from kvproto.lifecycle import (
     Fx,
     Ledger,
 )
+from kvproto.nixl.driver_d import DDriver
 
 _HELD_LIVE = ("registered", "leased", "notified")
 
@@ -151,4 +157,33 @@ D_MUTANTS: dict[str, DMutant] = {m.name: m for m in (
     DMutant("unbounded_tick", UnboundedTickConsumer,
             "D's tick fails every lost lease at once, ignoring max_tick_work",
             frozenset({"TickBounded"})),
+)}
+
+
+# ---------------------------------------------------------------------------
+# Driver mutants: bugs of D's driver (the adapter's half that the simulator and the
+# fuzzer run), each overriding one documented hook of ``DDriver``.
+# ---------------------------------------------------------------------------
+
+
+class NoFencingDriver(DDriver):
+    """Driver mutant: serves a READ whatever stamps land after it (hook ``_fenced``), so
+    a READ that lands late, on blocks P freed and reused meanwhile, is served."""
+
+    def _fenced(self, want: Sequence[int], got: Sequence[int]) -> bool:
+        return False  # BUG: the stamps are fetched and never compared
+
+
+@dataclass(frozen=True)
+class DriverMutant:
+    name: str
+    driver_cls: type[DDriver]
+    bug: str
+    caught_by: frozenset[str]
+
+
+DRIVER_MUTANTS: dict[str, DriverMutant] = {m.name: m for m in (
+    DriverMutant("no_fencing", NoFencingDriver,
+                 "skips the stamp comparison: late READs on reused blocks are served",
+                 frozenset({"ServedIntact"})),
 )}

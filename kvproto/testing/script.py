@@ -56,6 +56,7 @@ from kvproto.lifecycle import (
     Config,
     ConfigError,
     Consumer,
+    DRejected,
     DropPeer,
     Finished,
     Free,
@@ -140,11 +141,11 @@ def describe(x: object, known: Iterable[Any] = ()) -> str:
         if x.pending:
             s += f" pending={_ints(x.pending)}"
         return s
-    if isinstance(x, Rejected):
+    if isinstance(x, (Rejected, DRejected)):
         s = f"rejected {x.reason}"
         if x.peer:
             s += f" peer={_quote(x.peer)}"
-        if x.handle is not None:
+        if isinstance(x, Rejected) and x.handle is not None:
             s += f" h{x.handle}"
         return s + (f" detail={_quote(x.detail)}" if x.detail else "")
     if isinstance(x, StartHandshake):
@@ -616,6 +617,8 @@ class ConsumerDriver(_Driver):
                     refused=Arg("ints", ()), pending=Arg("ints", ()), t=_T),
         "peer_lost": _sig("engine", "[ENGINE] [t=MS]", engine=Arg("str", "P0"), t=_T),
         "tick": _sig("t", "MS", t=Arg("ms")),
+        "reject": _sig("reason", "REASON [peer=P] [detail=D] [t=MS]", reason=Arg("str"),
+                       peer=Arg("str", ""), detail=Arg("str", ""), t=_T),
         "state": _sig("", ""),
         "counters": _sig("", ""),
     }
@@ -728,6 +731,11 @@ class ConsumerDriver(_Driver):
     def do_tick(self, a: dict[str, Any]) -> list[str]:
         now = self.at(a)
         return self._event([], [], lambda: self.consumer.tick(now))
+
+    def do_reject(self, a: dict[str, Any]) -> list[str]:
+        now = self.at(a)
+        return self._event([], [], lambda: self.consumer.reject(a["reason"], a["peer"],
+                                                                a["detail"], now))
 
     def do_state(self, a: dict[str, Any]) -> list[str]:
         return _consumer_state(self.consumer, self.known, self.params)

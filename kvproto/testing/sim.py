@@ -1,89 +1,91 @@
 """Deterministic simulator: one P rank, several D engines (each with one or more ranks),
 and a faulty network carrying the real encoded bytes.
 
-The simulator is itself a thin adapter: it decodes bytes into ledger/consumer events and
-applies their effects; every lifecycle decision stays in ``kvproto.lifecycle``. It checks
-the safety invariants after every step and measures stranded block-seconds. Its clock
-(``now``) is the machines' time, integer milliseconds; its knobs (``dt``, durations,
-``Faults``) are seconds, turned into milliseconds once.
+The simulator runs the production drivers (``kvproto.nixl.driver_p.PDriver``,
+``kvproto.nixl.driver_d.DDriver``) over the simulated transports of
+:mod:`kvproto.testing.transport`: receiving through the ports, stamp fencing, READ, done
+and release batching and the handshake bookkeeping are the drivers' own, and every
+lifecycle decision stays in ``kvproto.lifecycle``. What the simulator adds is the
+engine (requests arriving, registrations lagging their params, aborts, D's scheduler)
+and the faults, and it checks after every step:
 
-Faults: message loss, duplication, reordering (random delays), delay, D rank crash,
-aborts on P and on D, malformed bytes into P's inbox, handshake failures.
+* the pool and ledger safety invariants (the oracle's ``safety_violations``);
+* *NoFreeUnderRead* -- P reclaims a block under a READ that started less than
+  ``max_read_time`` ago, or D starts a READ (within its lease) on blocks P freed since it
+  handed them out;
+* *ServedIntact* -- every request a D rank serves as pulled holds, in its local blocks,
+  exactly the KV P handed out (the drivers' stamp fencing is what keeps this true when a
+  READ lands late on reused blocks);
+
+and after the drain the liveness property *NoLeak* (P holds nothing, no live D rank
+tracks a request). It measures stranded block-seconds. Its clock (``now``, the world's)
+is the machines' time, integer milliseconds; its knobs (``dt``, durations, ``Faults``)
+are seconds, turned into milliseconds once.
+
+Faults (``Faults``): message loss, duplication, reordering, delay, handshake failures,
+partitions, D rank crashes, READs landing late, stamps changed by reuse, aborts on P and
+on D, malformed bytes into P's and D's inboxes. ``kvproto simulate`` draws each seed's
+own mix (``Faults.swarm``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import logging
 import random
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, ClassVar, Final
 
-from kvproto import port, wire
+from kvproto import wire
 from kvproto.lifecycle import (
     HELD_STATES,
-    Ack,
     BlockPool,
     Config,
     Consumer,
-    DEffect,
     Effect,
-    Finished,
     Free,
     Ledger,
-    PostRead,
-    Rejected,
-    SendDone,
-    SendHeartbeat,
-    SendRelease,
-    StartHandshake,
     TransferParams,
     to_ms,
+)
+from kvproto.nixl.driver_d import Completion, DDriver
+from kvproto.nixl.driver_p import PDriver
+from kvproto.testing.transport import (
+    Faults,
+    Msg,
+    Network,
+    SimDTransport,
+    SimPTransport,
+    World,
 )
 from kvproto.verify.oracle import InvariantViolation, ledger_violations, safety_violations
 
 log = logging.getLogger(__name__)
 
 P_NAME = "P0"
+LIVENESS: Final = frozenset({"NoLeak"})  # the violations that are liveness failures
 
+# ``kvproto simulate`` exit codes beyond the CLI's own (0 ok, 2 usage): one per kind of
+# finding, the first that applies in this order.
+EXIT_SAFETY: Final = 1
+EXIT_CRASH: Final = 6
+EXIT_LIVENESS: Final = 7
 
-@dataclass
-class Faults:
-    """Probabilities per message or per step; all zero = a perfect network."""
-
-    loss: float = 0.02
-    duplicate: float = 0.02
-    max_delay: float | None = None  # None: the config's max_delay (the timing assumption)
-    crash_rate: float = 0.0004  # per step, per live D rank (it restarts as a new reader)
-    restart_after: float = 5.0  # a crashed rank comes back (new identity) after this long
-    register_lag: float = 0.3  # fraction of requests whose P registration lags the params
-    abort_p_rate: float = 0.02  # per step: abort a random held request on P
-    abort_d_rate: float = 0.02  # per step: abort a random request on one D engine
-    malformed_rate: float = 0.01  # per step: inject garbage into P's inbox
-    handshake_fail: float = 0.05  # per handshake
-    sibling_rate: float = 0.15  # fraction of requests with n>1 siblings
-
-    @classmethod
-    def none(cls) -> Faults:
-        return cls(0, 0, None, 0, 5.0, 0.3, 0, 0, 0, 0, 0.15)
-
-
-@dataclass(order=True)
-class Msg:
-    at: int  # ms
-    seq: int
-    src: str = field(compare=False)
-    dst: str = field(compare=False)
-    data: bytes = field(compare=False)
+__all__ = ["EXIT_CRASH", "EXIT_LIVENESS", "EXIT_SAFETY", "LIVENESS", "P_NAME", "Faults", "Msg",
+           "Network", "Read", "Simulator", "Stats", "simulate_many"]
 
 
 @dataclass
 class Read:
+    """A READ some D rank has in flight (a view of its driver's)."""
+
     reader: str
     rid: str
     handle: int
@@ -100,85 +102,63 @@ class Stats:
     completed: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     admission_blocked: int = 0
-    messages: int = 0
-    lost: int = 0
-    duplicated: int = 0
     crashes: int = 0
+    partitions: int = 0
     aborts_p: int = 0
     aborts_d: int = 0
     malformed: int = 0
+    malformed_d: int = 0
+    reused: int = 0
     stranded_block_seconds: float = 0.0
-    fenced: int = 0
     violations: list[str] = field(default_factory=list)
-
-
-class Network:
-    """Delivers bytes after a random delay (at most ``max_delay`` ms); may lose or
-    duplicate them."""
-
-    def __init__(self, rng: random.Random, faults: Faults, max_delay: int) -> None:
-        self.rng = rng
-        self.faults = faults
-        self.max_delay = max_delay
-        self.queue: list[Msg] = []
-        self._seq = 0
-        self.sent = self.lost = self.duplicated = 0
-
-    def send(self, now: int, src: str, dst: str, data: bytes) -> None:
-        self.sent += 1
-        if self.rng.random() < self.faults.loss:
-            self.lost += 1
-            return
-        copies = 2 if self.rng.random() < self.faults.duplicate else 1
-        self.duplicated += copies - 1
-        for _ in range(copies):
-            self._seq += 1
-            heapq.heappush(self.queue, Msg(now + round(self.rng.uniform(0, self.max_delay)),
-                                           self._seq, src, dst, data))
-
-    def due(self, now: int) -> list[Msg]:
-        out = []
-        while self.queue and self.queue[0].at <= now:
-            out.append(heapq.heappop(self.queue))
-        return out
 
 
 class Simulator:
     """One P rank and D engines. ``step()`` advances time by ``dt`` (seconds, whole ms)
-    and runs everything due."""
+    and runs everything due.
+
+    ``ledger_cls`` and ``driver_cls`` replace the machine of P and the driver of every D
+    rank (a mutant, or an observed one)."""
+
+    network_cls: ClassVar[type[Network]] = Network
+    world_cls: ClassVar[type[World]] = World
 
     def __init__(self, seed: int = 0, *, config: Config | None = None,
                  faults: Faults | None = None, capacity: int = 512,
                  engines: tuple[int, ...] = (1, 2, 1), dt: float = 0.1,
                  arrival_rate: float = 2.0, max_queue: float = 20.0,
-                 journal: Callable[..., None] | None = None) -> None:
+                 journal: Callable[..., None] | None = None,
+                 ledger_cls: type[Ledger] = Ledger,
+                 driver_cls: type[DDriver] = DDriver) -> None:
         self.rng = random.Random(seed)
         self.config = (config or Config()).validate()
         self.faults = faults if faults is not None else Faults()
         self.dt_ms = max(1, to_ms(dt))
         self.dt = self.dt_ms / 1000
-        self.now = 0  # ms
         self.arrival_rate = arrival_rate  # requests per simulated second
         self.max_queue = max_queue  # D may queue a request this long before pulling it
         self.epoch = self.rng.randrange(1, 1 << 32)
-        self.pool = BlockPool(capacity, strict=False)
-        self.ledger = Ledger(self.config, self.pool, sink=journal)
-        self.gens = [0] * capacity
+        self.capacity = capacity
         max_delay = self.faults.max_delay if self.faults.max_delay is not None \
             else self.config.max_delay
-        self.net = Network(self.rng, self.faults, to_ms(max_delay))
-        self.ranks: dict[str, Consumer] = {}
+        self.net = self.network_cls(self.rng, self.faults, to_ms(max_delay))
+        self.world = self.world_cls(self.rng, self.faults, self.config, self.net, capacity)
+        self.p = PDriver(P_NAME, self.config, SimPTransport(self.world, P_NAME, capacity),
+                         num_blocks=capacity, epoch=self.epoch, clock=self._clock,
+                         sink=journal, strict_pool=False, observer=self._observe,
+                         ledger_cls=ledger_cls)
+        self.pool: BlockPool = self.p.pool
+        self.ledger: Ledger = self.p.ledger
+        self.driver_cls = driver_cls
+        self.drivers: dict[str, DDriver] = {}  # live D ranks
+        self.dead: dict[str, DDriver] = {}  # crashed ones (their READs still run out)
         self.engine_ranks: dict[str, list[str]] = {}
         for e, nranks in enumerate(engines):
             names = [f"D{e}.r{k}" for k in range(nranks)]
             self.engine_ranks[f"D{e}"] = names
             for n in names:
-                self.ranks[n] = Consumer(n, self.config)
-        self.crashed: set[str] = set()
-        self.known_peers: set[str] = set()  # D ranks P has handshaken with
-        self.agenda: list[tuple[int, int, str, str]] = []  # (time, seq, rank, rid) schedule
-        self.handshakes: list[tuple[int, int, str, bool]] = []  # (time, seq, rank, ok)
-        self.reads: dict[tuple[str, str], Read] = {}
+                self._new_rank(n)
+        self.agenda: list[tuple[int, int, str, str]] = []  # (time, seq, rank, what)
         self._aseq = 0
         self._next_req = 0
         self.stats = Stats()
@@ -188,8 +168,51 @@ class Simulator:
                                   tuple[str, ...]]] = []
         self.restarts: list[tuple[int, str]] = []
         self.incarnation: dict[str, int] = {}
+        # What P handed out per request id: the writes its blocks held and how often
+        # each block had been freed (reclaimed while not pinned) by then.
+        self.expect: dict[str, tuple[int, ...]] = {}
+        self.freed = [0] * capacity
+        self.freed_at: dict[str, tuple[int, ...]] = {}
+        self._read_seen: set[tuple[str, str]] = set()
 
     # -- helpers -----------------------------------------------------------------------
+    def _clock(self) -> float:
+        """The drivers' clock: the world's time in seconds (their ``now_ms`` reads back
+        exactly ``now``)."""
+        return self.world.now / 1000
+
+    @property
+    def now(self) -> int:
+        """The world's time, ms."""
+        return self.world.now
+
+    @now.setter
+    def now(self, t: int) -> None:
+        self.world.now = t
+
+    @property
+    def ranks(self) -> dict[str, Consumer]:
+        """Every live D rank's machine."""
+        return {n: d.machine for n, d in self.drivers.items()}
+
+    @property
+    def crashed(self) -> set[str]:
+        return set(self.dead)
+
+    @property
+    def known_peers(self) -> set[str]:
+        """The D ranks P has handshaken with."""
+        return set(self.p.peers)
+
+    @property
+    def reads(self) -> dict[tuple[str, str], Read]:
+        """Every READ in flight, of live and crashed ranks."""
+        mrt = self.config.ms.max_read_time
+        return {(n, rid): Read(n, rid, rd.params.handle, tuple(rd.remote), tuple(rd.gens),
+                               rd.started, rd.started + mrt)
+                for ds in (self.drivers, self.dead) for n, d in ds.items()
+                for rid, rd in d.reads.items()}
+
     def _tick_seq(self) -> int:
         self._aseq += 1
         return self._aseq
@@ -200,55 +223,67 @@ class Simulator:
         self.violations.append(v)
         self.stats.violations.append(f"t={self.now / 1000:.3f} {v}")
 
-    # -- P side (the adapter: decode, feed the ledger, apply effects) ------------------
-    def p_receive(self, src: str, data: bytes) -> None:
-        self._p_effects(port.p_receive(self.ledger, src, data, self.now,
-                                       known=src in self.known_peers, epoch=self.epoch,
-                                       max_bytes=self.config.max_message_bytes))
+    def _new_rank(self, name: str) -> DDriver:
+        t = SimDTransport(self.world, name, self.capacity, self.p.transport.layout())
+        d = self.driver_cls(name, self.config, t, clock=self._clock)
+        d.add_engine(P_NAME, "sim", 0)
+        self.drivers[name] = d
+        return d
 
-    def deliver(self, m: Msg) -> None:
-        """One message arrives: P's go through the port; an ack reaches a live D rank."""
-        if m.dst == P_NAME:
-            self.p_receive(m.src, m.data)
-        elif m.dst not in self.crashed and m.dst in self.ranks:
-            try:
-                a = wire.decode(m.data, epoch=self.epoch)
-            except wire.WireError:
-                return
-            if a.kind == wire.KIND_ACK:
-                self._d_effects(m.dst, self.ranks[m.dst].ack(
-                    P_NAME, a.seq, a.term_ms, a.handles, self.now, a.pending))
+    # -- P side: the P driver, and what the engine sees of its effects ------------------
+    def p_receive(self, src: str, data: bytes) -> None:
+        """Bytes from ``src`` reach P's inbox and P polls (they go through its port)."""
+        self.world.inbox.setdefault(P_NAME, []).append((src, data))
+        self.p.poll()
 
     def _p_effects(self, effects: list[Effect]) -> None:
-        for eff in effects:
-            if isinstance(eff, Free):
-                self._on_free(eff)
-            elif isinstance(eff, Ack):
-                for chunk in wire.encode_ack(self.epoch, eff.seq, eff.term, eff.refused,
-                                             self.config.max_message_bytes, eff.pending):
-                    self.net.send(self.now, P_NAME, eff.reader, chunk)
-            elif isinstance(eff, Rejected):
-                log.debug("P rejected %s from %s: %s", eff.reason, eff.peer, eff.detail)
+        """The P driver carries out ``effects`` (as if its ledger had produced them)."""
+        self.p.execute(effects, self.now)
+
+    def _observe(self, e: Effect, now: int) -> None:
+        if isinstance(e, Free):
+            self._on_free(e)
 
     def _on_free(self, eff: Free) -> None:
         # The engine still pins blocks it handed out for a registration that lags: the
-        # lifecycle dropped its hold, but those blocks are not reused (nor re-stamped).
-        reclaimed = {b for b in eff.reclaimed if not self.pool.pinned(b)}
-        for b in reclaimed:
-            self.gens[b] += 1  # bump before the block can be reused
-        for r in self.reads.values():
-            if reclaimed.intersection(r.blocks):
-                self._violation("NoFreeUnderRead", f"handle {eff.handle} ({eff.reason}) freed "
-                                f"blocks under {r.reader}'s READ of handle {r.handle}")
+        # lifecycle dropped its hold, but those blocks are not reused.
+        reclaimed = [b for b in eff.reclaimed if not self.pool.pinned(b)]
+        if reclaimed:
+            for b in reclaimed:
+                self.freed[b] += 1
+            mrt = self.config.ms.max_read_time
+            gone = set(reclaimed)
+            for ds in (self.drivers, self.dead):
+                for n, d in ds.items():
+                    for rd in d.reads.values():
+                        if self.now - rd.started < mrt and gone.intersection(rd.remote):
+                            self._violation(
+                                "NoFreeUnderRead", f"handle {eff.handle} ({eff.reason}) "
+                                f"freed blocks under {n}'s READ of handle "
+                                f"{rd.params.handle}, started {(self.now - rd.started) / 1000:.3f}s ago")
+            f = self.faults
+            if f.reuse and self.rng.random() < f.reuse:
+                self.world.write(reclaimed)  # the engine reuses them at once
+                self.stats.reused += 1
         self.holders.pop(eff.handle, None)
+
+    def _hand_out(self, h: int, rid: str, blocks: tuple[int, ...], group: str | None,
+                  ranks: list[str]) -> TransferParams:
+        """P hands D the params of one request: what its blocks hold is remembered."""
+        self.expect[rid] = tuple(self.world.content[b] for b in blocks)
+        self.freed_at[rid] = tuple(self.freed[b] for b in blocks)
+        return TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
+                              expected=len(ranks), group=group,
+                              generations=self.p.stamps(blocks))
 
     def new_request(self, n: int = 1, engine: str | None = None) -> list[str]:
         """Prefill finished on P: register (n siblings sharing blocks), hand params to D."""
         nblocks = self.rng.randint(1, 8)
-        alloc = self.pool.allocate(nblocks)
+        alloc = self.p.allocate(nblocks)
         if alloc is None:
             self.stats.admission_blocked += 1
             return []
+        self.world.write(alloc)  # the prefill's KV
         blocks = tuple(alloc)
         # prefix sharing: sometimes reuse a held block from another request
         live = self.ledger.live_handles()
@@ -276,9 +311,7 @@ class Simulator:
             # P holds the blocks from the moment it hands out params: one engine pin per
             # sibling until its registration, so they are not handed out meanwhile.
             self.pool.pin(blocks)
-            params = TransferParams(P_NAME, self.epoch, h, blocks, self.config.ms.initial_lease,
-                                    expected=len(ranks), group=group,
-                                    generations=tuple(self.gens[b] for b in blocks))
+            params = self._hand_out(h, rid, blocks, group, ranks)
             delay = round(self.rng.uniform(0, self.net.max_delay))
             for rk in ranks:
                 self._aseq += 1
@@ -291,66 +324,70 @@ class Simulator:
             self.stats.siblings += n
         return rids
 
-    # -- D side -------------------------------------------------------------------------
-    def _d_effects(self, rank: str, effects: list[DEffect]) -> None:
-        for eff in effects:
-            if isinstance(eff, StartHandshake):
-                ok = self.rng.random() >= self.faults.handshake_fail
-                heapq.heappush(self.handshakes, (self.now + round(self.rng.uniform(10, 500)),
-                                                 self._tick_seq(), rank, ok))
-            elif isinstance(eff, PostRead):
-                gens = tuple(self.gens[b] for b in eff.blocks)
-                mrt = self.config.ms.max_read_time
-                dur = round(self.rng.uniform(min(10, mrt / 2), mrt))
-                self.reads[(rank, eff.request_id)] = Read(rank, eff.request_id, eff.handle,
-                                                          eff.blocks, gens, self.now,
-                                                          self.now + dur)
-            elif isinstance(eff, SendDone):
-                self.net.send(self.now, rank, P_NAME,
-                              wire.encode_done(self.epoch, eff.handle, eff.expected))
-            elif isinstance(eff, SendRelease):
-                for chunk in wire.encode_release(self.epoch, (eff.handle,), eff.expected,
-                                                 self.config.max_message_bytes):
-                    self.net.send(self.now, rank, P_NAME, chunk)
-            elif isinstance(eff, SendHeartbeat):
-                for chunk in wire.encode_heartbeat(self.epoch, eff.seq, eff.handles,
-                                                   eff.expected, self.config.max_message_bytes):
-                    self.net.send(self.now, rank, P_NAME, chunk)
-            elif isinstance(eff, Finished):
-                if eff.state == "done":
-                    self.stats.completed += 1
-                else:
-                    self.stats.failed[eff.reason] = self.stats.failed.get(eff.reason, 0) + 1
-                self._drop_holder(rank, eff.request_id)
+    def _register(self, h: int, rid: str, blocks: tuple[int, ...], group: str | None,
+                  expected: int, ranks: tuple[str, ...]) -> None:
+        """P's worker registers a request it handed out (its pin goes to the ledger)."""
+        self.p.register(rid, blocks, group=group, expected=expected, handle=h)
+        if self.ledger.state(h) in HELD_STATES:
+            self.holders[h] = {r for r in ranks if r in self.drivers}
+
+    # -- D side: the D drivers, and what the engine does with their completions ---------
+    def _d_poll(self, rank: str) -> None:
+        d = self.drivers.get(rank)
+        if d is None:
+            return
+        for c in d.poll():
+            self._completed(rank, d, c)
+        self._check_reads(rank, d)
+
+    def _check_reads(self, rank: str, d: DDriver) -> None:
+        """A READ D starts within its lease must find the blocks P handed out unfreed."""
+        for rid, rd in d.reads.items():
+            key = (rank, rid)
+            if key in self._read_seen:
+                continue
+            self._read_seen.add(key)
+            want = self.freed_at.get(rid)
+            if want is not None and tuple(rd.remote) == rd.params.blocks and \
+                    tuple(self.freed[b] for b in rd.remote) != want:
+                self._violation("NoFreeUnderRead", f"{rank} starts a READ of handle "
+                                f"{rd.params.handle} within its lease on blocks freed since "
+                                "hand-out")
+
+    def _completed(self, rank: str, d: DDriver, c: Completion) -> None:
+        self._read_seen.discard((rank, c.request_id))
+        if c.state == "done":
+            self.stats.completed += 1
+            want = self.expect.get(c.request_id)
+            if c.reason == "pulled" and want is not None and c.local_blocks is not None:
+                held = self.world.local[rank]
+                got = tuple(held[b] for b in c.local_blocks)
+                if got != want:
+                    self._violation("ServedIntact", f"{rank} served {c.request_id} with "
+                                    f"blocks holding writes {got[:4]}, P handed out "
+                                    f"{want[:4]}")
+        else:
+            self.stats.failed[c.reason] = self.stats.failed.get(c.reason, 0) + 1
+        self._drop_holder(rank, c.request_id)
+        d.free_local(c.request_id)
 
     def _drop_holder(self, rank: str, rid: str) -> None:
         h = self.ledger.handle_of(rid)
         if h is not None and h in self.holders:
             self.holders[h].discard(rank)
 
-    def _finish_read(self, key: tuple[str, str], r: Read) -> None:
-        del self.reads[key]
-        if r.reader in self.crashed:
-            return
-        fenced = any(self.gens[b] != g for b, g in zip(r.blocks, r.gens, strict=True))
-        if fenced:
-            self.stats.fenced += 1
-            self._violation("NoFreeUnderRead", f"fenced READ of handle {r.handle} by "
-                            f"{r.reader}: blocks reused")
-        c = self.ranks[r.reader]
-        # NIXL delivers the READ's notification after the data landed, from the initiator.
-        if not fenced:
-            self.net.send(self.now, r.reader, P_NAME,
-                          wire.encode_done(self.epoch, r.handle,
-                                           c.reqs[r.rid].params.expected))
-        self._d_effects(r.reader, c.read_result(r.rid, not fenced, self.now, fenced=fenced))
+    def deliver(self, m: Msg) -> None:
+        """One message arrives in its destination's inbox (read at its next poll)."""
+        self.world.deliver(m)
 
     # -- faults -------------------------------------------------------------------------
     def crash(self, rank: str) -> None:
-        """kill -9 of one D rank: it stops sending; its in-flight READs still run out."""
-        if rank in self.crashed:
+        """kill -9 of one D rank: it stops; its in-flight READs still run out."""
+        d = self.drivers.pop(rank, None)
+        if d is None:
             return
-        self.crashed.add(rank)
+        self.dead[rank] = d
+        self.world.crash(rank)
         self.stats.crashes += 1
         for rs in self.holders.values():
             rs.discard(rank)
@@ -364,114 +401,116 @@ class Simulator:
         for names in self.engine_ranks.values():
             if old in names:
                 names[names.index(old)] = new
-        self.ranks[new] = Consumer(new, self.config)
+        self._new_rank(new)
+
+    def partition(self, rank: str, duration: float) -> None:
+        """Cut ``rank`` off P for ``duration`` seconds."""
+        self.world.partition(rank, self.now + to_ms(duration))
+        self.stats.partitions += 1
 
     def abort_p(self, rid: str) -> None:
         self.stats.aborts_p += 1
-        self._p_effects(self.ledger.abort(rid, self.now))
+        self.p.abort(rid)
 
     def abort_d(self, engine: str, rid: str) -> None:
         self.stats.aborts_d += 1
         for rk in self.engine_ranks[engine]:
-            if rk not in self.crashed:
-                self._d_effects(rk, self.ranks[rk].abort(rid, self.now))
+            d = self.drivers.get(rk)
+            if d is not None:
+                d.abort(rid)
+
+    def garbage(self, epoch: int) -> bytes:
+        data = bytes(self.rng.randrange(256) for _ in range(self.rng.randint(0, 40)))
+        if self.rng.random() < 0.5:  # a valid header with a corrupt body
+            data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, self.rng.randint(1, 5),
+                                    epoch) + data
+        return data
 
     def inject_malformed(self, data: bytes | None = None) -> None:
+        """Garbage into P's inbox (from a peer P knows, or a stranger)."""
         self.stats.malformed += 1
         src = self.rng.choice(sorted(self.known_peers) or ["stranger"])
-        if data is None:
-            data = bytes(self.rng.randrange(256) for _ in range(self.rng.randint(0, 40)))
-            if self.rng.random() < 0.5:  # a valid header with a corrupt body
-                data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, self.rng.randint(1, 5),
-                                        self.epoch) + data
-        self.p_receive(src, data)
+        self.p_receive(src, data if data is not None else self.garbage(self.epoch))
+
+    def inject_malformed_d(self, rank: str, data: bytes | None = None) -> None:
+        """Garbage into a D rank's inbox, as if from P (it reaches D's decoder)."""
+        self.stats.malformed_d += 1
+        data = data if data is not None else self.garbage(self.epoch)
+        self.world.inbox.setdefault(rank, []).append((P_NAME, data))
 
     # -- time -----------------------------------------------------------------------------
+    def _generate(self) -> None:
+        f = self.faults
+        rng = self.rng
+        k = 0
+        lam = self.arrival_rate * self.dt
+        while rng.random() < lam / (k + 1) and k < 4:
+            k += 1
+            n = rng.randint(2, 4) if rng.random() < f.sibling_rate else 1
+            self.new_request(n)
+        if rng.random() < f.abort_p_rate:
+            live = self.ledger.live_handles()
+            if live:
+                self.abort_p(self.ledger.request_id(rng.choice(live)) or "")
+        if rng.random() < f.abort_d_rate:
+            e = rng.choice(list(self.engine_ranks))
+            rk = self.engine_ranks[e][0]
+            if rk in self.drivers and self.drivers[rk].machine.reqs:
+                self.abort_d(e, rng.choice(sorted(self.drivers[rk].machine.reqs)))
+        for rk in list(self.drivers):
+            if rng.random() < f.crash_rate:
+                self.crash(rk)
+        if f.partition_rate and rng.random() < f.partition_rate and self.drivers:
+            cfg = self.config
+            self.partition(rng.choice(sorted(self.drivers)),
+                           rng.uniform(cfg.max_delay, cfg.lease_extension))
+        if rng.random() < f.malformed_rate:
+            self.inject_malformed()
+            if self.drivers:
+                self.inject_malformed_d(rng.choice(sorted(self.drivers)))
+
+    def _run_agenda(self) -> None:
+        """Transfer params reaching D (admit), and D's scheduler wanting them (schedule)."""
+        now = self.now
+        rng = self.rng
+        while self.agenda and self.agenda[0][0] <= now:
+            _, _, rk, what = heapq.heappop(self.agenda)
+            d = self.drivers.get(rk)
+            if d is None:
+                continue
+            if what.startswith("admit\0"):
+                _, rid, pj = what.split("\0", 2)
+                d.admit(rid, TransferParams.from_dict(json.loads(pj)))
+                self._aseq += 1
+                q = rng.uniform(0, self.max_queue) if rng.random() < 0.3 else rng.uniform(0, 1)
+                heapq.heappush(self.agenda, (now + to_ms(q), self._aseq, rk, "sched\0" + rid))
+            else:
+                rid = what.split("\0", 1)[1]
+                if d.state(rid) != "new":  # a finished request is never scheduled
+                    d.schedule(rid)
+                    self._check_reads(rk, d)
+
     def step(self, *, generate: bool = True) -> None:
         self.now += self.dt_ms
         now = self.now
-        f = self.faults
-        rng = self.rng
         if generate:
-            k = 0
-            lam = self.arrival_rate * self.dt
-            while rng.random() < lam / (k + 1) and k < 4:
-                k += 1
-                n = rng.randint(2, 4) if rng.random() < f.sibling_rate else 1
-                self.new_request(n)
-            if rng.random() < f.abort_p_rate:
-                live = self.ledger.live_handles()
-                if live:
-                    self.abort_p(self.ledger.request_id(rng.choice(live)) or "")
-            if rng.random() < f.abort_d_rate:
-                e = rng.choice(list(self.engine_ranks))
-                rk = self.engine_ranks[e][0]
-                if self.ranks[rk].reqs:
-                    self.abort_d(e, rng.choice(sorted(self.ranks[rk].reqs)))
-            for rk in list(self.ranks):
-                if rk not in self.crashed and rng.random() < f.crash_rate:
-                    self.crash(rk)
-            if rng.random() < f.malformed_rate:
-                self.inject_malformed()
+            self._generate()
         # P registrations due (in order)
         if self.p_agenda:
             due = [a for a in self.p_agenda if a[0] <= now]
             if due:
                 self.p_agenda = [a for a in self.p_agenda if a[0] > now]
                 for _, h, rid, blocks, group, expected, ranks in due:
-                    self.pool.unpin(blocks)
-                    self._p_effects(self.ledger.register(h, rid, blocks, now, group=group,
-                                                         expected=expected))
-                    if self.ledger.state(h) in HELD_STATES:
-                        self.holders[h] = {r for r in ranks if r in self.ranks
-                                           and r not in self.crashed}
-        # crashed ranks restart with a new identity (a new NIXL agent)
+                    self._register(h, rid, blocks, group, expected, ranks)
+        # crashed ranks restart with a new identity (a new agent)
         while self.restarts and self.restarts[0][0] <= now:
             _, old = self.restarts.pop(0)
             self._restart(old)
-        # handshakes completing
-        while self.handshakes and self.handshakes[0][0] <= now:
-            _, _, rk, ok = heapq.heappop(self.handshakes)
-            if rk in self.crashed:
-                continue
-            if ok:
-                self.known_peers.add(rk)
-            self._d_effects(rk, self.ranks[rk].handshake_result(P_NAME, ok, now))
-        # admissions and schedules due
-        while self.agenda and self.agenda[0][0] <= now:
-            _, _, rk, what = heapq.heappop(self.agenda)
-            if rk in self.crashed:
-                continue
-            c = self.ranks[rk]
-            if what.startswith("admit\0"):
-                _, rid, pj = what.split("\0", 2)
-                params = TransferParams.from_dict(json.loads(pj))
-                self._d_effects(rk, c.admit(rid, params, now))
-                self._aseq += 1
-                q = rng.uniform(0, self.max_queue) if rng.random() < 0.3 else rng.uniform(0, 1)
-                heapq.heappush(self.agenda, (now + to_ms(q), self._aseq, rk, "sched\0" + rid))
-            else:
-                rid = what.split("\0", 1)[1]
-                if c.state(rid) == "handshaking":  # not ready yet: retry later
-                    self._aseq += 1
-                    heapq.heappush(self.agenda, (now + 500, self._aseq, rk, what))
-                else:
-                    self._d_effects(rk, c.schedule(rid, now))
-                    if c.state(rid) == "waiting":  # e.g. a sibling's READ in flight: retry
-                        self._aseq += 1
-                        heapq.heappush(self.agenda, (now + 200, self._aseq, rk, what))
-        # READs completing
-        for key, r in sorted(self.reads.items(), key=lambda kv: kv[1].end):
-            if r.end <= now:
-                self._finish_read(key, r)
-        # messages
-        for m in self.net.due(now):
-            self.deliver(m)
-        # ticks
-        for rk, c in self.ranks.items():
-            if rk not in self.crashed:
-                self._d_effects(rk, c.tick(now))
-        self._p_effects(self.ledger.tick(now))
+        self.world.run_due(now)  # messages, handshake answers, READs landing
+        self._run_agenda()
+        self.p.poll()
+        for rk in list(self.drivers):
+            self._d_poll(rk)
         # stranded: held blocks that no live reader will ever pull
         stranded = 0
         for h, rs in self.holders.items():
@@ -501,24 +540,46 @@ class Simulator:
             self.drain()
         return self.stats
 
+    def busy(self) -> bool:
+        """Anything held, tracked or on its way."""
+        return bool(self.ledger.held_requests or self.world.xfers or self.net.queue
+                    or self.agenda or self.p_agenda
+                    or any(d.machine.reqs or d.reads for d in self.drivers.values()))
+
     def drain(self) -> None:
         """Stop new work and let every lease, grace and READ run out."""
         cfg = self.config
-        limit = self.now + to_ms(self.max_queue + cfg.lease_horizon + cfg.abort_grace
-                                 + cfg.max_read_time + 10 * cfg.max_delay + 10)
-        while self.now < limit and (self.ledger.held_requests or self.reads or self.net.queue
-                                    or self.agenda or self.p_agenda):
+        limit = self.now + self.world.late_bound() + to_ms(
+            self.max_queue + cfg.lease_horizon + cfg.abort_grace + cfg.peer_timeout
+            + 10 * cfg.max_delay + 10)
+        while self.now < limit and self.busy():
             self.step(generate=False)
         for v in ledger_violations(self.ledger):
             self._violation(v.invariant, v.detail)
         if self.ledger.held_requests or self.pool.held_count:
             self._violation("NoLeak", f"{self.ledger.held_requests} requests / "
                             f"{self.pool.held_count} blocks still held after drain")
+        for n, d in self.drivers.items():
+            if d.machine.reqs:
+                self._violation("NoLeak", f"D rank {n} still tracks {len(d.machine.reqs)} "
+                                "requests after drain")
+
+    def d_counter(self, name: str) -> int:
+        """A counter summed over every D driver (live and crashed)."""
+        return sum(d.counters.get(name, 0) for ds in (self.drivers, self.dead)
+                   for d in ds.values())
 
     def summary(self) -> dict[str, Any]:
         s = self.stats
         L = self.ledger
         c = L.counters
+        rejected_d: dict[str, int] = {}
+        for ds in (self.drivers, self.dead):
+            for d in ds.values():
+                for k, v in d.machine.counters.items():
+                    if k.startswith("rejected:"):
+                        rejected_d[k[9:]] = rejected_d.get(k[9:], 0) + v
+        liveness = sum(1 for v in self.violations if v.invariant in LIVENESS)
         return {
             "requests": s.requests,
             "siblings": s.siblings,
@@ -532,22 +593,44 @@ class Simulator:
             "staged": c.get("staged", 0),
             "staged_dropped": c.get("staged_dropped", 0) + c.get("staged_expired", 0),
             "rejected": {k[9:]: v for k, v in sorted(c.items()) if k.startswith("rejected:")},
+            "rejected_d": dict(sorted(rejected_d.items())),
             "messages": self.net.sent, "lost": self.net.lost, "duplicated": self.net.duplicated,
-            "crashes": s.crashes, "aborts_p": s.aborts_p, "aborts_d": s.aborts_d,
+            "delayed": self.net.delayed,
+            "crashes": s.crashes, "partitions": s.partitions,
+            "aborts_p": s.aborts_p, "aborts_d": s.aborts_d,
             "admission_blocked": s.admission_blocked,
-            "fenced_reads": s.fenced,
+            "fenced_reads": self.d_counter("fenced"),
+            "reused": s.reused,
             "blocks_held_at_end": self.pool.held_count,
             "violations": len(s.violations),
+            "safety_violations": len(s.violations) - liveness,
+            "liveness_failures": liveness,
         }
 
 
 # -- CLI ------------------------------------------------------------------------------------
+
+FAULT_PROFILES: Final = ("swarm", "fixed", "none")
+EPILOG: Final = f"""\
+fault profiles (--faults): swarm (default): each seed draws its own fault mix (which
+faults are on, and their rates; printed per seed with --json); fixed: the same mix for
+every seed (loss, duplication, crashes, aborts, malformed bytes, handshake failures);
+none: a perfect network (--no-faults).
+
+exit status: 0 no finding; 2 usage error; else the first that applies of: {EXIT_SAFETY} a
+safety violation (NoDoubleFree, Conservation, NoFreeUnderRead, ServedIntact, ...);
+{EXIT_CRASH} a crash (the simulated P or D code raised; the seed and the exception are
+printed; the other seeds still run); {EXIT_LIVENESS} a liveness failure (NoLeak: blocks
+or requests still held after the drain).
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvproto.cli import number
     from kvproto.lifecycle import MAX_POOL_BLOCKS
 
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--seed", type=number(0, 2**63, integer=True), default=1,
                    help="first seed (default 1)")
     p.add_argument("--seeds", type=number(1, 10**6, integer=True), default=4,
@@ -556,35 +639,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated seconds per run, before draining (default 120)")
     p.add_argument("--capacity", type=number(16, MAX_POOL_BLOCKS, integer=True), default=512,
                    help="P's KV blocks (default 512)")
-    p.add_argument("--no-faults", action="store_true", help="a perfect network, no crashes")
+    p.add_argument("--faults", choices=FAULT_PROFILES, default="swarm",
+                   help="fault profile (default swarm: each seed its own mix)")
+    p.add_argument("--no-faults", action="store_true",
+                   help="a perfect network, no crashes (--faults none)")
     p.add_argument("--journal", metavar="PATH",
                    help="write the first run's P event journal (JSON Lines) here")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
 
 
+@contextlib.contextmanager
+def quiet_drivers(verbose: int) -> Iterator[None]:
+    """The drivers log every fault they meet (a fenced READ, a failed handshake...): in a
+    simulation that is the point, not news. Below ``-vv`` only their errors are shown."""
+    drivers = logging.getLogger("kvproto.nixl")
+    level = drivers.level
+    if verbose < 2:
+        drivers.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        drivers.setLevel(level)
+
+
+def seed_faults(profile: str, seed: int) -> Faults:
+    """The fault mix of one seed under ``profile`` (a swarm seed's mix depends only on
+    the seed)."""
+    if profile == "none":
+        return Faults.none()
+    if profile == "fixed":
+        return Faults()
+    return Faults.swarm(random.Random(f"swarm:{seed}"))
+
+
 def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faults: bool,
-                  journal: str | None = None, progress: IO[str] | None = None) -> dict[str, Any]:
+                  journal: str | None = None, progress: IO[str] | None = None,
+                  faults: str = "fixed") -> dict[str, Any]:
+    """Run ``seeds`` seeds; sum their summaries. ``faults``: a profile of
+    ``FAULT_PROFILES`` (``no_faults`` forces "none"). A seed whose run raises is a crash:
+    recorded (``crashed_seeds``, ``crash_details``), and the next seed runs."""
     from kvproto.journal import JournalWriter
 
+    profile = "none" if no_faults else faults
     totals: dict[str, Any] = {}
     violations: list[str] = []
+    crashes: list[str] = []
+    mixes: dict[str, dict[str, float | bool]] = {}
     for i in range(seeds):
         s = seed + i
         writer = None
         if journal and i == 0:
             writer = JournalWriter(journal, Config(), capacity, {"source": "simulate", "seed": s})
         t0 = time.perf_counter()
-        sim = Simulator(s, faults=Faults.none() if no_faults else Faults(), capacity=capacity,
-                        journal=writer.sink if writer else None)
+        f = seed_faults(profile, s)
+        mixes[str(s)] = f.mix()
+        sim = Simulator(s, faults=f, capacity=capacity, journal=writer.sink if writer else None)
 
         def prog(now: float, s: int = s, sim: Simulator = sim) -> None:
             if progress is not None:
                 print(f"[simulate] seed {s}: t={now:.0f}s held={sim.ledger.held_requests} "
                       f"frees={sum(sim.ledger.frees.values())}", file=progress)
 
-        sim.run(duration, progress=prog)
-        if writer:
-            writer.close()
+        try:
+            sim.run(duration, progress=prog)
+        except Exception as e:  # the code under test raised: a crash, reported per seed
+            log.debug("seed %d crashed", s, exc_info=True)
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            crashes.append(f"seed {s}: {type(e).__name__}: {e} "
+                           f"({where.filename}:{where.lineno}, t={sim.now / 1000:.3f})")
+        finally:
+            if writer:
+                writer.close()
         summ = sim.summary()
         violations += [f"seed {s}: {v}" for v in sim.stats.violations]
         if progress is not None:
@@ -598,28 +723,50 @@ def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faul
             elif isinstance(v, (int, float)):
                 totals[k] = round(totals.get(k, 0) + v, 3)
     totals["seeds"] = seeds
+    totals["faults"] = profile
+    totals["fault_mix"] = mixes
     totals["violation_details"] = violations[:20]
+    totals["crashed_seeds"] = len(crashes)
+    totals["crash_details"] = crashes[:20]
     return totals
+
+
+def exit_code(totals: dict[str, Any]) -> int:
+    """``kvproto simulate``'s exit status for summed summaries (see ``EPILOG``)."""
+    if totals.get("safety_violations"):
+        return EXIT_SAFETY
+    if totals.get("crashed_seeds"):
+        return EXIT_CRASH
+    if totals.get("liveness_failures"):
+        return EXIT_LIVENESS
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.seeds < 1 or args.duration <= 0 or args.capacity < 16:
         print("kvproto simulate: --seeds >= 1, --duration > 0, --capacity >= 16", file=sys.stderr)
         return 2
-    totals = simulate_many(args.seed, args.seeds, args.duration, args.capacity, args.no_faults,
-                           args.journal, progress=sys.stderr)
+    with quiet_drivers(getattr(args, "verbose", 0)):
+        totals = simulate_many(args.seed, args.seeds, args.duration, args.capacity,
+                               args.no_faults, args.journal, progress=sys.stderr,
+                               faults=args.faults)
     if args.json:
         print(json.dumps(totals, sort_keys=True))
     else:
-        print(f"kvproto simulate: {args.seeds} seeded runs of {args.duration:g}s (+drain)")
+        print(f"kvproto simulate: {args.seeds} seeded runs of {args.duration:g}s (+drain), "
+              f"faults {totals['faults']}")
         for k in ("requests", "siblings", "completed_reads", "failed", "frees",
                   "stranded_block_seconds", "stale_messages", "late_after_expiry",
-                  "duplicates_ignored", "staged", "staged_dropped", "rejected", "messages",
-                  "lost", "duplicated", "crashes", "aborts_p", "aborts_d", "admission_blocked",
-                  "fenced_reads", "blocks_held_at_end", "violations"):
+                  "duplicates_ignored", "staged", "staged_dropped", "rejected", "rejected_d",
+                  "messages", "lost", "duplicated", "delayed", "crashes", "partitions",
+                  "aborts_p", "aborts_d", "admission_blocked", "fenced_reads", "reused",
+                  "blocks_held_at_end", "violations", "safety_violations",
+                  "liveness_failures", "crashed_seeds"):
             print(f"  {k:24s} {totals.get(k)}")
         for v in totals["violation_details"]:
             print(f"  VIOLATION {v}")
+        for c in totals["crash_details"]:
+            print(f"  CRASH {c}")
         if args.journal:
             print(f"  journal                  {args.journal}")
-    return 1 if totals.get("violations") else 0
+    return exit_code(totals)

@@ -36,6 +36,7 @@ from kvproto.lifecycle import (
     DAck,
     DEffect,
     DEvent,
+    DReject,
     DropPeer,
     DTick,
     Finished,
@@ -245,6 +246,8 @@ class _DTraceBuilder:
             f.update(type='"peer_lost"')
         elif isinstance(ev, DTick):
             f.update(type='"tick"')
+        elif isinstance(ev, DReject):
+            f.update(type='"reject"')  # a stuttering step (its DRejected maps to no record)
         else:  # pragma: no cover - decode_row only yields D events
             raise TraceError(f"not a D event: {ev!r}")
         eff: list[str] = []

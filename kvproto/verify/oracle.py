@@ -83,9 +83,10 @@ REJECT: Final = "reject"  # Ledger.reject: malformed input, changes no state
 INVARIANTS: Final = frozenset({
     "NoDoubleFree", "Conservation", "NoFreeUnderRead", "StagingBounded", "TombstonesBounded",
     "LegalTransition", "LedgerInvariants", "PromptFree", "ExpiredFreed", "NoLeak",
-    "SpecStep"})
+    "ServedIntact", "SpecStep"})
 """Every name an :class:`InvariantViolation` can carry (``SpecStep``: only with a TLC
-graph; ``NoFreeUnderRead`` and ``NoLeak``: raised by the fuzzer's simulator)."""
+graph; ``NoFreeUnderRead``, ``ServedIntact`` and ``NoLeak``: raised by the simulator and
+the fuzzer)."""
 
 
 class InvariantViolation(KVProtoError, AssertionError):

@@ -1,18 +1,19 @@
 --------------------------- MODULE TraceConsumer ---------------------------
 (***************************************************************************)
-(* Trace validation of one D rank's journal against KVConsumer (issue 10). *)
+(* Trace validation of one D rank's journal against KVConsumer.           *)
 (* `kvproto validate` (kvproto/verify/dtrace.py) turns a D journal into   *)
 (* the constant Trace and instantiates this module once per segment; TLC  *)
 (* walks it: every step moves the clock (KVConsumer's Shift), applies     *)
 (* KVConsumer's own operator for the event (AdmitOp, HandshakeOkOp,       *)
 (* HandshakeFailedOp, ScheduleOp, ReadOkOp, ReadFailedOp, DAbortOp,       *)
-(* DAckOp, PeerLostOp, DTickLagOp) and checks that the effects the        *)
-(* implementation recorded are exactly the spec's: the same effect        *)
-(* records, Finished states equal to the spec's dst, and heartbeat batches *)
-(* the spec allows (HbBatchesOK) exactly when the heartbeat is due. A     *)
-(* tick may leave lost leases for later (DTickLagOp: its work budget ran  *)
-(* out), never fail more than TickWork of them, never fail one early. The *)
-(* first step where they differ is printed with PrintT.                   *)
+(* DAckOp, PeerLostOp, DTickLagOp; a "reject", bad bytes the port refused,*)
+(* is a stuttering step: NoOp, only the clock moves) and checks that the  *)
+(* effects the implementation recorded are exactly the spec's: the same   *)
+(* effect records, Finished states equal to the spec's dst, and heartbeat *)
+(* batches the spec allows (HbBatchesOK) exactly when the heartbeat is    *)
+(* due. A tick may leave lost leases for later (DTickLagOp: its work      *)
+(* budget ran out), never fail more than TickWork of them, never fail one *)
+(* early. The first step where they differ is printed with PrintT.        *)
 (*                                                                         *)
 (* Mapping (journal -> constants), done by kvproto/verify/dtrace.py:      *)
 (*  - each admission (a request id D created a machine for) -> request    *)
@@ -44,7 +45,7 @@ CONSTANTS
 
 (* A step:
    [type |-> "admit"|"handshake_ok"|"handshake_failed"|"schedule"|"read_ok"|"read_failed"
-             |"abort"|"ack"|"peer_lost"|"tick",
+             |"abort"|"ack"|"peer_lost"|"tick"|"reject",
     dt   |-> time units since the previous event, late |-> (admit) units behind the clock,
     r    |-> request, flag |-> notification attached (read_ok) / fenced (read_failed),
     why  |-> handshake_failed's reason,
@@ -80,6 +81,7 @@ Successor(ev, C0) ==
       [] ev.type = "ack" -> DAckOp(C0, {h \in C0.hbs : h.seq = ev.seq}, ev.term, ev.ref, ev.pen)
       [] ev.type = "peer_lost" -> PeerLostOp(C0)
       [] ev.type = "tick" -> DTickLagOp(C0, Late(ev, C0), Batches(ev))
+      [] ev.type = "reject" -> NoOp(C0)
 
 (* "" when the recorded effects are the spec's, else why not. *)
 Check(ev, C0, C1) ==

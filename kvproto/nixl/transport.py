@@ -1,0 +1,347 @@
+"""The drivers' transports over NIXL (the contract: :mod:`kvproto.nixl.driver`).
+
+* :class:`NixlPTransport` -- P's agent, its registered KV cache and generation stamps
+  (``KVRegion``), and the handshake listener (``channel.Server``);
+* :class:`NixlDTransport` -- one D rank's agent and KV cache (the landing area and the
+  local stamp slots), one handshake connection per P engine (``channel.Client``), the
+  prepared descriptor lists of every P engine it reads, and the READs themselves
+  (``agent.Xfer``).
+
+No lifecycle decision and no protocol bookkeeping here: those are the drivers'. NIXL
+raises typed exceptions; they become error tokens (``agent.error_name``) or
+``PeerError``, never an exception into the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+
+from kvproto.nixl.agent import (
+    KVRegion,
+    RemoteRegion,
+    Xfer,
+    error_name,
+    make_agent,
+    metadata_agent_name,
+    prep_blocks,
+)
+from kvproto.nixl.channel import ST_OK, Client, Server, frame, refusal
+from kvproto.nixl.driver import Accept, HandshakeHandler, PeerError, Refuse
+from kvproto.wire import Handshake, Layout
+
+log = logging.getLogger(__name__)
+
+
+def _notifs(agent: Any) -> list[tuple[str, bytes]]:
+    """The agent's new notifications as (peer, bytes), in order per peer."""
+    got: dict[Any, list[bytes]] = agent.get_new_notifs()
+    out: list[tuple[str, bytes]] = []
+    for peer, msgs in got.items():
+        name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
+        out += [(name, m) for m in msgs]
+    return out
+
+
+def _send(agent: Any, peer: str, buf: bytes) -> str | None:
+    try:
+        agent.send_notif(peer, buf)
+    except Exception as e:
+        return error_name(e)
+    return None
+
+
+class NixlPTransport:
+    """P's side of NIXL: agent, KV cache with stamps, handshake listener."""
+
+    def __init__(self, name: str, *, num_blocks: int, block_bytes: int, device: str = "cpu",
+                 tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
+                 progress_thread: bool = False,
+                 kv_tensors: Sequence[torch.Tensor] | None = None,
+                 handshake_secret: bytes | None = None, threaded: bool = False) -> None:
+        """``threaded``: serve the handshake listener from a thread of its own (see
+        ``PTransport.threaded``)."""
+        self.agent = make_agent(name, progress_thread=progress_thread)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
+                               tensors=kv_tensors)
+        self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.metadata: bytes = self.agent.get_agent_metadata()
+        self.threaded = threaded
+        self._handler: HandshakeHandler | None = None
+        self._on_closed: Callable[[str], None] | None = None
+        self.server = Server(self._handle, host=host, port=port, on_close=self._closed,
+                             secret=handshake_secret, threaded=threaded)
+        self.host = self.server.host
+        self.port = self.server.port
+        self._closed_down = False
+
+    def layout(self) -> Layout:
+        return self.region.layout(self.tp_rank, self.tp_size)
+
+    def extra(self) -> dict[str, Any]:
+        return self.region.extra()
+
+    # -- handshakes ---------------------------------------------------------------------
+    def attach(self, handler: HandshakeHandler, on_closed: Callable[[str], None]) -> None:
+        self._handler = handler
+        self._on_closed = on_closed
+
+    def _handle(self, conn: int, payload: bytes, authed: bool) -> tuple[bytes, str]:
+        assert self._handler is not None, "no driver attached"
+        r = self._handler(conn, payload, authed)
+        if isinstance(r, Accept):
+            return frame(ST_OK, r.payload), r.peer
+        assert isinstance(r, Refuse)
+        return refusal(r.reason, r.detail), ""
+
+    def _closed(self, peer: str) -> None:
+        if self._on_closed is not None:
+            self._on_closed(peer)
+
+    def serve(self, now: int) -> None:
+        self.server.poll(now / 1000)  # the channel's timeouts are in seconds
+
+    def conn_open(self, conn: int) -> bool:
+        return self.server.is_open(conn)
+
+    def drop_conn(self, conn: int) -> None:
+        self.server.drop(conn)
+
+    def metadata_name(self, metadata: bytes) -> str | None:
+        return metadata_agent_name(metadata)
+
+    def load_peer(self, metadata: bytes) -> str:
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise PeerError("metadata", error_name(e), final=False) from e
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def unload_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:
+            log.debug("remove_remote_agent(%s): %s", name[:64], error_name(e))
+
+    # -- notifications and stamps --------------------------------------------------------
+    def receive(self) -> list[tuple[str, bytes]]:
+        return _notifs(self.agent)
+
+    def send(self, peer: str, buf: bytes) -> str | None:
+        return _send(self.agent, peer, buf)
+
+    def stamps(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        gv = self._gen_view
+        if gv is None:  # pragma: no cover - VRAM only
+            return tuple(int(g) for g in self.region.gen[list(blocks)].tolist()) if blocks else ()
+        if len(blocks) <= 8:  # scalar reads: numpy fancy indexing costs ~7 us
+            return tuple([int(gv[b]) for b in blocks])
+        return tuple(gv[list(blocks)].tolist())
+
+    def bump(self, blocks: Sequence[int]) -> None:
+        gv = self._gen_view
+        if gv is None:  # pragma: no cover - VRAM only
+            idx = torch.tensor(list(blocks), dtype=torch.int64, device=self.region.gen.device)
+            self.region.gen[idx] += 1
+            torch.cuda.synchronize(self.region.gen.device)
+        elif len(blocks) <= 8:  # numpy fancy indexing costs ~7 us
+            for b in blocks:
+                gv[b] += 1
+        else:
+            gv[list(blocks)] += 1
+
+    def close(self) -> None:
+        if self._closed_down:
+            return
+        self._closed_down = True
+        self.server.close()
+        self.region.close()
+
+
+class _Remote:
+    """One P engine as the transport knows it: its handshake connection and, once
+    loaded, its region and prepared descriptor lists."""
+
+    __slots__ = ("client", "region", "remote_gen", "remote_kv", "stale_handles")
+
+    def __init__(self) -> None:
+        self.client: Client | None = None
+        self.region: RemoteRegion | None = None
+        self.remote_kv: Any = None
+        self.remote_gen: Any = None
+        self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
+
+
+class NixlDTransport:
+    """One D rank's side of NIXL: agent, KV cache (landing area and stamp slots), a
+    handshake connection and prepared descriptor lists per P engine, the READs."""
+
+    def __init__(self, name: str, *, num_blocks: int, block_bytes: int, device: str = "cpu",
+                 tp_rank: int = 0, tp_size: int = 1, progress_thread: bool = False,
+                 kv_tensors: Sequence[torch.Tensor] | None = None,
+                 handshake_secret: bytes | None = None) -> None:
+        self.agent = make_agent(name, progress_thread=progress_thread)
+        self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
+                               tensors=kv_tensors)
+        self.local_kv, self.local_gen = self.region.local_dlists()
+        self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self.num_blocks = num_blocks
+        self.block_bytes = self.region.block_bytes
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.handshake_secret = handshake_secret
+        self.metadata: bytes = self.agent.get_agent_metadata()
+        self.remotes: dict[str, _Remote] = {}
+        self.zombies: list[Xfer] = []  # transfers whose release failed: kept, retried
+        self._stale = False
+
+    def layout(self) -> Layout:
+        return self.region.layout(self.tp_rank, self.tp_size)
+
+    def _remote(self, engine: str) -> _Remote:
+        r = self.remotes.get(engine)
+        if r is None:
+            r = self.remotes[engine] = _Remote()
+        return r
+
+    # -- notifications -------------------------------------------------------------------
+    def receive(self) -> list[tuple[str, bytes]]:
+        return _notifs(self.agent)
+
+    def send(self, engine: str, buf: bytes) -> str | None:
+        return _send(self.agent, engine, buf)
+
+    # -- handshakes ----------------------------------------------------------------------
+    def connect(self, engine: str, host: str, port: int, payload: bytes) -> None:
+        r = self._remote(engine)
+        if r.client is not None:
+            r.client.close()
+        r.client = Client(host, port, payload, secret=self.handshake_secret)
+
+    def poll_connect(self, engine: str) -> tuple[str, bytes | str] | None:
+        r = self.remotes.get(engine)
+        if r is None or r.client is None:
+            return ("error", "no handshake in progress")
+        return r.client.poll()
+
+    def hangup(self, engine: str) -> None:
+        r = self.remotes.get(engine)
+        if r is not None and r.client is not None:
+            r.client.close()
+            r.client = None
+
+    def alive(self, engine: str) -> bool:
+        r = self.remotes.get(engine)
+        return r is None or r.client is None or r.client.alive()
+
+    def load_peer(self, engine: str, hs: Handshake) -> None:
+        try:
+            region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
+        except ValueError as e:
+            raise PeerError("handshake_malformed", str(e), final=True) from None
+        md_name = metadata_agent_name(hs.agent_metadata)
+        if md_name != engine:  # checked before loading: never replace another agent's
+            raise PeerError("handshake_wrong_peer", f"metadata of {str(md_name)[:64]!r}",
+                            final=True)
+        r = self._remote(engine)
+        try:
+            name = self.agent.add_remote_agent(hs.agent_metadata)
+            name_s = name.decode() if isinstance(name, bytes) else str(name)
+            if name_s != engine:  # pragma: no cover - the name was read out above
+                raise PeerError("handshake_wrong_peer", f"metadata of {name_s!r}", final=True)
+            r.remote_kv, r.remote_gen = prep_blocks(self.agent, engine, region)
+        except PeerError:
+            raise
+        except Exception as e:
+            raise PeerError("metadata", error_name(e), final=False) from e
+        r.region = region
+
+    def drop(self, engine: str) -> None:
+        r = self.remotes.get(engine)
+        if r is None:
+            return
+        if r.client is not None:
+            r.client.close()
+            r.client = None
+        r.stale_handles += [h for h in (r.remote_kv, r.remote_gen) if h is not None]
+        r.remote_kv = r.remote_gen = None
+        r.region = None
+        if r.stale_handles:
+            self._stale = True
+
+    # -- READs ---------------------------------------------------------------------------
+    def post_read(self, engine: str, local: Sequence[int], remote: Sequence[int], *,
+                  stamps: bool) -> tuple[Any, str]:
+        r = self.remotes.get(engine)
+        if r is None or r.region is None or r.remote_kv is None or r.remote_gen is None:
+            return None, "error:peer_gone"
+        if stamps:
+            x = Xfer.make_read(self.agent, self.local_gen, local, r.remote_gen, remote, b"", 0)
+        else:
+            if self.region.segments or r.region.segments:  # engine caches: descriptor indices
+                li: Sequence[int] = self.region.block_index(local)
+                ri: Sequence[int] = r.region.block_index(remote)
+            else:
+                li, ri = local, remote
+            x = Xfer.make_read(self.agent, self.local_kv, li, r.remote_kv, ri, b"",
+                               len(local) * self.region.block_bytes)
+        if isinstance(x, str):
+            return None, x
+        return x, x.post()
+
+    def poll(self, xfer: Any) -> str:
+        st: str = xfer.poll()
+        return st
+
+    def release(self, xfer: Any) -> None:
+        if not xfer.release():
+            self.zombies.append(xfer)
+            self._stale = True
+
+    def landed_stamps(self, local: Sequence[int]) -> list[int]:
+        gv = self._gen_view
+        if gv is None:  # pragma: no cover - VRAM
+            got: list[int] = self.region.gen[torch.tensor(
+                list(local), dtype=torch.int64, device=self.region.gen.device)].tolist()
+            return got
+        # DRAM: a numpy view of the registered stamps. Few stamps: scalar reads (numpy
+        # fancy indexing has a ~7 us fixed cost).
+        return [int(gv[i]) for i in local] if len(local) <= 8 else gv[list(local)].tolist()
+
+    def stale(self) -> bool:
+        return self._stale
+
+    def reap(self, busy: Collection[str], unknown: Collection[str]) -> None:
+        if self.zombies:
+            self.zombies = [x for x in self.zombies if (x.poll(), x.release())[1] is False]
+        left = bool(self.zombies)
+        for engine, r in self.remotes.items():
+            if not r.stale_handles:
+                continue
+            if engine in busy:
+                left = True
+                continue
+            for h in r.stale_handles:
+                try:
+                    self.agent.release_dlist_handle(h)
+                except Exception as ex:
+                    log.debug("release_dlist_handle: %s", error_name(ex))
+            r.stale_handles = []
+            if engine in unknown:
+                try:
+                    self.agent.remove_remote_agent(engine)
+                except Exception as ex:
+                    log.debug("remove_remote_agent(%s): %s", engine, error_name(ex))
+        self._stale = left
+
+    def close(self) -> None:
+        for r in self.remotes.values():
+            if r.client is not None:
+                r.client.close()
+                r.client = None
+        self.region.close()
