@@ -29,7 +29,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,6 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproto.vllm.harness import HarnessError, vllm_available
 
     if args.held < 1 or args.rounds < 1 or not args.interval > 0 \
             or not 0 < args.idle_wait_ms <= 1000:
@@ -135,21 +133,11 @@ def run(args: argparse.Namespace) -> int:
         print("kvproto bench idle: --lease must exceed 2 * --rounds * --interval + 2 "
               "(the requests must stay held through the rounds)", file=sys.stderr)
         return 2
-    missing = vllm_available()
-    if missing:
-        print(f"kvproto bench idle: {missing}", file=sys.stderr)
-        return 3
-    try:
-        if args.workdir:
-            wd = Path(args.workdir)
-            wd.mkdir(parents=True, exist_ok=True)
-            res = _bench(args, wd)
-        else:
-            with tempfile.TemporaryDirectory(prefix="kvproto-bench-idle-") as tmp:
-                res = _bench(args, Path(tmp))
-    except HarnessError as e:
-        print(f"kvproto bench idle: {e}", file=sys.stderr)
-        return 4
+    from kvproto.bench.vllm import run_engines_bench
+
+    res = run_engines_bench("idle", args, _bench)
+    if isinstance(res, int):
+        return res
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:

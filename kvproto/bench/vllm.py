@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,8 +239,31 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return build_report(runs, meta=meta)
 
 
-def run(args: argparse.Namespace) -> int:
+
+def run_engines_bench(name: str, args: argparse.Namespace,
+                      bench: Callable[[argparse.Namespace, Path], dict[str, Any]]
+                      ) -> dict[str, Any] | int:
+    """Run ``bench(args, workdir)`` for ``kvproto bench NAME``: in ``--workdir`` when given,
+    else in a temporary folder. Its figures, or the exit code to return (3: vLLM missing,
+    4: an engine failed), with one line on stderr saying why."""
     from kvproto.vllm.harness import HarnessError, vllm_available
+
+    missing = vllm_available()
+    if missing:
+        print(f"kvproto bench {name}: {missing}", file=sys.stderr)
+        return 3
+    try:
+        if args.workdir:
+            wd = Path(args.workdir)
+            wd.mkdir(parents=True, exist_ok=True)
+            return bench(args, wd)
+        with tempfile.TemporaryDirectory(prefix=f"kvproto-bench-{name}-") as tmp:
+            return bench(args, Path(tmp))
+    except HarnessError as e:
+        print(f"kvproto bench {name}: {e}", file=sys.stderr)
+        return 4
+
+def run(args: argparse.Namespace) -> int:
 
     for key in ("prompts", "max_tokens", "rounds", "late", "kill"):
         if getattr(args, key) < 1:
@@ -254,21 +278,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.lease > 0 or not args.late_delay > args.lease:
         print("kvproto bench vllm: need --lease > 0 and --late-delay > --lease", file=sys.stderr)
         return 2
-    missing = vllm_available()
-    if missing:
-        print(f"kvproto bench vllm: {missing}", file=sys.stderr)
-        return 3
-    try:
-        if args.workdir:
-            wd = Path(args.workdir)
-            wd.mkdir(parents=True, exist_ok=True)
-            res = _bench(args, wd)
-        else:
-            with tempfile.TemporaryDirectory(prefix="kvproto-bench-vllm-") as tmp:
-                res = _bench(args, Path(tmp))
-    except HarnessError as e:
-        print(f"kvproto bench vllm: {e}", file=sys.stderr)
-        return 4
+    res = run_engines_bench("vllm", args, _bench)
+    if isinstance(res, int):
+        return res
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:
