@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("kvproto.verify.check", "model-check the TLA+ spec (TLC), or a user's lease config"),
     "validate": ("kvproto.verify.validate", "check that a journal is a behaviour the TLA+ spec allows"),
     "fuzz": ("kvproto.testing.fuzz", "long stateful fuzzing run (hypothesis) of P, D and the network"),
+    "chaos": ("kvproto.testing.chaos", "seeded fault campaign on a real vLLM P/D pair, every "
+              "output checked"),
     "demo": ("kvproto.nixl.demo", "multi-process NIXL demo with real transfers and faults"),
     "diagram": ("kvproto.diagram", "print the state diagrams generated from the tables"),
 }

@@ -459,12 +459,17 @@ class _DWorker:
             self.writer = JournalWriter(consumer_journal_path(opts.journal), opts.config,
                                         meta={"engine": name, "source": "kvproto.vllm"},
                                         flush_every=opts.journal_flush_every, reader=name)
+        from kvproto.nixl.faults import from_options
+
+        self.faults = from_options(opts.test_faults)
+        if self.faults is not None:
+            log.warning("kvproto TEST SHIM: faults on D's notifications %s", opts.test_faults)
         self.adapter: ConsumerAdapter = ConsumerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
-            identity=identity)
+            identity=identity, fault_hook=self.faults)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Admitted and not finished: request id -> (P engine, epoch, handle), and those
         # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
@@ -591,6 +596,9 @@ class _DWorker:
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
         c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))
+        if self.faults is not None:
+            for k, n in self.faults.counts.items():
+                c["test_faults_" + k] = float(n)
         for k, n in ac.items():
             if k.startswith("rejected:"):
                 c["rejected_" + k[9:]] = c.get("rejected_" + k[9:], 0.0) + n

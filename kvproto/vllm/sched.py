@@ -66,6 +66,8 @@ EXTRA_KEYS: dict[str, str] = {
                          "the stamp READ (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
                          "allocated its blocks (0)",
+    "test_faults": "TEST ONLY. D: a seeded fault shim on D's notifications to P, "
+                   "{seed, drop, dup, delay} (probabilities; default off)",
 }
 
 
@@ -89,6 +91,7 @@ class ConnectorOptions:
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
+    test_faults: Mapping[str, Any] | None = None
 
     @property
     def producer(self) -> bool:
@@ -140,6 +143,14 @@ class ConnectorOptions:
                                      or len(revision) > MAX_NAME):
             raise ValueError(f"kvproto: model_revision must be a non-empty string of at most "
                              f"{MAX_NAME} characters, got {str(revision)[:40]!r}")
+        faults = extra.get("test_faults")
+        if faults is not None:
+            from kvproto.nixl.faults import FaultConfigError, FaultRates
+
+            try:
+                FaultRates.parse(faults)
+            except FaultConfigError as e:
+                raise ValueError(f"kvproto: {e}") from None
         return cls(role=role, config=config, handshake_host=host,
                    handshake_port=num("handshake_port", 0, 0, 65535, True),
                    expected_readers=num("expected_readers", 1, 1, 0xFFFF, True),
@@ -153,7 +164,8 @@ class ConnectorOptions:
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
-                   test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
+                   test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600),
+                   test_faults=dict(faults) if faults else None)
 
     def for_dp_rank(self, rank: int) -> ConnectorOptions:
         """The options of data-parallel rank ``rank``: every rank is its own engine with
