@@ -68,6 +68,7 @@ class Campaign:
     faults: Counter[str] = field(default_factory=Counter)
     notify_faults: Counter[str] = field(default_factory=Counter)
     crashes: list[str] = field(default_factory=list)
+    invariant_violations: int = 0      # P's ledger and allocator, checked while running
     all_reclaimed: bool = False
     reclaim_s: float = 0.0
     stranded_block_s: float = 0.0
@@ -79,6 +80,7 @@ class Campaign:
     @property
     def clean(self) -> bool:
         return (not self.wrong and self.all_reclaimed and not self.crashes and not self.hung
+                and not self.invariant_violations
                 and all(v in ("valid", "skipped") for v in self.journals.values()))
 
     def summary(self) -> dict[str, Any]:
@@ -89,6 +91,7 @@ class Campaign:
                 "faults_injected": dict(sorted(self.faults.items())),
                 "notification_faults": dict(sorted(self.notify_faults.items())),
                 "engine_crashes": self.crashes, "all_reclaimed": self.all_reclaimed,
+                "invariant_violations": self.invariant_violations,
                 "reclaim_s": round(self.reclaim_s, 2),
                 "stranded_block_seconds": round(self.stranded_block_s, 1),
                 "journals": self.journals, "clean": self.clean, "wall_s": round(self.wall_s, 1)}
@@ -107,6 +110,19 @@ class _Side:
         self.incarnation = 0
         self.engine: Any = None
         self.stopped_until = 0.0
+        self.killed = False
+        self.stats: dict[int, dict[str, Any]] = {}   # incarnation -> last connector stats
+        self.stats_t = 0.0
+
+    def snapshot(self, force: bool = False) -> None:
+        """Keep the running engine's connector counters (a killed engine cannot be asked
+        afterwards, so they are read every few seconds)."""
+        if self.stopped or not self.engine.alive() or \
+                (not force and time.monotonic() - self.stats_t < 5.0):
+            return
+        self.stats_t = time.monotonic()
+        with contextlib.suppress(Exception):
+            self.stats[self.incarnation] = self.engine.connector_stats()
 
     def spec(self) -> Any:
         from kvproto.vllm import harness as h
@@ -127,6 +143,7 @@ class _Side:
         from kvproto.vllm import harness as h
 
         self.engine = h.Engine(self.spec())
+        self.stopped_until = 0.0
         return self.engine
 
     @property
@@ -218,6 +235,7 @@ def format_summary(res: dict[str, Any]) -> str:
     rows += [(f"fault {k}", v) for k, v in res["faults_injected"].items()]
     rows += [(f"notification {k}", v) for k, v in res["notification_faults"].items()]
     rows += [("engine crashes", len(res["engine_crashes"])),
+             ("invariant violations (P)", res["invariant_violations"]),
              ("all P blocks reclaimed", res["all_reclaimed"]),
              ("reclaimed after (s)", res["reclaim_s"]),
              ("stranded block-seconds", res["stranded_block_seconds"])]
@@ -252,12 +270,20 @@ def campaign(args: argparse.Namespace, workdir: Path) -> Campaign:
         baseline = int(p.stats()["free_blocks"])
         _drive(args, rng, camp, pool, reference, p_side, d_side, baseline, t0)
         _reclaim(args, camp, p_side, baseline)
+        for side in (p_side, d_side):
+            side.snapshot(force=True)
     finally:
         for side in (d_side, p_side):
             if side.engine is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(side.engine.pid, signal.SIGCONT)
                 side.engine.close()
+    for st in d_side.stats.values():
+        for k, v in st.items():
+            if k.startswith("test_faults_") and isinstance(v, (int, float)):
+                camp.notify_faults[k[len("test_faults_"):]] += int(v)
+    camp.invariant_violations = int(max((st.get("invariant_violations", 0)
+                                         for st in p_side.stats.values()), default=0))
     camp.wall_s = time.monotonic() - t0
     _validate(args, camp, workdir)
     plot = args.plot or (str(workdir / "chaos.png") if args.workdir else None)
@@ -331,6 +357,14 @@ def _pump(camp: Campaign, live: dict[str, _Req], reference: dict[str, list[int]]
         if side.engine.alive() and not side.stopped:
             with contextlib.suppress(Exception):
                 side.engine.poll(0)
+            side.snapshot()
+        elif not side.engine.alive():
+            # died without an injected kill: a crash; restart to keep the campaign going
+            camp.crashes.append(f"{side.role}{side.incarnation}")
+            log.error("chaos: %s%d died without an injected fault (see %s)", side.role,
+                      side.incarnation, side.engine.spec.log_path)
+            _lose(camp, live, side)
+            side.start().wait_ready(600.0)
     for rid, r in list(live.items()):
         if r.stage == "Pq" and not p_side.stopped:
             p_side.engine.submit(rid, r.prompt, max_tokens=1,
@@ -368,6 +402,15 @@ def _pump(camp: Campaign, live: dict[str, _Req], reference: dict[str, list[int]]
             del live[rid]
 
 
+def _lose(camp: Campaign, live: dict[str, _Req], side: _Side) -> None:
+    """A dead engine loses what it held: P its prefills, D its decodes."""
+    stages = ("P", "Pq") if side.role == "P" else ("D",)
+    for rid, r in list(live.items()):
+        if r.stage in stages:
+            camp.lost += 1
+            del live[rid]
+
+
 def _to_d(r: _Req, d_side: _Side, args: argparse.Namespace) -> None:
     r.d_inc = d_side.incarnation
     d_side.engine.submit(r.rid, r.prompt, max_tokens=args.max_tokens,
@@ -378,17 +421,14 @@ def _inject(rng: random.Random, camp: Campaign, live: dict[str, _Req], p_side: _
             d_side: _Side, lease_s: float, t0: float) -> None:
     kind = rng.choice(FAULTS)
     now = time.monotonic()
+    t_mark = now - t0
     if kind in ("stop_p", "stop_d") and (p_side.stopped or d_side.stopped):
         kind = "late_d"
     if kind == "kill_p" or kind == "kill_d":
         side = p_side if kind == "kill_p" else d_side
+        side.snapshot(force=True)
         side.engine.kill()
-        for rid, r in list(live.items()):
-            # a killed engine loses what it held: P's prefills, D's decodes
-            if (kind == "kill_p" and r.stage in ("P", "Pq")) or \
-                    (kind == "kill_d" and r.stage == "D"):
-                camp.lost += 1
-                del live[rid]
+        _lose(camp, live, side)
         log.warning("chaos: %s (incarnation %d); restarting", kind, side.incarnation)
         side.start().wait_ready(600.0)
     elif kind in ("stop_p", "stop_d"):
@@ -417,7 +457,7 @@ def _inject(rng: random.Random, camp: Campaign, live: dict[str, _Req], p_side: _
         r = rng.choice(target)
         d_side.engine.abort_on(r.rid, rng.choice(["WAITING_FOR_REMOTE_KVS", "RUNNING"]))
     camp.faults[kind] += 1
-    camp.marks.append((time.monotonic() - t0, kind))
+    camp.marks.append((t_mark, kind))
     log.info("chaos: injected %s", kind)
 
 
@@ -493,7 +533,7 @@ def _plot(camp: Campaign, path: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     if camp.timeline:
         ts, held = zip(*camp.timeline, strict=True)
-        ax.step(ts, held, where="post", label="P held blocks")
+        ax.step(ts, held, where="post", label="P blocks in use (held for D, or running)")
     colors = dict(zip(FAULTS, ("red", "purple", "orange", "brown", "green", "gray", "olive"),
                       strict=True))
     seen: set[str] = set()
@@ -502,7 +542,7 @@ def _plot(camp: Campaign, path: str) -> None:
                    label=None if kind in seen else kind)
         seen.add(kind)
     ax.set_xlabel("seconds")
-    ax.set_ylabel("blocks held by P")
+    ax.set_ylabel("P blocks in use")
     ax.set_title(f"kvproto chaos (seed {camp.seed}): {len(camp.wrong)} wrong outputs, "
                  f"all reclaimed: {camp.all_reclaimed}")
     ax.legend(loc="upper right", fontsize=7)
