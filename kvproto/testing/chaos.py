@@ -58,6 +58,7 @@ class Campaign:
 
     seed: int
     minutes: float
+    connector: str = "kvproto"
     requests: int = 0
     finished: int = 0
     errors: int = 0
@@ -84,7 +85,8 @@ class Campaign:
                 and all(v in ("valid", "skipped") for v in self.journals.values()))
 
     def summary(self) -> dict[str, Any]:
-        return {"seed": self.seed, "minutes": self.minutes, "requests": self.requests,
+        return {"seed": self.seed, "minutes": self.minutes, "connector": self.connector,
+                "requests": self.requests,
                 "finished": self.finished, "errors": self.errors, "aborted": self.aborted,
                 "lost": self.lost, "hung": self.hung, "wrong_outputs": len(self.wrong),
                 "wrong_ids": self.wrong[:20],
@@ -131,9 +133,11 @@ class _Side:
         tag = f"{self.role}{self.incarnation}"
         cfg = dict(self.connector)
         ec = dict(self.extra)
-        ec["journal"] = str(self.workdir / f"{tag}.jsonl")
-        if self.role == "D":
-            ec["test_faults"] = dict(NOTIFY_FAULTS, seed=ec.pop("_seed", 0) + self.incarnation)
+        seed = ec.pop("_seed", 0)
+        if cfg["kv_connector"] == "KVProtoConnector":
+            ec["journal"] = str(self.workdir / f"{tag}.jsonl")
+            if self.role == "D":
+                ec["test_faults"] = dict(NOTIFY_FAULTS, seed=seed + self.incarnation)
         cfg["kv_connector_extra_config"] = ec
         return h.EngineSpec(name=tag, model=self.model, kv_transfer_config=cfg,
                             env=h.engine_env(), kv_cache_memory_bytes=16 << 20,
@@ -194,6 +198,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: a temporary folder, removed)")
     p.add_argument("--plot", help="write P's held blocks over time, faults marked, to this "
                    "PNG (needs matplotlib; default: <workdir>/chaos.png with --workdir)")
+    p.add_argument("--connector", choices=("kvproto", "stock"), default="kvproto",
+                   help="the connector under test (stock: vLLM's NixlConnector, without "
+                   "journals or notification faults; default kvproto)")
     p.add_argument("--no-validate", action="store_true",
                    help="skip TLC validation of the journals")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -251,15 +258,20 @@ def campaign(args: argparse.Namespace, workdir: Path) -> Campaign:
     from kvproto.vllm import scenarios as sc
 
     rng = random.Random(args.seed)
-    camp = Campaign(seed=int(args.seed), minutes=float(args.minutes))
+    camp = Campaign(seed=int(args.seed), minutes=float(args.minutes),
+                    connector=getattr(args, "connector", "kvproto"))
     t0 = time.monotonic()
     model = str(h.build_tiny_model(workdir / "model", seed=args.seed).path)
     pool = {f"q{i}": p for i, p in enumerate(h.make_prompts(
         32, seed=1000 + int(args.seed), lengths=[40, 64, 100, 150, 33, 90]))}
-    lease = sc.lease_config(float(args.lease))
-    extra: dict[str, Any] = {"lease": lease}
-    p_side = _Side("P", model, workdir, h.KVPROTO_CONNECTOR, extra)
-    d_side = _Side("D", model, workdir, h.KVPROTO_CONNECTOR, dict(extra, _seed=args.seed))
+    if getattr(args, "connector", "kvproto") == "stock":
+        connector = h.STOCK_CONNECTOR
+        extra: dict[str, Any] = dict(sc.stock_extras(float(args.lease))["extra_config"])
+    else:
+        connector = h.KVPROTO_CONNECTOR
+        extra = {"lease": sc.lease_config(float(args.lease))}
+    p_side = _Side("P", model, workdir, connector, extra)
+    d_side = _Side("D", model, workdir, connector, dict(extra, _seed=args.seed))
     ref_spec = h.EngineSpec("REF", model, env=h.engine_env(), log_path=str(workdir / "REF.log"))
     log.info("chaos: starting the reference, P and D")
     ref, p, d = h.start_engines([ref_spec, p_side.spec(), d_side.spec()])
@@ -543,7 +555,8 @@ def _plot(camp: Campaign, path: str) -> None:
         seen.add(kind)
     ax.set_xlabel("seconds")
     ax.set_ylabel("P blocks in use")
-    ax.set_title(f"kvproto chaos (seed {camp.seed}): {len(camp.wrong)} wrong outputs, "
+    ax.set_title(f"kvproto chaos ({camp.connector}, seed {camp.seed}): "
+                 f"{len(camp.wrong)} wrong outputs, "
                  f"all reclaimed: {camp.all_reclaimed}")
     ax.legend(loc="upper right", fontsize=7)
     fig.tight_layout()
