@@ -269,9 +269,6 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         d.agent.send_notif(cmd[1], cmd[2])
                     except Exception as e:
                         log.info("send_raw: %s", e)
-                elif op == "flip":  # tests: invert one byte of a block, stamps unchanged
-                    _, b, i = cmd
-                    p.region.kv[b, i] = p.region.kv[b, i] ^ 0xFF
                 elif op == "stats":
                     conn.send(("stats", {"counters": dict(d.counters),
                                          "finished": dict(d.machine.finished),
