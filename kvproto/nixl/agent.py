@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvproto.nixl.checksum import block_parts
+from kvproto.nixl.checksum import region_sums
 from kvproto.wire import Layout
 
 log = logging.getLogger(__name__)
@@ -252,9 +252,10 @@ class KVRegion:
         return RemoteRegion(e["kv_addr"], e["gen_addr"], e["dev_id"], e["mem"],
                             self.num_blocks, self.block_bytes, tuple(self.segments))
 
-    def block_parts(self, block: int) -> list[tuple[int, int]]:
-        """The (address, length) segments of ``block``'s bytes, in order."""
-        return block_parts(int(self.kv.data_ptr()), self.block_bytes, self.segments, block)
+    def block_sums(self, blocks: Sequence[int]) -> list[int]:
+        """The checksum of each of ``blocks`` as it holds now (``kvproto.nixl.checksum``;
+        DRAM only: the bytes are read in place)."""
+        return region_sums(int(self.kv.data_ptr()), self.block_bytes, self.segments, blocks)
 
     def block_index(self, blocks: Sequence[int]) -> list[int]:
         """Descriptor indices of ``blocks`` in ``local_dlists()[0]``."""

@@ -804,11 +804,10 @@ class DDriver:
         it is the one the params carry (a changed stamp means P freed the blocks)."""
         return tuple(got) != tuple(want)
 
-    def _corrupt(self, local: Sequence[int]) -> list[int]:
-        """Checksum verification (``Config.checksums``): the positions in ``local`` whose
-        landed data does not match the checksum P sealed at register."""
-        t = self.transport
-        return mismatches(t.landed_sums(local), t.block_sums(local))
+    def _corrupt(self, want: Sequence[int], got: Sequence[int]) -> list[int]:
+        """Checksum verification (``Config.checksums``): the positions where the checksum
+        of the landed data (``got``) differs from the one P sealed at register."""
+        return mismatches(want, got)
 
     def _stamps_landed(self, b: _StampBatch, now: int) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
@@ -821,14 +820,17 @@ class DDriver:
         done_info = self._done_info
         effects: list[DEffect] = []  # every request's, executed once the loop is done
         verify = self.config.checksums
+        if verify:  # the whole batch at once: the sums fetched, and the landed data's
+            sums_want, sums_got = t.landed_sums(b.local), t.block_sums(b.local)
         off = 0
         for rd in rds:
             gens = rd.gens
             n = len(gens)
             fenced = self._fenced(gens, got[off:off + n])
+            bad = self._corrupt(sums_want[off:off + n], sums_got[off:off + n]) \
+                if verify and not fenced else None
             off += n
             del reads[rd.rid]
-            bad = self._corrupt(rd.local) if verify and not fenced else None
             if fenced:
                 self._count("fenced")
                 if self.metrics is not None:

@@ -30,7 +30,6 @@ from kvproto.nixl.agent import (
     prep_blocks,
 )
 from kvproto.nixl.channel import ST_OK, Client, Server, frame, refusal
-from kvproto.nixl.checksum import block_sum
 from kvproto.nixl.driver import Accept, HandshakeHandler, PeerError, Refuse
 from kvproto.wire import Handshake, Layout
 
@@ -79,6 +78,7 @@ class NixlPTransport:
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self._sum_view = None if self.region.sums.is_cuda else self.region.sums.numpy()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.metadata: bytes = self.agent.get_agent_metadata()
@@ -167,12 +167,15 @@ class NixlPTransport:
             gv[list(blocks)] += 1
 
     def seal(self, blocks: Sequence[int]) -> None:
-        region = self.region
-        if region.mem != "DRAM":  # pragma: no cover - VRAM only
+        sv = self._sum_view
+        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
             raise NotImplementedError(_NO_VRAM)
-        sv = region.sums.numpy()
-        for b in blocks:
-            sv[b] = block_sum(region.block_parts(b))
+        sums = self.region.block_sums(blocks)
+        if len(blocks) <= 8:
+            for b, c in zip(blocks, sums, strict=True):
+                sv[b] = c
+        else:
+            sv[list(blocks)] = sums
 
     def close(self) -> None:
         if self._closed_down:
@@ -211,6 +214,7 @@ class NixlDTransport:
                                tensors=kv_tensors)
         self.local_kv, self.local_gen = self.region.local_dlists()
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self._sum_view = None if self.region.sums.is_cuda else self.region.sums.numpy()
         self.num_blocks = num_blocks
         self.block_bytes = self.region.block_bytes
         self.tp_rank = tp_rank
@@ -329,12 +333,13 @@ class NixlDTransport:
             self._stale = True
 
     def landed_sums(self, local: Sequence[int]) -> list[int]:
-        sv = self.region.sums.numpy()  # VRAM: refused at construction (checksums)
-        return [int(sv[i]) for i in local]
+        sv = self._sum_view
+        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
+            raise NotImplementedError(_NO_VRAM)
+        return [int(sv[i]) for i in local] if len(local) <= 8 else sv[list(local)].tolist()
 
     def block_sums(self, local: Sequence[int]) -> list[int]:
-        region = self.region
-        return [block_sum(region.block_parts(b)) for b in local]
+        return self.region.block_sums(local)
 
     def landed_stamps(self, local: Sequence[int]) -> list[int]:
         gv = self._gen_view

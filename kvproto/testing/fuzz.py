@@ -15,9 +15,8 @@ and by ``kvproto fuzz``:
   by its bound (a data and a stamp transfer fit ``max_read_time``) unless the fuzzer
   made it late (``slow_read``, ``slow_burst``: outside the assumption, where only the
   stamps protect the data), and so do transfer params (``max_delay`` after hand-out) and lagging P
-  registrations. The engine overwrites every freed block at once. Under the
-  ``checksums`` config a data READ may land corrupted with its stamps unchanged
-  (``corrupt_read``: only the block checksums protect the data). NoFreeUnderRead is
+  registrations. The engine overwrites every freed block at once. Under ``checksums`` a
+  data READ may land corrupted, stamps unchanged (``corrupt_read``). NoFreeUnderRead is
   checked twice: a free of blocks under a READ started less than ``max_read_time`` ago,
   and a READ that D starts within its lease on blocks freed since P handed them out;
   ServedIntact: every request D serves holds the KV P handed out.
@@ -286,12 +285,6 @@ class FuzzSim(Simulator):
     def slow_read(self, i: int) -> None:
         """READ transfer ``i`` (of ``xfers()``) will land late, past ``max_read_time``."""
         self.world.slow(self.xfers()[i])
-
-    def corrupt_read(self, i: int) -> None:
-        """Data READ transfer ``i`` (of those in flight) will land with one block's bytes
-        changed and its stamps unchanged."""
-        data = [x for x in self.xfers() if not x.stamps]
-        data[i % len(data)].corrupt = True
 
     def deliver(self, m: Msg) -> None:
         """One message arrives and its destination polls."""
@@ -605,9 +598,10 @@ class LifecycleMachine(RuleBasedStateMachine):
                   and any(not x.stamps for x in self.sim.world.xfers))
     @rule(i=_IDX)
     def corrupt_read(self, i: int) -> None:
-        """A data READ will land with one block's bytes flipped and its stamps unchanged
-        (a NIC or backend fault): only the block checksums can fence it."""
-        self.sim.corrupt_read(i)
+        """A data READ will land with a block's bytes changed, stamps unchanged (a NIC
+        or backend fault): only the block checksums can fence it."""
+        data = [x for x in self.sim.xfers() if not x.stamps]
+        data[i % len(data)].corrupt = True
 
     @precondition(lambda self: bool(self.sim.d_requests()))
     @rule(i=_IDX)

@@ -180,7 +180,7 @@ class NoChecksumDriver(DDriver):
     ``Config.checksums`` on, a READ that lands corrupted with its stamps unchanged is
     served."""
 
-    def _corrupt(self, local: Sequence[int]) -> list[int]:
+    def _corrupt(self, want: Sequence[int], got: Sequence[int]) -> list[int]:
         return []  # BUG: the checksums are fetched and never compared
 
 
