@@ -822,6 +822,7 @@ class DDriver:
         verify = self.config.checksums
         if verify:  # the whole batch at once: the sums fetched, and the landed data's
             sums_want, sums_got = t.landed_sums(b.local), t.block_sums(b.local)
+            self._count("checksum_verified", len(b.local))
         off = 0
         for rd in rds:
             gens = rd.gens

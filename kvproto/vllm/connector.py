@@ -588,6 +588,7 @@ class _DWorker:
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
         c["checksum_failures"] = float(ac.get("checksum_failed", 0))
+        c["checksum_verified_blocks"] = float(ac.get("checksum_verified", 0))
         c["ended_before_load"] = float(self.ended_before_load)
         c["read_refused"] = float(ac.get("read_refused", 0))
         c["peer_lost"] = float(ac.get("peer_lost", 0))
