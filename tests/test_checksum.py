@@ -33,7 +33,7 @@ from kvproto.lifecycle import (
 from kvproto.lifecycle.table import D_TRANSITIONS
 from kvproto.nixl import checksum
 from kvproto.testing.mutants import DRIVER_MUTANTS, NoChecksumDriver
-from kvproto.testing.sim import Simulator, seed_faults, simulate_many
+from kvproto.testing.sim import Simulator, simulate_many
 from kvproto.testing.transport import Faults
 from kvproto.vllm.sched import ConnectorOptions
 
@@ -133,7 +133,7 @@ def _quiet() -> Iterator[None]:
 def test_simulator_fences_every_corrupted_read_with_checksums_on() -> None:
     corrupted = failures = 0
     for seed in range(3):
-        sim = Simulator(seed, config=ON, faults=seed_faults("fixed", seed, True))
+        sim = Simulator(seed, config=ON, faults=Faults(corrupt=0.05))
         sim.run(30)
         assert sim.stats.violations == []
         corrupted += sim.world.corrupted
@@ -152,7 +152,7 @@ def test_without_checksums_a_corrupted_read_is_served() -> None:
 
 def test_the_no_checksum_mutant_is_caught_by_served_intact() -> None:
     assert DRIVER_MUTANTS["no_checksum"].driver_cls is NoChecksumDriver
-    sim = Simulator(2, config=ON, faults=seed_faults("fixed", 2, True),
+    sim = Simulator(2, config=ON, faults=Faults(corrupt=0.05),
                     driver_cls=NoChecksumDriver)
     sim.run(30)
     assert any("ServedIntact" in v for v in sim.stats.violations), sim.stats.violations

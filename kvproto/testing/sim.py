@@ -668,18 +668,25 @@ def quiet_drivers(verbose: int) -> Iterator[None]:
         drivers.setLevel(level)
 
 
-def seed_faults(profile: str, seed: int, checksums: bool = False) -> Faults:
+def seed_faults(profile: str, seed: int) -> Faults:
     """The fault mix of one seed under ``profile`` (a swarm seed's mix depends only on
-    the seed). ``checksums``: data READs may also land corrupted (``Faults.corrupt``;
-    fixed: 5%, swarm: drawn log-uniformly within 1-20%, none: never)."""
+    the seed)."""
     if profile == "none":
         return Faults.none()
     if profile == "fixed":
-        return Faults(corrupt=0.05 if checksums else 0.0)
-    f = Faults.swarm(random.Random(f"swarm:{seed}"))
-    if checksums:
-        f.corrupt = 0.01 * 20 ** random.Random(f"corrupt:{seed}").random()
-    return f
+        return Faults()
+    return Faults.swarm(random.Random(f"swarm:{seed}"))
+
+
+def corrupt_rate(profile: str, seed: int) -> float:
+    """With block checksums on (``--checksums``), the fraction of data READs landing
+    corrupted (``Faults.corrupt``): fixed 5%, swarm drawn log-uniformly within 1-20%
+    (from the seed alone), none never."""
+    if profile == "none":
+        return 0.0
+    if profile == "fixed":
+        return 0.05
+    return 0.01 * 20 ** random.Random(f"corrupt:{seed}").random()
 
 
 def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faults: bool,
@@ -702,7 +709,9 @@ def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faul
         if journal and i == 0:
             writer = JournalWriter(journal, config, capacity, {"source": "simulate", "seed": s})
         t0 = time.perf_counter()
-        f = seed_faults(profile, s, checksums)
+        f = seed_faults(profile, s)
+        if checksums:
+            f.corrupt = corrupt_rate(profile, s)
         mixes[str(s)] = f.mix()
         sim = Simulator(s, config=config, faults=f, capacity=capacity,
                         journal=writer.sink if writer else None)
