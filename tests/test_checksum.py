@@ -67,7 +67,7 @@ def test_mismatches_fail_closed_on_length() -> None:
 
 def test_speeds_names_every_candidate() -> None:
     got = checksum.speeds(1 << 16, seconds=0.01)
-    assert set(got) == set(checksum.CANDIDATES) and all(v > 0 for v in got.values())
+    assert set(checksum.CANDIDATES) <= set(got) and all(v > 0 for v in got.values())
 
 
 # -- the option ---------------------------------------------------------------------------
