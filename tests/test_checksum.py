@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,3 +312,32 @@ def test_nixl_a_verifying_d_refuses_a_p_without_checksums() -> None:
         if d is not None:
             d.close(1.0)
         p.stop()
+
+
+@pytest.mark.tlc
+def test_a_d_journal_with_a_checksum_fence_validates_under_tlc(tmp_path: Path) -> None:
+    """A READ fenced by its checksums is journaled as the stamp fence's event
+    (``read_failed fenced``): the spec allows it without an action of its own."""
+    from kvproto.journal import JournalWriter
+    from kvproto.verify.tlc import MissingDependency
+    from kvproto.verify.validate import validate
+
+    path = tmp_path / "D.jsonl"
+    w = JournalWriter(path, ON, reader="D")
+    c = Consumer("D", ON, sink=w.sink)
+    for rid, h in (("bad", 1), ("good", 2)):
+        c.admit(rid, TransferParams("P", 7, h, (h,), 30_000, 1, None, (0,)), 0)
+    c.handshake_result("P", True, 1)
+    c.schedule("bad", 2)
+    c.schedule("good", 2)
+    c.read_result("bad", True, 5, corrupt=True, notif_attached=False)
+    c.read_result("good", True, 6, notif_attached=False)
+    w.close()
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()[1:]]
+    assert rows[-2]["event"] == {"type": "read_failed", "request_id": "bad", "now": 5,
+                                 "fenced": True}
+    try:
+        verdicts = validate([path])
+    except MissingDependency as e:  # pragma: no cover - depends on the machine
+        pytest.skip(str(e))
+    assert [v.allowed for v in verdicts] == [True], verdicts[0].describe()
