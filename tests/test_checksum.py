@@ -84,6 +84,19 @@ def test_config_option_is_off_by_default_and_a_bool() -> None:
         Config(checksums="yes").validate()  # type: ignore[arg-type]
 
 
+def test_a_lease_config_file_may_carry_the_flag(tmp_path: Path) -> None:
+    """``kvproto check --lease-config`` reads journal-header configs too: the flag is
+    accepted (it has no timing meaning) and must be a bool."""
+    from kvproto.verify.check import LeaseConfigError, load_lease_config
+
+    f = tmp_path / "lease.json"
+    f.write_text(json.dumps({"checksums": True, "initial_lease": 30}))
+    assert load_lease_config(str(f), {}).checksums is True
+    f.write_text(json.dumps({"checksums": 1}))
+    with pytest.raises(LeaseConfigError, match="checksums must be true or false"):
+        load_lease_config(str(f), {})
+
+
 def test_connector_option() -> None:
     assert ConnectorOptions.parse({}).config.checksums is False
     assert ConnectorOptions.parse({"checksums": True}).config.checksums is True
