@@ -594,14 +594,17 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.sim.advance(ms.lease_horizon + ms.max_read_time + 2 * ms.max_delay,
                              d_ticks=False)
 
-    @precondition(lambda self: self.cfg.checksums
-                  and any(not x.stamps for x in self.sim.world.xfers))
+    @precondition(lambda self: self.cfg.checksums)
     @rule(i=_IDX)
     def corrupt_read(self, i: int) -> None:
-        """A data READ will land with a block's bytes changed, stamps unchanged (a NIC
-        or backend fault): only the block checksums can fence it."""
+        """A data READ (one in flight, else the next posted) will land with a block's
+        bytes changed, stamps unchanged (a NIC or backend fault): only the block
+        checksums can fence it."""
         data = [x for x in self.sim.xfers() if not x.stamps]
-        data[i % len(data)].corrupt = True
+        if data:
+            data[i % len(data)].corrupt = True
+        else:
+            self.sim.world.corrupt_next += 1
 
     @precondition(lambda self: bool(self.sim.d_requests()))
     @rule(i=_IDX)

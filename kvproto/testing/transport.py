@@ -402,6 +402,7 @@ class FuzzWorld(World):
     fuzzer made it late: ``slow``, or while ``slow_next`` is positive when it is posted)."""
 
     slow_next: int = 0
+    corrupt_next: int = 0  # data READs posted from now on that land corrupted
 
     def start_handshake(self, rank: str, payload: bytes) -> None:
         self.attempts[rank] = HsAttempt(rank, payload, NEVER, self._next())
@@ -418,6 +419,9 @@ class FuzzWorld(World):
         x = SimXfer(rank, tuple(local), tuple(remote), stamps, self.now,
                     self.now + self.read_bound(), seq=self._next(), sums=sums)
         self.xfers.append(x)
+        if self.corrupt_next > 0 and not stamps:
+            self.corrupt_next -= 1
+            x.corrupt = True
         if self.slow_next > 0:
             self.slow_next -= 1
             self.slow(x)
