@@ -354,3 +354,25 @@ def test_a_d_journal_with_a_checksum_fence_validates_under_tlc(tmp_path: Path) -
     except MissingDependency as e:  # pragma: no cover - depends on the machine
         pytest.skip(str(e))
     assert [v.allowed for v in verdicts] == [True], verdicts[0].describe()
+
+
+@pytest.mark.nixl
+@pytest.mark.usefixtures("nixl")
+def test_bench_transfer_checksum_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvproto bench transfer --checksum --json`` on a tiny workload: the ratios with
+    against without checksums, each candidate's speed, and no checksum failure."""
+    import argparse
+    import math
+
+    from kvproto.bench import transfer as bench
+
+    args = argparse.Namespace(block_kib=16, blocks_per_request=2, requests=2, rounds=1,
+                              small_requests=10, in_flight=100, json=True, device="cpu",
+                              checksum=True)
+    assert bench.run(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for k in ("ratio", "ratio_4k", "register_ratio"):
+        assert isinstance(res[k], float) and math.isfinite(res[k]) and res[k] > 0, k
+    assert res["algorithm"] == "crc32" and set(checksum.CANDIDATES) <= set(res["cpu_gbps"])
+    assert res["big"]["checksum_failures"] == res["small"]["checksum_failures"] == 0
+    assert res["big"]["verified_blocks"] > 0
