@@ -5,8 +5,7 @@ The function is CRC-32 (``zlib.crc32``), chained over a block's segments in orde
 engine cache splits one block over its layers: one segment per layer and K/V). Chosen
 for speed among what the standard library offers, measured on the project VM over a
 memoryview of tensor bytes (``kvproto bench transfer --checksum`` prints the figures
-again; BENCHMARKS.md): CRC-32 ~5.6 GB/s,
-Adler-32 ~1.6 GB/s, BLAKE2b ~0.6 GB/s. CRC-32 also detects every error burst of up to
+again; BENCHMARKS.md): CRC-32 ~5.6 GB/s, Adler-32 ~1.6 GB/s, BLAKE2b ~0.6 GB/s. CRC-32 also detects every error burst of up to
 32 bits (one flipped byte is one), where Adler-32 is weak on short and sparse changes;
 a cryptographic hash buys nothing here: the threat is a fault (a NIC, a backend, a
 stray write), not an adversary, who could rewrite the checksum slot as easily. A 64-bit
