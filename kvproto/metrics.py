@@ -31,6 +31,8 @@ Metric names (each with the constant labels):
   ``kvproto_tick_lag_seconds``: how late the last tick ran after its earliest due
   deadline;
 * ``kvproto_fenced_reads_total``: D READs whose generation stamps changed (never served);
+* ``kvproto_checksum_failures_total``: D READs whose stamps matched but a block's
+  checksum did not (``Config.checksums``; fenced, never served);
 * ``kvproto_reads_total{outcome}``, ``kvproto_read_bytes_total``: D requests finished by
   outcome (``done:pulled``, ``failed:fenced``, ...) and bytes pulled;
 * ``kvproto_recomputed_blocks_total``: blocks D could not pull and must recompute (a
@@ -138,6 +140,8 @@ class Metrics:
         self._heartbeat_ids = counter("heartbeat_ids", "request ids carried by heartbeats")
         self._fenced = counter("fenced_reads", "D READs whose generation stamps changed "
                                "(data never served)")
+        self._checksum = counter("checksum_failures", "D READs with a block whose checksum "
+                                 "failed (stamps unchanged; data never served)")
         self._reads = counter("reads", "D requests finished, by outcome", "outcome")
         self._read_bytes = counter("read_bytes", "bytes D pulled with READs that were served")
         self._recomputed = counter("recomputed_blocks",
@@ -196,6 +200,9 @@ class Metrics:
     # -- D and the connector ----------------------------------------------------------------
     def fenced(self) -> None:
         self._fenced.inc()
+
+    def checksum_failed(self) -> None:
+        self._checksum.inc()
 
     def read_finished(self, outcome: str, nbytes: int = 0) -> None:
         self._reads.child(outcome).inc()

@@ -163,7 +163,9 @@ ReadOkOp(C, r, attached) ==
                         IF C.abortPending[r] THEN "aborted" ELSE "pulled", FALSE)
          IN  [L EXCEPT !.eff = @ \cup (IF attached THEN {} ELSE {E("done", r, "")})]
 
-(* event read_failed: rows READ_FAILED/fenced, error *)
+(* event read_failed: rows READ_FAILED/fenced, error. fenced is also the outcome of a  *)
+(* READ whose stamps matched but a block checksum did not (Config.checksums; Python     *)
+(* read_result(corrupt=TRUE)): the data is not modelled, so no action of its own.      *)
 ReadFailedOp(C, r, fenced) ==
     IF C.dst[r] # "reading" THEN NoOp(C)
     ELSE Leave(C, {r}, "failed", IF fenced THEN "fenced" ELSE "transfer_error", TRUE)

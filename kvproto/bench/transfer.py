@@ -8,7 +8,9 @@ One run, same agents and block layout for both sides of each comparison:
 * control-plane overhead at small blocks (4 KiB, one block per request): requests/s;
 * handshake latency: a fresh D agent until the P engine is usable (metadata loaded,
   remote descriptor lists prepared);
-* heartbeat bytes/s with 10^4 requests in flight (the real encoder and machine).
+* heartbeat bytes/s with 10^4 requests in flight (the real encoder and machine);
+* with ``--checksum``, only the cost of block checksums (``Config.checksums``): the
+  managed path with them against the same run without, and each candidate's CPU speed.
 
 P runs in its own process (see ``procs.mp_context``); D runs here. These are figures, not tests.
 """
@@ -23,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
@@ -58,19 +61,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where both sides' KV blocks live: cpu (DRAM, default) or cuda (VRAM;"
                         " needs a CUDA build of torch and a GPU)")
+    p.add_argument("--checksum", action="store_true",
+                   help="only the cost of block checksums (Config.checksums): the managed "
+                        "path with them against the same run without (ratios)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 class _P:
     def __init__(self, name: str, num_blocks: int, block_bytes: int,
-                 opts: dict[str, Any] | None = None) -> None:
+                 opts: dict[str, Any] | None = None, config: Config = BENCH_CONFIG) -> None:
         from kvproto.nixl.procs import mp_context, producer_main
 
         ctx = mp_context()
         self.conn: Connection
         self.conn, child = ctx.Pipe()
         self.proc: BaseProcess = ctx.Process(
-            target=producer_main, args=(child, name, BENCH_CONFIG.to_dict(), num_blocks,
+            target=producer_main, args=(child, name, config.to_dict(), num_blocks,
                                         block_bytes, {"device": DEVICE["name"], **(opts or {})}),
             daemon=True)
         self.proc.start()
@@ -369,6 +375,98 @@ def heartbeat_bytes(in_flight: int, cfg: Config = BENCH_CONFIG) -> dict[str, Any
             "upstream_text_bytes_per_s_estimate": text / iv}
 
 
+# -- --checksum: the cost of block checksums (Config.checksums) ---------------------------
+#
+# Two P/D pairs identical but for ``checksums``; every round registers the same requests
+# on both (P fills and, with checksums, seals each block) and pulls them through the
+# managed path (data READ, stamp READ fetching the checksums too, verification of every
+# landed block), the pairs in an order that alternates every round. Each round gives a
+# paired ratio (time without / time with, back to back); ``ratio`` is their median.
+def checksum_cost(block_bytes: int, k: int, nreq: int, rounds: int, tag: str
+                  ) -> dict[str, Any]:
+    """Managed rounds with and without checksums, paired per round."""
+    from kvproto.nixl.consumer import ConsumerAdapter
+
+    nblocks = k * nreq
+    sides: dict[bool, tuple[_P, Any]] = {}
+    try:
+        for on in (False, True):
+            cfg = replace(BENCH_CONFIG, checksums=on)
+            name = f"bench-{tag}-{'on' if on else 'off'}-{os.getpid()}"
+            p = _P("P" + name, nblocks + 1, block_bytes, config=cfg)
+            d = ConsumerAdapter("D" + name, cfg, num_blocks=nblocks, block_bytes=block_bytes,
+                                device="cpu")
+            sides[on] = (p, d)
+            d.add_engine(p.name, p.host, p.port)
+            _handshake(d, p)
+            p.wait_reclaimed()
+        pull: dict[bool, list[float]] = {False: [], True: []}
+        reg: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds + 1):  # round 0 warms both paths up
+            for on in ((False, True) if r % 2 else (True, False)):
+                p, d = sides[on]
+                t0 = time.perf_counter()
+                params = p.register_many([f"{tag}{int(on)}-{r}-{i}" for i in range(nreq)], k)
+                rt = time.perf_counter() - t0
+                dt, _ = _managed_round(d, params, f"c{int(on)}-{r}")
+                p.wait_reclaimed()
+                if r:
+                    pull[on].append(dt)
+                    reg[on].append(rt)
+        nbytes = nblocks * block_bytes
+        off, on_ = statistics.median(pull[False]), statistics.median(pull[True])
+        d_on = sides[True][1]
+        return {
+            "block_bytes": block_bytes, "blocks_per_request": k, "requests": nreq,
+            "rounds": rounds,
+            "gbps_without": nbytes / off / 1e9, "gbps_with": nbytes / on_ / 1e9,
+            "ratio": statistics.median(a / b for a, b in zip(pull[False], pull[True],
+                                                             strict=True)),
+            "register_ratio": statistics.median(a / b for a, b in zip(reg[False], reg[True],
+                                                                      strict=True)),
+            "verified_blocks": d_on.counters.get("checksum_verified", 0),
+            "checksum_failures": d_on.counters.get("checksum_failed", 0),
+        }
+    finally:
+        for p, d in sides.values():
+            d.close(5.0)
+            p.stop()
+
+
+def run_checksum(args: Any) -> dict[str, Any]:
+    from kvproto.nixl.checksum import ALGORITHM, speeds
+
+    t0 = time.monotonic()
+    sp = speeds()
+    big = checksum_cost(args.block_kib * 1024, args.blocks_per_request, args.requests, args.rounds,
+                  "big")
+    small = checksum_cost(4096, 1, args.small_requests, args.rounds, "small")
+    return {"algorithm": ALGORITHM, "cpu_gbps": {k: round(v, 3) for k, v in sp.items()},
+            "big": big, "small": small, "ratio": round(big["ratio"], 4),
+            "ratio_4k": round(small["ratio"], 4),
+            "register_ratio": round(big["register_ratio"], 4),
+            "cpu_count": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def print_checksum(res: dict[str, Any]) -> None:
+    big, small = res["big"], res["small"]
+    print("kvproto bench transfer --checksum (P in its own process, D here; DRAM; "
+          "paired rounds, same run)")
+    print("  checksum candidates, CPU GB/s here: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in res["cpu_gbps"].items()) + f"  (used: {res['algorithm']})")
+    print(f"  {big['block_bytes'] // 1024} KiB blocks x {big['blocks_per_request']}/request x "
+          f"{big['requests']} requests, median of {big['rounds']} rounds")
+    print(f"    without checksums         {big['gbps_without']:8.3f} GB/s")
+    print(f"    with checksums            {big['gbps_with']:8.3f} GB/s   ratio {res['ratio']:.3f}"
+          f" (without/with time, paired median); P register ratio {res['register_ratio']:.3f}")
+    print(f"  4 KiB blocks, 1 block/request x {small['requests']} requests")
+    print(f"    ratio_4k                  {res['ratio_4k']:.3f}   ({small['gbps_without']:.4f}"
+          f" -> {small['gbps_with']:.4f} GB/s)")
+    print(f"  checksum failures (must be 0): {big['checksum_failures'] + small['checksum_failures']}")
+    print(f"  load average {res['loadavg_1m']} on {res['cpu_count']} CPUs; {res['wall_s']} s")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvproto.nixl.agent import nixl_available, quiet_nixl_logging
 
@@ -384,6 +482,17 @@ def run(args: argparse.Namespace) -> int:
     DEVICE["name"] = args.device
     torch.set_num_threads(1)
     quiet_nixl_logging()
+    if getattr(args, "checksum", False):  # callers building a Namespace may omit it
+        if args.device != "cpu":
+            print("kvproto bench transfer: --checksum runs in DRAM only (--device cpu)",
+                  file=sys.stderr)
+            return 2
+        cres = run_checksum(args)
+        if args.json:
+            print(json.dumps(cres, sort_keys=True))
+        else:
+            print_checksum(cres)
+        return 0
     t0 = time.monotonic()
     big = throughput(args.block_kib * 1024, args.blocks_per_request, args.requests,
                      args.rounds, "big")

@@ -94,6 +94,9 @@ class Config:
     max_groups_remembered: int = 65536  # P: transferred sibling groups remembered
     max_tick_work: int = 512  # heap entries one tick may process (P: deadlines, D: leases); the rest carry over
     peer_timeout: float = 20.0  # D: a P engine that leaves heartbeats unanswered this long is lost
+    # Block checksums (opt-in): P checksums every block at register, D verifies every
+    # block it read against them, and a READ with a mismatch is fenced (never served).
+    checksums: bool = False
 
     @property
     def lease_horizon(self) -> float:
@@ -151,6 +154,10 @@ class Config:
         """Raise ConfigError naming the first violated rule; return self when valid."""
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{f.name} must be true or false, got {v!r}")
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{f.name} must be a number, got {v!r}")
             if not math.isfinite(v):
@@ -188,7 +195,7 @@ class Config:
                 f"got {self.max_message_bytes}")
         return self
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
 
     @classmethod
@@ -202,6 +209,11 @@ class Config:
             raise ConfigError(f"unknown config keys: {', '.join(unknown)} (known: {', '.join(known)})")
         kwargs: dict[str, Any] = {}
         for k, v in data.items():
+            if known[k].type == "bool":
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{k} must be true or false, got {v!r}")
+                kwargs[k] = v
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{k} must be a number, got {v!r}")
             kwargs[k] = int(v) if known[k].type == "int" and float(v).is_integer() else v

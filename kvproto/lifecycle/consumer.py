@@ -758,8 +758,13 @@ class Consumer:
         return self._emit(Schedule(rid, now), out) if self.sink else out
 
     def read_result(self, rid: str, ok: bool, now: int, *, fenced: bool = False,
-                    notif_attached: bool = True) -> list[DEffect]:
+                    notif_attached: bool = True, corrupt: bool = False) -> list[DEffect]:
         """The READ finished (``ok``), failed, or its generations changed (``fenced``).
+
+        ``corrupt``: the data landed with its stamps unchanged, but a block's checksum
+        differs from the one P computed at register (``Config.checksums``). Such a READ
+        takes the fenced path (``read_failed``/``fenced``): never served, the reader
+        releases, the engine recomputes; counted as ``checksum_failed``.
 
         With ``notif_attached`` the adapter carried the done itself (e.g. as the READ's
         NIXL notification); otherwise the machine emits SendDone (the NIXL adapter
@@ -770,6 +775,9 @@ class Consumer:
             return []
         now = clk
         out: list[DEffect] = []
+        if corrupt:  # a block whose checksum failed is never visible: fence the READ
+            self._count("checksum_failed")
+            fenced = True
         landed = ok and not fenced
         r = self.reqs.get(rid)
         if r is None or r.state != READING:

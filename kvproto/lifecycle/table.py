@@ -371,7 +371,7 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(WAITING, SCHEDULE, "sibling_in_flight", WAITING, "", "the group's READ is in flight: schedule again later"),
     _T(READING, READ_OK, "ok", D_DONE, _fx("send_done", "finish:pulled"), "data landed (and generations matched)"),
     _T(READING, READ_OK, "abort_pending", D_FAILED, _fx("send_done", "finish:aborted"), "aborted during the READ: P may free now; keeps the group (P heard done)"),
-    _T(READING, READ_FAILED, "fenced", D_FAILED, _fx(*_RELEASE_FAIL, "finish:fenced"), "generation stamps changed: never served"),
+    _T(READING, READ_FAILED, "fenced", D_FAILED, _fx(*_RELEASE_FAIL, "finish:fenced"), "generation stamps changed, or a block's checksum failed: never served"),
     _T(READING, READ_FAILED, "error", D_FAILED, _fx(*_RELEASE_FAIL, "finish:transfer_error"), "transfer error; handle no longer in flight"),
     _T(WAITING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D before the READ"),
     _T(HANDSHAKING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D during the handshake"),

@@ -1,8 +1,9 @@
 """Thin helpers around the ``nixl`` Python API (no lifecycle decisions here).
 
 * ``make_agent``      -- a UCX agent (UCX left at its defaults);
-* ``KVRegion``        -- a KV cache ``uint8[num_blocks, block_bytes]`` plus a generation
-  tensor ``int64[num_blocks]``, both registered with the agent; or, with ``tensors=``,
+* ``KVRegion``        -- a KV cache ``uint8[num_blocks, block_bytes]`` plus a slot
+  tensor ``int64[2 * num_blocks]`` (generation stamps, then block checksums), both
+  registered with the agent; or, with ``tensors=``,
   an engine's own KV-cache tensors (e.g. vLLM's, one per layer) described as
   *segments* (base address, block stride, bytes per block) plus its own stamp tensor;
 * ``prep_blocks``     -- prepared descriptor lists, one descriptor per block, for the local
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvproto.nixl.checksum import region_sums
 from kvproto.wire import Layout
 
 log = logging.getLogger(__name__)
@@ -218,14 +220,18 @@ class KVRegion:
         else:
             self.kv = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=device)
         self.block_bytes = block_bytes
-        self.gen = torch.zeros((num_blocks,), dtype=torch.int64, device=device)
+        # The stamp slots, then the checksum slots (``Config.checksums``): one int64 each
+        # per block in one registered tensor, so that one READ fetches both.
+        self.slots = torch.zeros((2 * num_blocks,), dtype=torch.int64, device=device)
+        self.gen = self.slots[:num_blocks]
+        self.sums = self.slots[num_blocks:]
         self.mem = "VRAM" if self.kv.is_cuda else "DRAM"
         self.dev_id = self.kv.get_device() if self.kv.is_cuda else 0
         if tensors:
             uniq = list({int(t.data_ptr()): t for t in tensors}.values())
-            self._reg = agent.register_memory([*uniq, self.gen])
+            self._reg = agent.register_memory([*uniq, self.slots])
         else:
-            self._reg = agent.register_memory([self.kv, self.gen])
+            self._reg = agent.register_memory([self.kv, self.slots])
         self._local_kv: Any = None
         self._local_gen: Any = None
 
@@ -245,6 +251,11 @@ class KVRegion:
         e = self.extra()
         return RemoteRegion(e["kv_addr"], e["gen_addr"], e["dev_id"], e["mem"],
                             self.num_blocks, self.block_bytes, tuple(self.segments))
+
+    def block_sums(self, blocks: Sequence[int]) -> list[int]:
+        """The checksum of each of ``blocks`` as it holds now (``kvproto.nixl.checksum``;
+        DRAM only: the bytes are read in place)."""
+        return region_sums(int(self.kv.data_ptr()), self.block_bytes, self.segments, blocks)
 
     def block_index(self, blocks: Sequence[int]) -> list[int]:
         """Descriptor indices of ``blocks`` in ``local_dlists()[0]``."""
@@ -271,7 +282,8 @@ class KVRegion:
 
 
 def prep_blocks(agent: Any, peer: str, region: RemoteRegion) -> tuple[Any, Any]:
-    """Prepared dlists (one descriptor per block; one per generation stamp).
+    """Prepared dlists (one descriptor per block; one per generation stamp, then one per
+    checksum slot: descriptor ``num_blocks + b`` is block ``b``'s checksum).
 
     ``peer`` is ``""`` for the local side, else the remote agent's name."""
     bb = region.block_bytes
@@ -281,7 +293,7 @@ def prep_blocks(agent: Any, peer: str, region: RemoteRegion) -> tuple[Any, Any]:
     else:
         kv = [(region.kv_addr + i * bb, bb, region.dev_id) for i in range(region.num_blocks)]
     gen = [(region.gen_addr + i * GEN_BYTES, GEN_BYTES, region.dev_id)
-           for i in range(region.num_blocks)]
+           for i in range(2 * region.num_blocks)]
     h_kv = agent.prep_xfer_dlist(peer, kv, region.mem)
     h_gen = agent.prep_xfer_dlist(peer, gen, region.mem)
     return h_kv, h_gen

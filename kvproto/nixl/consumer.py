@@ -67,7 +67,7 @@ class ConsumerAdapter(DDriver):
         transport = NixlDTransport(name, num_blocks=num_blocks, block_bytes=block_bytes,
                                    device=device, tp_rank=tp_rank, tp_size=tp_size,
                                    progress_thread=progress_thread, kv_tensors=kv_tensors,
-                                   handshake_secret=secret)
+                                   handshake_secret=secret, checksums=config.checksums)
         if metrics_port is not None and metrics is None:
             from kvproto.metrics import Metrics
 

@@ -7,11 +7,12 @@ releases, and keeps the handshake bookkeeping. Everything it needs from the outs
 world goes through a transport, described here as two protocols:
 
 * :class:`PTransport` -- P's: receive and send notifications, read and bump the
-  generation stamps of its KV blocks, serve handshakes (calling the driver's handler),
+  generation stamps of its KV blocks, seal their checksums, serve handshakes (calling the driver's handler),
   load and unload a peer's metadata;
 * :class:`DTransport` -- one D rank's: receive and send notifications, run a handshake
-  with a P engine, load and drop a P engine, post READs of data or of stamps, poll and
-  release them, read the stamps that landed.
+  with a P engine, load and drop a P engine, post READs of data or of stamps (and
+  checksums), poll and release them, read the stamps and checksums that landed and
+  checksum the landed data.
 
 :mod:`kvproto.nixl.transport` implements both over NIXL (agents, registered memory, the
 handshake channel); :mod:`kvproto.testing.transport` over the simulated network, with
@@ -112,6 +113,10 @@ class PTransport(Protocol):
     def bump(self, blocks: Sequence[int]) -> None:
         """Advance the stamps of ``blocks`` (done before the blocks can be reused)."""
 
+    def seal(self, blocks: Sequence[int]) -> None:
+        """Compute the checksum of each of ``blocks`` (as they hold now) into its
+        checksum slot, where D's stamp READ fetches it (``Config.checksums``)."""
+
     def metadata_name(self, metadata: bytes) -> str | None:
         """The agent name inside a peer's metadata, read without loading it (None when
         it has no known shape)."""
@@ -165,10 +170,11 @@ class DTransport(Protocol):
 
     # -- READs -------------------------------------------------------------------------
     def post_read(self, engine: str, local: Sequence[int], remote: Sequence[int], *,
-                  stamps: bool) -> tuple[Any, str]:
+                  stamps: bool, sums: bool = False) -> tuple[Any, str]:
         """Post one READ of ``remote`` blocks of ``engine`` into ``local`` ones (their
-        generation stamps into the local stamp slots with ``stamps``). Returns the
-        transfer (None when it could not be made) and its outcome so far."""
+        generation stamps into the local stamp slots with ``stamps``, and with ``sums``
+        their checksum slots too, in the same transfer). Returns the transfer (None when
+        it could not be made) and its outcome so far."""
 
     def poll(self, xfer: Any) -> str:
         """A posted transfer's outcome: PROC, DONE or an error token. Never raises."""
@@ -179,6 +185,13 @@ class DTransport(Protocol):
 
     def landed_stamps(self, local: Sequence[int]) -> list[int]:
         """The stamps a finished stamp READ left in the local slots ``local``."""
+
+    def landed_sums(self, local: Sequence[int]) -> list[int]:
+        """The checksums a finished stamp READ with ``sums`` left in the local checksum
+        slots ``local`` (what P computed at register)."""
+
+    def block_sums(self, local: Sequence[int]) -> list[int]:
+        """The checksums of what the local blocks ``local`` hold now (the landed data)."""
 
     def stale(self) -> bool:
         """Whether ``reap`` has anything to do (cheap: called every poll)."""

@@ -10,7 +10,9 @@ Effects and what they become:
   engine between two ``poll`` calls are posted as one transfer; when it completes, one
   READ fetches the generation stamps of every request whose data landed, and they are
   compared with ``TransferParams.generations``: any difference -> ``fenced``, the data
-  is never served (fail closed);
+  is never served (fail closed); with ``Config.checksums`` the same stamp READ fetches
+  the checksums P sealed at register, and a block whose landed data does not match
+  its checksum makes the READ ``corrupt`` (the machine fences it, never served);
 * ``SendDone``       -> collected, and sent right after the stamps that verified them as
   one ``done`` batch per P engine (wire kind 5; a lone one as a plain ``done``), so P
   hears ``done`` only after the data and the stamps landed;
@@ -67,6 +69,7 @@ from kvproto.lifecycle import (
     to_ms,
 )
 from kvproto.nixl.channel import parse_refusal
+from kvproto.nixl.checksum import CHECKSUMS_KEY, mismatches
 from kvproto.nixl.driver import DISCONNECT, DONE, NOT_FOUND, PROC, DTransport, PeerError
 from kvproto.port import d_receive, now_ms
 from kvproto.wire import (
@@ -542,6 +545,10 @@ class DDriver:
         except WireError as ex:
             self._fail_handshake(e, now, _FINAL.get(ex.reason, "handshake_malformed"), ex.detail)
             return
+        if self.config.checksums and not (hs.extra or {}).get(CHECKSUMS_KEY):
+            self._fail_handshake(e, now, "checksums_unsupported",
+                                 "this D verifies block checksums; P does not compute them")
+            return
         try:
             t.load_peer(e.name, hs)
         except PeerError as ex:
@@ -699,7 +706,10 @@ class DDriver:
     def _post_batch(self, engine: str, rds: list[_Read], now: int, *, stamps: bool) -> None:
         """Post one data READ (or, with ``stamps``, one stamp READ) of ``rds``."""
         local, remote = _blocks(rds)
-        x, st = self.transport.post_read(engine, local, remote, stamps=stamps)
+        if stamps and self.config.checksums:  # the checksums come with the stamps
+            x, st = self.transport.post_read(engine, local, remote, stamps=True, sums=True)
+        else:
+            x, st = self.transport.post_read(engine, local, remote, stamps=stamps)
         if x is None:
             self._batch_failed(rds, st, now)
             return
@@ -794,6 +804,11 @@ class DDriver:
         it is the one the params carry (a changed stamp means P freed the blocks)."""
         return tuple(got) != tuple(want)
 
+    def _corrupt(self, want: Sequence[int], got: Sequence[int]) -> list[int]:
+        """Checksum verification (``Config.checksums``): the positions where the checksum
+        of the landed data (``got``) differs from the one P sealed at register."""
+        return mismatches(want, got)
+
     def _stamps_landed(self, b: _StampBatch, now: int) -> None:
         """Compare every request's stamps with its params (fail closed) and finish it."""
         t = self.transport
@@ -804,11 +819,17 @@ class DDriver:
         machine = self.machine
         done_info = self._done_info
         effects: list[DEffect] = []  # every request's, executed once the loop is done
+        verify = self.config.checksums
+        if verify:  # the whole batch at once: the sums fetched, and the landed data's
+            sums_want, sums_got = t.landed_sums(b.local), t.block_sums(b.local)
+            self._count("checksum_verified", len(b.local))
         off = 0
         for rd in rds:
             gens = rd.gens
             n = len(gens)
             fenced = self._fenced(gens, got[off:off + n])
+            bad = self._corrupt(sums_want[off:off + n], sums_got[off:off + n]) \
+                if verify and not fenced else None
             off += n
             del reads[rd.rid]
             if fenced:
@@ -817,11 +838,17 @@ class DDriver:
                     self.metrics.fenced()
                 log.warning("%s: %s fenced: generations %s != expected %s", self.name, rd.rid,
                             got[off - n:off - n + 4], list(gens[:4]))
+            elif bad:
+                self._count("checksum_failed")
+                if self.metrics is not None:
+                    self.metrics.checksum_failed()
+                log.warning("%s: %s fenced: checksum of %d block(s) failed (first: remote "
+                            "block %d)", self.name, rd.rid, len(bad), rd.remote[bad[0]])
             else:
                 done_info[rd.rid] = (rd.nbytes, (now - rd.started) / 1000)
             # A landed READ's SendDone joins the done batch sent below.
             effects += machine.read_result(rd.rid, True, now, fenced=fenced,
-                                           notif_attached=False)
+                                           notif_attached=False, corrupt=bool(bad))
         self._apply(effects, now)
         self._flush_dones()
 

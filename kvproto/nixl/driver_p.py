@@ -10,6 +10,9 @@ one port (``kvproto.port.p_receive``). What it does with effects:
 * ``Ack``      -> encode (chunked to ``max_message_bytes``) and send to the reader;
 * ``Rejected`` -> counted and logged.
 
+With ``Config.checksums`` every register first seals its blocks' checksums
+(``transport.seal``) and P's handshake says so (``extra["checksums"]``).
+
 Bad input (unknown peer, malformed bytes, wrong epoch or version, oversized) goes to
 ``Ledger.reject`` and never raises into the engine.
 
@@ -55,6 +58,7 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
+from kvproto.nixl.checksum import CHECKSUMS_KEY
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
 from kvproto.port import now_ms, p_receive
 from kvproto.wire import (
@@ -147,8 +151,11 @@ class PDriver:
 
     def handshake_payload(self) -> Handshake:
         t = self.transport
+        extra = t.extra()
+        if self.config.checksums:  # D refuses a P that does not checksum when it must verify
+            extra = {**extra, CHECKSUMS_KEY: True}
         return Handshake(engine=self.name, epoch=self.epoch, layout=t.layout(),
-                         agent_metadata=t.metadata, role="producer", extra=t.extra(),
+                         agent_metadata=t.metadata, role="producer", extra=extra,
                          version=self.handshake_version, identity=self.identity)
 
     def stamps(self, blocks: Sequence[int]) -> tuple[int, ...]:
@@ -182,6 +189,8 @@ class PDriver:
         if handle is None:
             handle = self.ledger.new_handle()
         gens = self.transport.stamps(blocks)
+        if self.config.checksums:  # before the ledger holds them: D may read at once
+            self.transport.seal(blocks)
         if self.metrics is not None:
             self._reg_at[handle] = now
         effects = self.ledger.register(handle, request_id, blocks, now, group=group,

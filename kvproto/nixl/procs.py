@@ -79,7 +79,8 @@ def _fault_rng_hook(drop: float, dup: float, seed: int, stats: dict[str, int]) -
 
 def producer_main(conn: Connection, name: str, config: dict[str, Any], num_blocks: int,
                   block_bytes: int, opts: dict[str, Any]) -> None:
-    """A P engine. Commands: register, abort, fill_other, stats, stop."""
+    """A P engine. Commands: register, register_group, abort, overwrite, flip, stats,
+    pause, stop."""
     _setup_logging(int(opts.get("log_level", logging.WARNING)))
     from kvproto.nixl.agent import default_device, fill_pattern
     from kvproto.nixl.producer import ProducerAdapter
@@ -167,6 +168,9 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                 elif op == "overwrite":  # tests: scribble over blocks (simulates reuse)
                     for b in cmd[1]:
                         p.region.kv[b] = fill_pattern(cmd[2], b, block_bytes, device)
+                elif op == "flip":  # tests: invert one byte of a block, stamps unchanged
+                    _, b, i = cmd
+                    p.region.kv[b, i] = p.region.kv[b, i] ^ 0xFF
                 elif op == "stats":
                     conn.send(("stats", {
                         "held": p.pool.held_count, "free": p.free_blocks,

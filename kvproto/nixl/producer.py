@@ -72,7 +72,7 @@ class ProducerAdapter(PDriver):
                                    device=device, tp_rank=tp_rank, tp_size=tp_size, host=host,
                                    port=port, progress_thread=progress_thread,
                                    kv_tensors=kv_tensors, handshake_secret=secret,
-                                   threaded=handshake_thread)
+                                   threaded=handshake_thread, checksums=config.checksums)
         if metrics_port is not None and metrics is None:
             from kvproto.metrics import Metrics
 

@@ -35,6 +35,8 @@ from kvproto.wire import Handshake, Layout
 
 log = logging.getLogger(__name__)
 
+_NO_VRAM = "block checksums are computed in DRAM only (see kvproto.nixl.checksum)"
+
 
 def _notifs(agent: Any) -> list[tuple[str, bytes]]:
     """The agent's new notifications as (peer, bytes), in order per peer."""
@@ -54,6 +56,12 @@ def _send(agent: Any, peer: str, buf: bytes) -> str | None:
     return None
 
 
+def _check_dram(checksums: bool, device: str, tensors: Sequence[torch.Tensor] | None) -> None:
+    on_gpu = tensors[0].is_cuda if tensors else device != "cpu"
+    if checksums and on_gpu:
+        raise ValueError(_NO_VRAM)
+
+
 class NixlPTransport:
     """P's side of NIXL: agent, KV cache with stamps, handshake listener."""
 
@@ -61,13 +69,16 @@ class NixlPTransport:
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  progress_thread: bool = False,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None, threaded: bool = False) -> None:
+                 handshake_secret: bytes | None = None, threaded: bool = False,
+                 checksums: bool = False) -> None:
         """``threaded``: serve the handshake listener from a thread of its own (see
-        ``PTransport.threaded``)."""
+        ``PTransport.threaded``). ``checksums``: ``seal`` will be called (DRAM only)."""
+        _check_dram(checksums, device, kv_tensors)
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self._sum_view = None if self.region.sums.is_cuda else self.region.sums.numpy()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.metadata: bytes = self.agent.get_agent_metadata()
@@ -155,6 +166,17 @@ class NixlPTransport:
         else:
             gv[list(blocks)] += 1
 
+    def seal(self, blocks: Sequence[int]) -> None:
+        sv = self._sum_view
+        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
+            raise NotImplementedError(_NO_VRAM)
+        sums = self.region.block_sums(blocks)
+        if len(blocks) <= 8:
+            for b, c in zip(blocks, sums, strict=True):
+                sv[b] = c
+        else:
+            sv[list(blocks)] = sums
+
     def close(self) -> None:
         if self._closed_down:
             return
@@ -184,12 +206,15 @@ class NixlDTransport:
     def __init__(self, name: str, *, num_blocks: int, block_bytes: int, device: str = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, progress_thread: bool = False,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
-                 handshake_secret: bytes | None = None) -> None:
+                 handshake_secret: bytes | None = None, checksums: bool = False) -> None:
+        """``checksums``: READs will verify block checksums (DRAM only)."""
+        _check_dram(checksums, device, kv_tensors)
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
         self.local_kv, self.local_gen = self.region.local_dlists()
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()
+        self._sum_view = None if self.region.sums.is_cuda else self.region.sums.numpy()
         self.num_blocks = num_blocks
         self.block_bytes = self.region.block_bytes
         self.tp_rank = tp_rank
@@ -276,11 +301,15 @@ class NixlDTransport:
 
     # -- READs ---------------------------------------------------------------------------
     def post_read(self, engine: str, local: Sequence[int], remote: Sequence[int], *,
-                  stamps: bool) -> tuple[Any, str]:
+                  stamps: bool, sums: bool = False) -> tuple[Any, str]:
         r = self.remotes.get(engine)
         if r is None or r.region is None or r.remote_kv is None or r.remote_gen is None:
             return None, "error:peer_gone"
-        if stamps:
+        if stamps and sums:  # descriptor num_blocks + b: block b's checksum slot
+            n, rn = self.num_blocks, r.region.num_blocks
+            x = Xfer.make_read(self.agent, self.local_gen, [*local, *(n + b for b in local)],
+                               r.remote_gen, [*remote, *(rn + b for b in remote)], b"", 0)
+        elif stamps:
             x = Xfer.make_read(self.agent, self.local_gen, local, r.remote_gen, remote, b"", 0)
         else:
             if self.region.segments or r.region.segments:  # engine caches: descriptor indices
@@ -302,6 +331,15 @@ class NixlDTransport:
         if not xfer.release():
             self.zombies.append(xfer)
             self._stale = True
+
+    def landed_sums(self, local: Sequence[int]) -> list[int]:
+        sv = self._sum_view
+        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
+            raise NotImplementedError(_NO_VRAM)
+        return [int(sv[i]) for i in local] if len(local) <= 8 else sv[list(local)].tolist()
+
+    def block_sums(self, local: Sequence[int]) -> list[int]:
+        return self.region.block_sums(local)
 
     def landed_stamps(self, local: Sequence[int]) -> list[int]:
         gv = self._gen_view

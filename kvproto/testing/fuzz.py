@@ -15,7 +15,8 @@ and by ``kvproto fuzz``:
   by its bound (a data and a stamp transfer fit ``max_read_time``) unless the fuzzer
   made it late (``slow_read``, ``slow_burst``: outside the assumption, where only the
   stamps protect the data), and so do transfer params (``max_delay`` after hand-out) and lagging P
-  registrations. The engine overwrites every freed block at once. NoFreeUnderRead is
+  registrations. The engine overwrites every freed block at once. Under ``checksums`` a
+  data READ may land corrupted, stamps unchanged (``corrupt_read``). NoFreeUnderRead is
   checked twice: a free of blocks under a READ started less than ``max_read_time`` ago,
   and a READ that D starts within its lease on blocks freed since P handed them out;
   ServedIntact: every request D serves holds the KV P handed out.
@@ -104,6 +105,8 @@ CONFIGS: Final[dict[str, Config]] = {
                              abort_grace=10.0, max_delay=0.5, max_read_time=2.0,
                              clock_drift=0.1, max_staged=1, max_staged_age=2.0,
                              max_tombstones=2, max_groups_remembered=1).validate(),
+    # Block checksums on: the only config in which READs may land corrupted.
+    "checksums": Config(checksums=True).validate(),
 }
 
 INVARIANTS: Final = ORACLE_INVARIANTS - {"SpecStep"}
@@ -590,6 +593,18 @@ class LifecycleMachine(RuleBasedStateMachine):
             ms = self.cfg.ms
             self.sim.advance(ms.lease_horizon + ms.max_read_time + 2 * ms.max_delay,
                              d_ticks=False)
+
+    @precondition(lambda self: self.cfg.checksums)
+    @rule(i=_IDX)
+    def corrupt_read(self, i: int) -> None:
+        """A data READ (one in flight, else the next posted) will land with a block's
+        bytes changed, stamps unchanged (a NIC or backend fault): only the block
+        checksums can fence it."""
+        data = [x for x in self.sim.xfers() if not x.stamps]
+        if data:
+            data[i % len(data)].corrupt = True
+        else:
+            self.sim.world.corrupt_next += 1
 
     @precondition(lambda self: bool(self.sim.d_requests()))
     @rule(i=_IDX)

@@ -32,7 +32,8 @@ One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented h
 Driver mutants (``DRIVER_MUTANTS``) are bugs of D's driver, which the simulator and the
 fuzzer run as production code does: ``no_fencing`` never compares the stamps a READ
 fetched after its data, so a READ that lands late on blocks P freed and reused is served
-(ServedIntact).
+(ServedIntact); ``no_checksum`` never compares the block checksums (``Config.checksums``),
+so a READ corrupted in flight with its stamps unchanged is served (ServedIntact).
 """
 
 from __future__ import annotations
@@ -174,6 +175,15 @@ class NoFencingDriver(DDriver):
         return False  # BUG: the stamps are fetched and never compared
 
 
+class NoChecksumDriver(DDriver):
+    """Driver mutant: never verifies block checksums (hook ``_corrupt``), so with
+    ``Config.checksums`` on, a READ that lands corrupted with its stamps unchanged is
+    served."""
+
+    def _corrupt(self, want: Sequence[int], got: Sequence[int]) -> list[int]:
+        return []  # BUG: the checksums are fetched and never compared
+
+
 @dataclass(frozen=True)
 class DriverMutant:
     name: str
@@ -186,4 +196,7 @@ DRIVER_MUTANTS: dict[str, DriverMutant] = {m.name: m for m in (
     DriverMutant("no_fencing", NoFencingDriver,
                  "skips the stamp comparison: late READs on reused blocks are served",
                  frozenset({"ServedIntact"})),
+    DriverMutant("no_checksum", NoChecksumDriver,
+                 "skips the checksum verification: a READ corrupted in flight, stamps "
+                 "unchanged, is served", frozenset({"ServedIntact"})),
 )}

@@ -24,7 +24,8 @@ are seconds, turned into milliseconds once.
 
 Faults (``Faults``): message loss, duplication, reordering, delay, handshake failures,
 partitions, D rank crashes, READs landing late, stamps changed by reuse, aborts on P and
-on D, malformed bytes into P's and D's inboxes. ``kvproto simulate`` draws each seed's
+on D, malformed bytes into P's and D's inboxes, and (with block checksums on,
+``--checksums``) data READs landing corrupted with their stamps unchanged. ``kvproto simulate`` draws each seed's
 own mix (``Faults.swarm``).
 """
 
@@ -600,6 +601,8 @@ class Simulator:
             "aborts_p": s.aborts_p, "aborts_d": s.aborts_d,
             "admission_blocked": s.admission_blocked,
             "fenced_reads": self.d_counter("fenced"),
+            "corrupted_reads": self.world.corrupted,
+            "checksum_failures": self.d_counter("checksum_failed"),
             "reused": s.reused,
             "blocks_held_at_end": self.pool.held_count,
             "violations": len(s.violations),
@@ -643,6 +646,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fault profile (default swarm: each seed its own mix)")
     p.add_argument("--no-faults", action="store_true",
                    help="a perfect network, no crashes (--faults none)")
+    p.add_argument("--checksums", action="store_true",
+                   help="block checksums on (Config.checksums), and data READs landing "
+                        "corrupted with their stamps unchanged (a fault only checksums catch)")
     p.add_argument("--journal", metavar="PATH",
                    help="write the first run's P event journal (JSON Lines) here")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
@@ -672,15 +678,27 @@ def seed_faults(profile: str, seed: int) -> Faults:
     return Faults.swarm(random.Random(f"swarm:{seed}"))
 
 
+def corrupt_rate(profile: str, seed: int) -> float:
+    """With block checksums on (``--checksums``), the fraction of data READs landing
+    corrupted (``Faults.corrupt``): fixed 5%, swarm drawn log-uniformly within 1-20%
+    (from the seed alone), none never."""
+    if profile == "none":
+        return 0.0
+    if profile == "fixed":
+        return 0.05
+    return 0.01 * 20 ** random.Random(f"corrupt:{seed}").random()
+
+
 def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faults: bool,
                   journal: str | None = None, progress: IO[str] | None = None,
-                  faults: str = "fixed") -> dict[str, Any]:
+                  faults: str = "fixed", checksums: bool = False) -> dict[str, Any]:
     """Run ``seeds`` seeds; sum their summaries. ``faults``: a profile of
     ``FAULT_PROFILES`` (``no_faults`` forces "none"). A seed whose run raises is a crash:
     recorded (``crashed_seeds``, ``crash_details``), and the next seed runs."""
     from kvproto.journal import JournalWriter
 
     profile = "none" if no_faults else faults
+    config = Config(checksums=checksums)
     totals: dict[str, Any] = {}
     violations: list[str] = []
     crashes: list[str] = []
@@ -689,11 +707,14 @@ def simulate_many(seed: int, seeds: int, duration: float, capacity: int, no_faul
         s = seed + i
         writer = None
         if journal and i == 0:
-            writer = JournalWriter(journal, Config(), capacity, {"source": "simulate", "seed": s})
+            writer = JournalWriter(journal, config, capacity, {"source": "simulate", "seed": s})
         t0 = time.perf_counter()
         f = seed_faults(profile, s)
+        if checksums:
+            f.corrupt = corrupt_rate(profile, s)
         mixes[str(s)] = f.mix()
-        sim = Simulator(s, faults=f, capacity=capacity, journal=writer.sink if writer else None)
+        sim = Simulator(s, config=config, faults=f, capacity=capacity,
+                        journal=writer.sink if writer else None)
 
         def prog(now: float, s: int = s, sim: Simulator = sim) -> None:
             if progress is not None:
@@ -749,7 +770,7 @@ def run(args: argparse.Namespace) -> int:
     with quiet_drivers(getattr(args, "verbose", 0)):
         totals = simulate_many(args.seed, args.seeds, args.duration, args.capacity,
                                args.no_faults, args.journal, progress=sys.stderr,
-                               faults=args.faults)
+                               faults=args.faults, checksums=args.checksums)
     if args.json:
         print(json.dumps(totals, sort_keys=True))
     else:
@@ -759,7 +780,8 @@ def run(args: argparse.Namespace) -> int:
                   "stranded_block_seconds", "stale_messages", "late_after_expiry",
                   "duplicates_ignored", "staged", "staged_dropped", "rejected", "rejected_d",
                   "messages", "lost", "duplicated", "delayed", "crashes", "partitions",
-                  "aborts_p", "aborts_d", "admission_blocked", "fenced_reads", "reused",
+                  "aborts_p", "aborts_d", "admission_blocked", "fenced_reads",
+                  "corrupted_reads", "checksum_failures", "reused",
                   "blocks_held_at_end", "violations", "safety_violations",
                   "liveness_failures", "crashed_seeds"):
             print(f"  {k:24s} {totals.get(k)}")

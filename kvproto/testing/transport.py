@@ -13,10 +13,12 @@ reordering (random delays within ``max_delay``), delay beyond ``max_delay``, han
 failures, partitions between P and a D rank (notifications dropped, handshakes
 unreachable, READs failing with a disconnect), D rank crashes, a READ landing after
 ``max_read_time`` (outside the timing assumption: P may free its blocks meanwhile),
-and stamps changed by reuse (the
-engine overwrites freed blocks at once). Memory is modelled by what was written, not by
+stamps changed by reuse (the
+engine overwrites freed blocks at once), and data READs landing corrupted with their
+stamps unchanged (``corrupt``: only block checksums catch it). Memory is modelled by what was written, not by
 bytes: P's block ``b`` holds write ``content[b]``; a data READ copies the writes its
-remote blocks hold *when it lands*, a stamp READ the stamps they carry then.
+remote blocks hold *when it lands*, a stamp READ the stamps they carry then (and the
+checksums P sealed in their checksum slots, with ``Config.checksums``).
 
 Every time here is the machines' time, integer milliseconds (``World.now``); the
 ``Faults`` knobs and the config's durations are seconds, turned into ms where used.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import heapq
 import json
 import random
+import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Final
@@ -61,6 +64,10 @@ class Faults:
     partition_rate: float = 0.0  # per step: cut one live D rank off P for a while
     late_read: float = 0.0  # fraction of READs landing after max_read_time (World.late_bound)
     reuse: float = 0.0  # fraction of freed blocks the engine overwrites at once
+    # Fraction of data READs landing with one block's bytes changed and its stamp
+    # unchanged (a NIC or backend fault). Only block checksums (``Config.checksums``)
+    # catch it, so ``swarm`` never draws it: ``Simulator`` turns it on with checksums.
+    corrupt: float = 0.0
 
     @classmethod
     def none(cls) -> Faults:
@@ -153,6 +160,8 @@ class SimXfer:
     late: bool = False
     state: str = PROC
     seq: int = 0
+    sums: bool = False  # a stamp READ that fetches the checksum slots too
+    corrupt: bool = False  # a data READ that lands with its first block's bytes changed
 
 
 @dataclass
@@ -183,9 +192,12 @@ class World:
         self.inbox: dict[str, list[tuple[str, bytes]]] = {}
         self.content = [0] * capacity  # P's blocks: the write each one holds
         self.stamps = [0] * capacity  # P's generation stamps
+        self.sums = [0] * capacity  # P's checksum slots (``seal``)
         self.writes = 0
         self.local: dict[str, list[int]] = {}  # D rank -> the write each local block holds
         self.local_stamps: dict[str, list[int]] = {}
+        self.local_sums: dict[str, list[int]] = {}
+        self.corrupted = 0  # data READs that landed corrupted
         self.xfers: list[SimXfer] = []  # posted, not landed yet
         self.attempts: dict[str, HsAttempt] = {}  # rank -> its handshake in progress
         self.down: set[str] = set()  # crashed D ranks
@@ -277,16 +289,17 @@ class World:
         m = self.config.ms
         return m.max_read_time + m.lease_horizon + m.abort_grace
 
-    def post(self, rank: str, local: Sequence[int], remote: Sequence[int], stamps: bool
-             ) -> SimXfer:
+    def post(self, rank: str, local: Sequence[int], remote: Sequence[int], stamps: bool,
+             sums: bool = False) -> SimXfer:
         bound = self.read_bound()
         late = self.faults.late_read > 0 and self.rng.random() < self.faults.late_read
         if late:
             dur = round(self.rng.uniform(self.config.ms.max_read_time, self.late_bound()))
         else:
             dur = round(self.rng.uniform(min(1, bound / 2), bound))
+        corrupt = not stamps and self.faults.corrupt > 0 and self.rng.random() < self.faults.corrupt
         x = SimXfer(rank, tuple(local), tuple(remote), stamps, self.now, self.now + dur, late,
-                    seq=self._next())
+                    seq=self._next(), sums=sums, corrupt=corrupt)
         self.xfers.append(x)
         return x
 
@@ -301,10 +314,18 @@ class World:
             slots = self.local_stamps[x.rank]
             for lb, rb in zip(x.local, x.remote, strict=True):
                 slots[lb] = self.stamps[rb]
+            if x.sums:
+                sums = self.local_sums[x.rank]
+                for lb, rb in zip(x.local, x.remote, strict=True):
+                    sums[lb] = self.sums[rb]
         else:
             held = self.local[x.rank]
             for lb, rb in zip(x.local, x.remote, strict=True):
                 held[lb] = self.content[rb]
+            if x.corrupt and x.local:
+                # A byte flipped in flight: what lands is no write P ever made.
+                held[x.local[0]] = -1 - self.content[x.remote[0]]
+                self.corrupted += 1
         x.state = DONE
 
     def run_due(self, now: int) -> None:
@@ -326,6 +347,12 @@ class World:
         for a in self.attempts.values():
             t = min(t, a.at if a.result is None else t)
         return t
+
+
+def content_sum(write: int) -> int:
+    """The checksum of a block holding ``write`` (CRC-32 of its 8 bytes, as the NIXL
+    transport's of a block's bytes)."""
+    return zlib.crc32(write.to_bytes(8, "little", signed=True))
 
 
 # The fuzzer's variants: nothing random, every choice made by the fuzzer.
@@ -375,6 +402,7 @@ class FuzzWorld(World):
     fuzzer made it late: ``slow``, or while ``slow_next`` is positive when it is posted)."""
 
     slow_next: int = 0
+    corrupt_next: int = 0  # data READs posted from now on that land corrupted
 
     def start_handshake(self, rank: str, payload: bytes) -> None:
         self.attempts[rank] = HsAttempt(rank, payload, NEVER, self._next())
@@ -386,11 +414,14 @@ class FuzzWorld(World):
         self.answer(a)
         a.ready = self.now
 
-    def post(self, rank: str, local: Sequence[int], remote: Sequence[int], stamps: bool
-             ) -> SimXfer:
+    def post(self, rank: str, local: Sequence[int], remote: Sequence[int], stamps: bool,
+             sums: bool = False) -> SimXfer:
         x = SimXfer(rank, tuple(local), tuple(remote), stamps, self.now,
-                    self.now + self.read_bound(), seq=self._next())
+                    self.now + self.read_bound(), seq=self._next(), sums=sums)
         self.xfers.append(x)
+        if self.corrupt_next > 0 and not stamps:
+            self.corrupt_next -= 1
+            x.corrupt = True
         if self.slow_next > 0:
             self.slow_next -= 1
             self.slow(x)
@@ -451,6 +482,11 @@ class SimPTransport:
         for b in blocks:
             s[b] += 1
 
+    def seal(self, blocks: Sequence[int]) -> None:
+        w = self.world
+        for b in blocks:
+            w.sums[b] = content_sum(w.content[b])
+
     def metadata_name(self, metadata: bytes) -> str | None:
         if not metadata.startswith(_MD):
             return None
@@ -482,6 +518,7 @@ class SimDTransport:
         self._layout = Layout(num_blocks, p_layout.block_bytes, p_layout.dtype, 0, 1)
         world.local[name] = [0] * num_blocks
         world.local_stamps[name] = [-1] * num_blocks
+        world.local_sums[name] = [-1] * num_blocks
         world.ranks[name] = self
 
     def layout(self) -> Layout:
@@ -519,11 +556,11 @@ class SimDTransport:
         self.world.attempts.pop(self.name, None)
 
     def post_read(self, engine: str, local: Sequence[int], remote: Sequence[int], *,
-                  stamps: bool) -> tuple[Any, str]:
+                  stamps: bool, sums: bool = False) -> tuple[Any, str]:
         w = self.world
         if w.cut_off(self.name):
             return None, DISCONNECT
-        x = w.post(self.name, local, remote, stamps)
+        x = w.post(self.name, local, remote, stamps, sums)
         return x, x.state
 
     def poll(self, xfer: Any) -> str:
@@ -536,6 +573,14 @@ class SimDTransport:
     def landed_stamps(self, local: Sequence[int]) -> list[int]:
         slots = self.world.local_stamps[self.name]
         return [slots[i] for i in local]
+
+    def landed_sums(self, local: Sequence[int]) -> list[int]:
+        sums = self.world.local_sums[self.name]
+        return [sums[i] for i in local]
+
+    def block_sums(self, local: Sequence[int]) -> list[int]:
+        held = self.world.local[self.name]
+        return [content_sum(held[i]) for i in local]
 
     def stale(self) -> bool:
         return False

@@ -138,7 +138,12 @@ def load_lease_config(path: str | None, overrides: dict[str, float]) -> Config:
     if unknown:
         raise LeaseConfigError(f"unknown config keys: {', '.join(unknown)} "
                                f"(known: {', '.join(sorted(known))})")
+    flags = {f.name for f in fields(Config) if f.type == "bool"}  # no timing meaning
     for k, v in data.items():
+        if k in flags:
+            if not isinstance(v, bool):
+                raise LeaseConfigError(f"{k} must be true or false, got {str(v)[:40]}")
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
             raise LeaseConfigError(f"{k} must be a finite number, got {str(v)[:40]}")
         if v < 0:

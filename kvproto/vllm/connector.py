@@ -221,8 +221,8 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 # ---------------------------------------------------------------------------
 
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
-# recomputed_blocks, handshake_failures, model_mismatches, rejected_params,
-# rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
+# checksum_failures, recomputed_blocks, handshake_failures, model_mismatches,
+# rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
 
 
 @dataclass
@@ -272,6 +272,8 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
         "stranded_block_seconds": ("kvproto:stranded_block_seconds",
                                    "P: block-seconds held by requests freed by expiry/abort"),
         "fenced_reads": ("kvproto:fenced_reads", "D: READs whose stamps changed (never served)"),
+        "checksum_failures": ("kvproto:checksum_failures",
+                              "D: READs with a block whose checksum failed (never served)"),
         "recomputed_blocks": ("kvproto:recomputed_blocks", "D: blocks reported as load errors"),
         "handshake_failures": ("kvproto:handshake_failures", "D: handshakes that failed"),
         "model_mismatches": ("kvproto:model_mismatches",
@@ -590,6 +592,8 @@ class _DWorker:
         c = dict(self.stats)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
+        c["checksum_failures"] = float(ac.get("checksum_failed", 0))
+        c["checksum_verified_blocks"] = float(ac.get("checksum_verified", 0))
         c["ended_before_load"] = float(self.ended_before_load)
         c["read_refused"] = float(ac.get("read_refused", 0))
         c["peer_lost"] = float(ac.get("peer_lost", 0))

@@ -41,6 +41,10 @@ EXTRA_KEYS: dict[str, str] = {
     "role": "producer | consumer | both (default: from kv_role)",
     "lease": "lifecycle Config fields (initial_lease, lease_extension, heartbeat_interval, "
              "abort_grace, max_delay, max_read_time, clock_drift, ...), seconds",
+    "checksums": "block checksums: P computes a CRC-32 per block at register, D verifies "
+                 "each block it read before vLLM sees it; a mismatch fails the load "
+                 "(recompute or error per kv_load_failure_policy). Both sides must agree "
+                 "(false; same as lease.checksums)",
     "handshake_host": "address P's handshake listener binds and advertises (127.0.0.1)",
     "handshake_port": "P's handshake port (0: ephemeral; data-parallel rank r uses port + r)",
     "expected_readers": "decode ranks that pull each request from one P rank (1)",
@@ -117,6 +121,11 @@ class ConnectorOptions:
             config = Config.from_dict(dict(extra.get("lease") or {}))
         except (ConfigError, TypeError, ValueError) as e:
             raise ValueError(f"kvproto: bad lease config: {e}") from None
+        checksums = extra.get("checksums", False)
+        if not isinstance(checksums, bool):
+            raise ValueError(f"kvproto: checksums must be true or false, got {checksums!r}")
+        if checksums:
+            config = replace(config, checksums=True)
 
         def num(key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
             v = extra.get(key, default)
