@@ -562,6 +562,8 @@ class Consumer:
         is what ``renew`` offers; ``notif_attached`` says whether ``send_done`` is due."""
         row = self.TABLE[(r.state, event, guard)]
         r.state = row.dst
+        if not row.effects:
+            return row  # a row without effects only moves the state
         p = r.params
         if row.track:
             heapq.heappush(self._lease_heap, (r.lease_end, r.rid))
@@ -587,18 +589,21 @@ class Consumer:
             del self._group_owner[(p.engine, p.group)]
         if row.finish is not None:
             why = row.finish or reason
-            del self.reqs[r.rid]
-            n = len(self._lease_heap)
-            if n > 2 * len(self.reqs) and n > HEAP_SLACK:
+            reqs = self.reqs
+            del reqs[r.rid]
+            heap = self._lease_heap
+            n = len(heap)
+            if n > 2 * len(reqs) and n > HEAP_SLACK:
                 # Compact in place (tick may be iterating this very list).
-                self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
-                                       if q.state in (WAITING, HANDSHAKING)]
-                heapq.heapify(self._lease_heap)
+                heap[:] = [(q.lease_end, q.rid) for q in reqs.values()
+                           if q.state in (WAITING, HANDSHAKING)]
+                heapq.heapify(heap)
             peer = self.peers.get(p.engine)
             if peer is not None and peer.reqs.get(p.handle) is r:
                 del peer.reqs[p.handle]
             key = row.finish_key or f"{r.state}:{why}"
-            self.finished[key] = self.finished.get(key, 0) + 1
+            fin = self.finished
+            fin[key] = fin.get(key, 0) + 1
             out.append(Finished(r.rid, r.state, why))
         return row
 
@@ -671,7 +676,9 @@ class Consumer:
     # -- events ------------------------------------------------------------------------------
     def admit(self, rid: str, params: TransferParams, now: int) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
-        if self._clock(now) is None:
+        if type(now) is int and self.now <= now:
+            self.now = now
+        elif self._clock(now) is None:
             return []
         out: list[DEffect] = []
         peer = self.peers.get(params.engine)
@@ -688,14 +695,16 @@ class Consumer:
                 out.append(Finished(rid, D_FAILED, "peer_table_full"))
                 return self._emit(Admit(rid, params, now), out)
             peer = self.peers[params.engine] = _Peer()
-        if rid in self.reqs or params.handle in peer.reqs:
+        reqs = self.reqs
+        if rid in reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return self._emit(Admit(rid, params, now), out)
-        lease_end = now + params.initial_term - self.config.ms.max_delay
+        ms = self.config.ms
+        lease_end = now + params.initial_term - ms.max_delay
         r = _DReq(rid, params, lease_end)
-        self.reqs[rid] = r
+        reqs[rid] = r
         peer.reqs[params.handle] = r
-        if not self._read_fits(lease_end, now):
+        if now + ms.max_read_time + ms.clock_drift > lease_end:  # not _read_fits
             guard = "lease_short"
         elif peer.state == PEER_READY:
             guard = "peer_ready"
@@ -732,10 +741,13 @@ class Consumer:
 
     def schedule(self, rid: str, now: int) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
+        if type(now) is int and self.now <= now:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return []
+            now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != WAITING:
@@ -753,7 +765,9 @@ class Consumer:
             elif owner is not None and owner != rid:
                 guard = "sibling_local"
         if not guard:
-            guard = "lease_covers_read" if self._read_fits(r.lease_end, now) else "lease_short"
+            ms = self.config.ms
+            guard = "lease_covers_read" if now + ms.max_read_time + ms.clock_drift \
+                <= r.lease_end else "lease_short"  # _read_fits
         self._step(r, SCHEDULE, guard, out)
         return self._emit(Schedule(rid, now), out) if self.sink else out
 
@@ -765,10 +779,13 @@ class Consumer:
         NIXL notification); otherwise the machine emits SendDone (the NIXL adapter
         batches those per P engine and step).
         """
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
+        if type(now) is int and self.now <= now:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return []
+            now = clk
         out: list[DEffect] = []
         landed = ok and not fenced
         r = self.reqs.get(rid)
@@ -777,7 +794,8 @@ class Consumer:
         elif landed:
             self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
                        notif_attached=notif_attached)
-            self._group_landed(r)
+            if r.params.group is not None:
+                self._group_landed(r)
         else:
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
