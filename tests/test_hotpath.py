@@ -30,8 +30,19 @@ class GenericTally(Ledger):
         return super().tally(handle, event, reader)
 
 
-def test_a_class_that_overrides_tally_takes_the_hook() -> None:
-    assert Ledger._OWN_TALLY and not GenericTally._OWN_TALLY
+def test_a_class_that_overrides_tally_is_asked_for_every_report() -> None:
+    calls: list[str] = []
+
+    class Watching(Ledger):
+        def tally(self, handle: int, event: str, reader: str) -> int:
+            calls.append(reader)
+            return super().tally(handle, event, reader)
+
+    L = Watching(Config(), BlockPool(4))
+    L.register(1, "r1", (0,), 0, expected=2)
+    L.done("d0", 1, 2, 10)
+    L.release("d1", [1], 2, 10)
+    assert calls == ["d0", "d1"] and L.held_requests == 0
 
 
 def _drive(cls: type[Ledger], seed: int) -> list[object]:
