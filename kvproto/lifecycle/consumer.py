@@ -562,8 +562,6 @@ class Consumer:
         is what ``renew`` offers; ``notif_attached`` says whether ``send_done`` is due."""
         row = self.TABLE[(r.state, event, guard)]
         r.state = row.dst
-        if not row.effects:
-            return row  # a row without effects only moves the state
         p = r.params
         if row.track:
             heapq.heappush(self._lease_heap, (r.lease_end, r.rid))
@@ -589,21 +587,18 @@ class Consumer:
             del self._group_owner[(p.engine, p.group)]
         if row.finish is not None:
             why = row.finish or reason
-            reqs = self.reqs
-            del reqs[r.rid]
-            heap = self._lease_heap
-            n = len(heap)
-            if n > 2 * len(reqs) and n > HEAP_SLACK:
+            del self.reqs[r.rid]
+            n = len(self._lease_heap)
+            if n > 2 * len(self.reqs) and n > HEAP_SLACK:
                 # Compact in place (tick may be iterating this very list).
-                heap[:] = [(q.lease_end, q.rid) for q in reqs.values()
-                           if q.state in (WAITING, HANDSHAKING)]
-                heapq.heapify(heap)
+                self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
+                                       if q.state in (WAITING, HANDSHAKING)]
+                heapq.heapify(self._lease_heap)
             peer = self.peers.get(p.engine)
             if peer is not None and peer.reqs.get(p.handle) is r:
                 del peer.reqs[p.handle]
             key = row.finish_key or f"{r.state}:{why}"
-            fin = self.finished
-            fin[key] = fin.get(key, 0) + 1
+            self.finished[key] = self.finished.get(key, 0) + 1
             out.append(Finished(r.rid, r.state, why))
         return row
 
@@ -676,9 +671,7 @@ class Consumer:
     # -- events ------------------------------------------------------------------------------
     def admit(self, rid: str, params: TransferParams, now: int) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
-        if type(now) is int and self.now <= now:
-            self.now = now
-        elif self._clock(now) is None:
+        if self._clock(now) is None:
             return []
         out: list[DEffect] = []
         peer = self.peers.get(params.engine)
@@ -695,16 +688,14 @@ class Consumer:
                 out.append(Finished(rid, D_FAILED, "peer_table_full"))
                 return self._emit(Admit(rid, params, now), out)
             peer = self.peers[params.engine] = _Peer()
-        reqs = self.reqs
-        if rid in reqs or params.handle in peer.reqs:
+        if rid in self.reqs or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return self._emit(Admit(rid, params, now), out)
-        ms = self.config.ms
-        lease_end = now + params.initial_term - ms.max_delay
+        lease_end = now + params.initial_term - self.config.ms.max_delay
         r = _DReq(rid, params, lease_end)
-        reqs[rid] = r
+        self.reqs[rid] = r
         peer.reqs[params.handle] = r
-        if now + ms.max_read_time + ms.clock_drift > lease_end:  # not _read_fits
+        if not self._read_fits(lease_end, now):
             guard = "lease_short"
         elif peer.state == PEER_READY:
             guard = "peer_ready"
@@ -741,13 +732,10 @@ class Consumer:
 
     def schedule(self, rid: str, now: int) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
-        if type(now) is int and self.now <= now:
-            self.now = now
-        else:
-            clk = self._clock(now)
-            if clk is None:
-                return []
-            now = clk
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != WAITING:
@@ -765,9 +753,7 @@ class Consumer:
             elif owner is not None and owner != rid:
                 guard = "sibling_local"
         if not guard:
-            ms = self.config.ms
-            guard = "lease_covers_read" if now + ms.max_read_time + ms.clock_drift \
-                <= r.lease_end else "lease_short"  # _read_fits
+            guard = "lease_covers_read" if self._read_fits(r.lease_end, now) else "lease_short"
         self._step(r, SCHEDULE, guard, out)
         return self._emit(Schedule(rid, now), out) if self.sink else out
 
@@ -779,13 +765,10 @@ class Consumer:
         NIXL notification); otherwise the machine emits SendDone (the NIXL adapter
         batches those per P engine and step).
         """
-        if type(now) is int and self.now <= now:
-            self.now = now
-        else:
-            clk = self._clock(now)
-            if clk is None:
-                return []
-            now = clk
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
         out: list[DEffect] = []
         landed = ok and not fenced
         r = self.reqs.get(rid)
@@ -794,8 +777,7 @@ class Consumer:
         elif landed:
             self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
                        notif_attached=notif_attached)
-            if r.params.group is not None:
-                self._group_landed(r)
+            self._group_landed(r)
         else:
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
