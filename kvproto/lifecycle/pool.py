@@ -91,25 +91,44 @@ class BlockPool:
             rc[b] += 1
 
     def _drop(self, blocks: Sequence[int]) -> list[int]:
-        """Decrement; return the blocks whose count reached zero (now reusable)."""
+        """Decrement; return the blocks whose count reached zero (now reusable), in the
+        order of ``blocks``."""
         rc = self._rc
-        reclaimed: list[int] = []
+        reclaimed: list[int] | None = None
         for b in blocks:
             c = rc[b]
+            if c == 1:  # the common case first: the last holder lets go
+                rc[b] = 0
+                if reclaimed is None:
+                    reclaimed = [b]
+                else:
+                    reclaimed.append(b)
+                continue
             if c <= 0:
                 self.violations += 1
                 if self.strict:
+                    self._reclaimed(reclaimed)  # the counts stay exact for what was dropped
                     raise DoubleFree(f"block {b} freed with reference count {c}")
                 continue
-            c -= 1
-            rc[b] = c
-            if c == 0:
-                self.held_count -= 1
-                self.free_count += 1
-                reclaimed.append(b)
-                if self._avail is not None and b not in self._pins:
-                    self._avail[b] = None
+            rc[b] = c - 1
+        if reclaimed is None:
+            return []
+        self._reclaimed(reclaimed)
         return reclaimed
+
+    def _reclaimed(self, blocks: list[int] | None) -> None:
+        """Count ``blocks`` (their reference counts just reached zero) as free."""
+        if not blocks:
+            return
+        n = len(blocks)
+        self.held_count -= n
+        self.free_count += n
+        avail = self._avail
+        if avail is not None:
+            pins = self._pins
+            for b in blocks:
+                if b not in pins:
+                    avail[b] = None
 
     def recount(self) -> tuple[int, int]:
         """O(capacity) recount of (held, free), for invariant checks."""

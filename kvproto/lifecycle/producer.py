@@ -14,6 +14,7 @@ from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
+from kvproto.lifecycle.hotpath import new_free, register_free
 from kvproto.lifecycle.pool import (
     BlockPool,
 )
@@ -140,6 +141,7 @@ class Rejected:
 
 
 Effect = Free | Ack | Rejected
+register_free(Free)  # new_free builds Free: same slots, same order
 
 
 class _Req:
@@ -189,6 +191,11 @@ MAX_STAGED_MSGS_PER_HANDLE: Final = 64
 # tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
 # than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
+# Deadline-heap entries are ints, ``deadline << HEAP_SHIFT | handle`` (handles are below
+# 2**HEAP_SHIFT, as on the wire): ordered by (deadline, handle) like the pair, compared
+# in C without a tuple, and a third smaller.
+HEAP_SHIFT: Final = 64
+HEAP_HANDLE_MASK: Final = (1 << HEAP_SHIFT) - 1
 # A machine's clock before its first event: below any time an adapter reads (times are
 # integer milliseconds; the hot paths' one check is ``type(now) is int and self.now <= now``).
 CLOCK_START: Final = -(1 << 63)
@@ -286,6 +293,8 @@ class Ledger:
     # state -> row for the others; derived from TABLE per class.
     _HB_FAST: ClassVar[dict[str, str]]
     _HB_ROW: ClassVar[dict[str, Transition]]
+    # True when the class keeps Ledger.tally (the hook's body then runs inline).
+    _OWN_TALLY: ClassVar[bool]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -297,6 +306,7 @@ class Ledger:
         rows = {s: t[(s, HEARTBEAT, "refuse" if s == ABORTED else "renew")] for s in HELD_STATES}
         cls._HB_ROW = rows
         cls._HB_FAST = {s: r.dst for s, r in rows.items() if r.effects == (Fx("renew"),)}
+        cls._OWN_TALLY = cls.tally is Ledger.tally
 
     @classmethod
     def with_rows(cls, *rows: Transition, name: str | None = None) -> type[Ledger]:
@@ -326,7 +336,7 @@ class Ledger:
         # Invariant: every held request has an entry at its deadline or earlier (renewals
         # leave it early, tick re-inserts it); entries of freed requests are dropped
         # lazily. Cap: rebuilt from _live once above max(2 * held, HEAP_SLACK) entries.
-        self._heap: list[tuple[int, int]] = []  # (deadline or earlier, handle); lazy
+        self._heap: list[int] = []  # deadline or earlier << HEAP_SHIFT | handle; lazy
         # Invariant: handles neither live nor tombstoned when their first message came
         # (messages before register), oldest first; each holds at most max_staged_msgs
         # messages and leaves on register or after max_staged_age. Cap: config.max_staged
@@ -418,7 +428,7 @@ class Ledger:
     def next_deadline(self) -> int | None:
         """Earliest time a tick can change anything (for adapters' sleep). After a tick
         that ran out of its work budget this is a time already past: tick again soon."""
-        nxt = self._heap[0][0] if self._heap else None
+        nxt = self._heap[0] >> HEAP_SHIFT if self._heap else None
         if self._staged:
             s = next(iter(self._staged.values())).since + self.config.ms.max_staged_age
             nxt = s if nxt is None else min(nxt, s)
@@ -524,7 +534,7 @@ class Ledger:
         aborts since the last one)."""
         n = len(self._heap)
         if n > 2 * len(self._live) and n > HEAP_SLACK:
-            self._heap[:] = [(r.deadline, h) for h, r in self._live.items()]  # in place
+            self._heap[:] = [r.deadline << HEAP_SHIFT | h for h, r in self._live.items()]
             heapq.heapify(self._heap)
             self._count("heap_rebuilt")
 
@@ -539,6 +549,12 @@ class Ledger:
         its effects in order, then its destination. Effects that only shape the reply
         (``refuse``, ``stage``, ``reject``) are read from the returned row by the caller."""
         row = self.TABLE[(r.state, event, guard)]
+        self._apply(r, row, now, out)
+        return row
+
+    def _apply(self, r: _Req, row: Transition, now: int, out: list[Effect]) -> None:
+        """Run ``row`` (a row of ``TABLE`` whose source is r's state) on ``r``: the body
+        of ``_step`` after its lookup."""
         if row.counter is not None:
             c = self.counters
             c[row.counter] = c.get(row.counter, 0) + 1
@@ -548,7 +564,7 @@ class Ledger:
             dl = now + self.config.ms.abort_grace
             if dl < r.deadline:  # only when abort_grace is below the lease horizon
                 r.deadline = dl
-                heapq.heappush(self._heap, (dl, r.handle))
+                heapq.heappush(self._heap, dl << HEAP_SHIFT | r.handle)
         if row.renew:
             dl = now + self.config.ms.lease_extension
             if dl > r.deadline:
@@ -560,7 +576,6 @@ class Ledger:
                 self._group_transferred(group, out)
         else:
             r.state = row.dst
-        return row
 
     def _step_absent(self, state: str, event: str, guard: str, reader: str, handle: int,
                      expected: int, now: int) -> Transition:
@@ -579,25 +594,27 @@ class Ledger:
         self._by_rid[r.rid] = r.handle
         if r.group is not None:
             self._groups.setdefault(r.group, set()).add(r.handle)
-        heapq.heappush(self._heap, (r.deadline, r.handle))
+        heapq.heappush(self._heap, r.deadline << HEAP_SHIFT | r.handle)
 
     def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
         """The only place blocks are freed. Moves ``r`` to its terminal state."""
         reason = row.free
         assert reason is not None
-        r.state = row.dst
-        del self._live[r.handle]
-        if self._by_rid.get(r.rid) == r.handle:
-            del self._by_rid[r.rid]
+        h = r.handle
+        rid = r.rid
+        r.state = dst = row.dst
+        del self._live[h]
+        if self._by_rid.get(rid) == h:
+            del self._by_rid[rid]
         if r.group is not None:
             members = self._groups.get(r.group)
             if members is not None:
-                members.discard(r.handle)
+                members.discard(h)
                 if not members:
                     del self._groups[r.group]
         tomb = self._tomb
-        tomb[r.handle] = (row.dst, r.rid)
-        self._tomb_rid[r.rid] = r.handle
+        tomb[h] = (dst, rid)
+        self._tomb_rid[rid] = h
         if len(tomb) > self.config.max_tombstones:
             old, (_, old_rid) = tomb.popitem(last=False)
             self._count("tombstone_evicted")
@@ -605,7 +622,7 @@ class Ledger:
                 del self._tomb_rid[old_rid]
         reclaimed = self.pool._drop(r.blocks)
         self.frees[reason] = self.frees.get(reason, 0) + 1
-        out.append(Free(r.handle, r.rid, reason, r.blocks, tuple(reclaimed), r.deadline))
+        out.append(new_free(h, rid, reason, r.blocks, tuple(reclaimed), r.deadline))
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
@@ -650,18 +667,20 @@ class Ledger:
         heap = self._heap
         live = self._live
         budget = self.config.max_tick_work
-        while heap and heap[0][0] <= now:
+        due = (now + 1) << HEAP_SHIFT  # the entries below it have deadlines <= now
+        pop = heapq.heappop
+        while heap and heap[0] < due:
             if budget <= 0:
                 # The rest carries over: next_deadline() reports a time already past.
                 self._count("tick_budget_exhausted")
                 break
             budget -= 1
-            _, h = heapq.heappop(heap)
+            h = pop(heap) & HEAP_HANDLE_MASK
             r = live.get(h)
             if r is None:
                 continue  # freed already: drop the stale entry
             if r.deadline > now:
-                heapq.heappush(heap, (r.deadline, h))  # renewed since: re-insert lazily
+                heapq.heappush(heap, r.deadline << HEAP_SHIFT | h)  # renewed: re-insert lazily
                 continue
             self._step(r, TICK, "deadline_passed", now, out)
 
@@ -679,14 +698,30 @@ class Ledger:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        n = self.tally(r.handle, event, reader)
+        if self._OWN_TALLY:  # Ledger.tally's body, inline
+            fin = r.finished
+            if fin is None:
+                fin = r.finished = set()
+            if reader in fin:
+                n = -1
+            else:
+                fin.add(reader)
+                if event == RELEASE:
+                    r.released = True
+                n = len(fin)
+        else:
+            n = self.tally(r.handle, event, reader)
         if n < 0:
             guard = "duplicate_reader"
         elif r.expected and n >= r.expected:
             guard = "all_finished" if r.released else "all_done"
         else:
             guard = "more_readers"
-        self._step(r, event, guard, now, out)
+        row = self.TABLE[(r.state, event, guard)]
+        if row.effects:
+            self._apply(r, row, now, out)
+        else:
+            r.state = row.dst  # all that a row without effects does (``_apply``)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -728,6 +763,8 @@ class Ledger:
         err = None
         if not isinstance(handle, int) or isinstance(handle, bool) or handle < 0:
             err = f"handle must be a non-negative int, got {handle!r}"
+        elif handle > HEAP_HANDLE_MASK:
+            err = f"handle must be below 2**{HEAP_SHIFT} (the wire's range), got {handle!r}"
         elif not isinstance(expected, int) or not 0 <= expected <= 0xFFFF:
             err = f"expected readers must be within [0, 65535], got {expected!r}"
         else:
@@ -895,7 +932,7 @@ class Ledger:
             now = clk
         out: list[Effect] = []
         heap = self._heap
-        if heap and heap[0][0] <= now:
+        if heap and heap[0] >> HEAP_SHIFT <= now:
             self.sweep(now, out)
         staged = self._staged
         if staged:
@@ -939,7 +976,7 @@ class Ledger:
             if expect[b] != pool.refcount(b):
                 errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
                 break
-        heap_handles = {h for _, h in self._heap}
+        heap_handles = {k & HEAP_HANDLE_MASK for k in self._heap}
         missing = [h for h in self._live if h not in heap_handles]
         if missing:
             errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
