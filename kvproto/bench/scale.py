@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound on one topology's run, seconds (1800)")
     p.add_argument("--connectors", default="stock,kvproto",
                    help="comma-separated subset of stock,kvproto (default both)")
+    p.add_argument("--repin", action="store_true",
+                   help="after start-up, pin every thread of each engine back to its own "
+                        "core (the stock connector moves its engines' main threads to the "
+                        "last core on CPU); compares the protocols on equal cores")
     p.add_argument("--no-validate", action="store_true",
                    help="skip kvproto validate on kvproto's journals")
     p.add_argument("--workdir", help="keep model, engine logs and journals here")
@@ -208,7 +212,7 @@ def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: floa
         ec = dict(extra)
         if name == "kvproto":
             ec["journal"] = str(workdir / f"{role}-{name}.jsonl")
-        core = cores - 1 if i == 0 else (i - 1) % cores
+        core = engine_core(i)
         specs.append(h.EngineSpec(
             name=f"{role}-{name}", model=model,
             kv_transfer_config={**base, "kv_connector_extra_config": ec},
@@ -338,6 +342,29 @@ def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
     return ph
 
 
+def engine_core(index: int) -> int:
+    """The core engine ``index`` (0: P, i + 1: D i) is bound to by :func:`scale_specs`."""
+    cores = os.cpu_count() or 1
+    return cores - 1 if index == 0 else (index - 1) % cores
+
+
+def repin(pid: int, core: int) -> int:
+    """Pin every thread of process ``pid`` to ``core``; the number of threads pinned
+    (threads that exit meanwhile are skipped)."""
+    n = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {core})
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
 def main_thread_cores(pid: int) -> list[int]:
     """The cores an engine's main thread (the one that steps the engine) may run on, as
     the engine left them after start-up (the stock connector re-pins it on CPU)."""
@@ -388,6 +415,9 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         engines = h.start_engines(specs)
         try:
             p, ds = engines[0], engines[1:]
+            if args.repin and (os.cpu_count() or 1) > 1:
+                for i, e in enumerate(engines):
+                    repin(e.pid, engine_core(i))
             warm_up(p, ds, name, args.max_tokens)
             affinity[name] = {e.spec.name: main_thread_cores(e.pid) for e in engines}
             log.info("%s: cores of each engine's main thread: %s", name, affinity[name])
@@ -407,7 +437,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "workload": {"requests": args.requests, "decoders": args.decoders,
                      "max_tokens": args.max_tokens, "abandon_every": args.abandon_every,
-                     "lease_s": args.lease, "sample_s": args.sample,
+                     "lease_s": args.lease, "sample_s": args.sample, "repin": args.repin,
                      "prompt_lengths": list(LENGTHS)},
         "journals_valid": None, "cpu_count": os.cpu_count(), "main_thread_cores": affinity,
         "loadavg_1m": round(os.getloadavg()[0], 2)}
