@@ -39,6 +39,11 @@ def test_stranded_counts_only_blocks_held_after_their_request_ended() -> None:
     st.add(15.0, {}, {"a": 10.5, "b": 14.0})          # b freed before the sample
     assert st.block_seconds == pytest.approx(5.0)
     assert st.peak == 5 and st.samples == 5
+    assert st.abandoned_block_seconds == 0.0
+    ab = scale.Stranded()
+    ab.add(0.0, {"a": 1, "b": 1}, {})
+    ab.add(2.0, {"a": 1, "b": 1}, {"a": 1.0, "b": 0.0}, {"b"})
+    assert ab.block_seconds == pytest.approx(3.0) and ab.abandoned_block_seconds == 2.0
 
 
 def test_percentile_nearest_rank() -> None:
@@ -109,6 +114,7 @@ def test_one_p_many_d_scaled_down(tmp_path: Path) -> None:
         ref, p, ds = engines[0], engines[1], engines[2:]
         reference = sc.reference_outputs(ref, prompts, max_tokens=4)
         ref.close()
+        scale.pin(engines[1:])
         scale.warm_up(p, ds, "t", 4)
         phases = {}
         for top, use in (("pair", ds[:1]), ("fanout", ds)):

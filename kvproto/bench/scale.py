@@ -2,9 +2,12 @@
 tiny random-weight model, real NIXL), one P with one D and one P with several D, for the
 stock NixlConnector and for KVProtoConnector in one run.
 
-Per connector, one P engine and ``--decoders`` D engines start (each pinned to a core with
-``VLLM_CPU_OMP_THREADS_BIND``: P on the last core, D *i* on core *i* mod cores) and run two
-topologies on the same engines, one after the other:
+Per connector, one P engine and ``--decoders`` D engines start and run two topologies on
+the same engines, one after the other. Once started, every thread of each engine is pinned
+to one core (P on the last core, D *i* on core *i* mod cores) with ``sched_setaffinity``:
+``VLLM_CPU_OMP_THREADS_BIND`` binds threads only in vLLM's multiprocess executor, which the
+harness's in-process engines do not use, and the stock connector moves its engine's main
+thread to the last core on CPU (``--no-pin`` keeps what the engines set themselves).
 
 * ``pair``: every request goes to D0 (one P, one D);
 * ``fanout``: request *j* goes to D(*j* mod ``--decoders``) (one P, several D).
@@ -33,7 +36,7 @@ Figures, per connector and topology:
   connector (greedy, same prompts); abandoned requests are not compared; ``errors``:
   requests that ended without output.
 
-kvproto's journals (P's and each D's Consumer journal) are checked with ``kvproto
+kvproto's journals (each engine's ledger and Consumer journal) are checked with ``kvproto
 validate`` after the engines shut down (``journals_valid``; ``--no-validate`` skips it).
 Progress goes to stderr; ``--json`` prints one JSON object on stdout. Exit codes: 0 done,
 1 kvproto served a wrong output, left blocks held or wrote an invalid journal, 2 bad
@@ -49,7 +52,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,10 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound on one topology's run, seconds (1800)")
     p.add_argument("--connectors", default="stock,kvproto",
                    help="comma-separated subset of stock,kvproto (default both)")
-    p.add_argument("--repin", action="store_true",
-                   help="after start-up, pin every thread of each engine back to its own "
-                        "core (the stock connector moves its engines' main threads to the "
-                        "last core on CPU); compares the protocols on equal cores")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave thread affinities as the engines set them (the stock "
+                        "connector puts its engines' main threads on the last core; "
+                        "kvproto's stay on every core) instead of one core per engine")
     p.add_argument("--no-validate", action="store_true",
                    help="skip kvproto validate on kvproto's journals")
     p.add_argument("--workdir", help="keep model, engine logs and journals here")
@@ -100,10 +103,12 @@ class Stranded:
 
     peak: int = 0
     block_seconds: float = 0.0
+    abandoned_block_seconds: float = 0.0   # the part due to abandoned requests
     samples: int = 0
     last_t: float | None = None
 
-    def add(self, t: float, held: Mapping[str, int], end: Mapping[str, float]) -> None:
+    def add(self, t: float, held: Mapping[str, int], end: Mapping[str, float],
+            abandoned: Container[str] = ()) -> None:
         self.samples += 1
         self.peak = max(self.peak, sum(held.values()))
         t0 = self.last_t
@@ -113,7 +118,10 @@ class Stranded:
         for rid, blocks in held.items():
             e = end.get(rid)
             if e is not None and e < t:
-                self.block_seconds += blocks * (t - max(t0, e))
+                bs = blocks * (t - max(t0, e))
+                self.block_seconds += bs
+                if rid in abandoned:
+                    self.abandoned_block_seconds += bs
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -152,6 +160,8 @@ class Phase:
             "ttft_ms_p99": round(percentile(self.ttft_ms, 99), 1),
             "peak_held_blocks": self.stranded.peak,
             "stranded_block_seconds": round(self.stranded.block_seconds, 2),
+            "stranded_block_seconds_abandoned":
+                round(self.stranded.abandoned_block_seconds, 2),
             "reclaimed": self.reclaimed, "held_blocks_left": self.held_left,
             "seconds_to_reclaim": round(self.seconds_to_reclaim, 2),
             "held_samples": self.stranded.samples, "loadavg_1m": self.loadavg_1m,
@@ -192,8 +202,8 @@ def format_report(res: Mapping[str, Any]) -> str:
 
 def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: float
                 ) -> list[EngineSpec]:
-    """P and ``decoders`` D engines for connector ``name`` (stock or kvproto), each pinned
-    to one core; kvproto's engines journal to ``<workdir>/P-kvproto.jsonl`` and
+    """P and ``decoders`` D engines for connector ``name`` (stock or kvproto); kvproto's
+    engines journal to ``<workdir>/P-kvproto.jsonl`` and
     ``D<i>-kvproto.jsonl`` (D's Consumer journal beside it, ``.consumer.jsonl``)."""
     from kvproto.vllm import harness as h
     from kvproto.vllm import scenarios as sc
@@ -202,21 +212,15 @@ def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: floa
         base, extra = h.STOCK_CONNECTOR, sc.stock_extras(lease)["extra_config"]
     else:
         base, extra = h.KVPROTO_CONNECTOR, {"lease": sc.lease_config(lease)}
-    cores = os.cpu_count() or 1
-
-    def bind(core: int) -> dict[str, str]:
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(core) if cores > 1 else "nobind"}
-
     specs = []
     for i, role in enumerate(["P", *(f"D{j}" for j in range(decoders))]):
         ec = dict(extra)
         if name == "kvproto":
             ec["journal"] = str(workdir / f"{role}-{name}.jsonl")
-        core = engine_core(i)
         specs.append(h.EngineSpec(
             name=f"{role}-{name}", model=model,
             kv_transfer_config={**base, "kv_connector_extra_config": ec},
-            env=h.engine_env(bind(core)),
+            env=h.engine_env(),
             kv_cache_memory_bytes=(64 << 20) if i == 0 else (32 << 20),
             max_num_seqs=128 if i == 0 else 64,
             log_path=str(workdir / f"{role}-{name}.log")))
@@ -224,13 +228,16 @@ def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: floa
 
 
 def journals(workdir: Path, decoders: int) -> list[Path]:
-    """kvproto's journals written by :func:`scale_specs` engines: P's and each D's
-    Consumer journal."""
+    """Every journal the kvproto engines of :func:`scale_specs` write: each engine (role
+    ``kv_both``) writes its ledger journal and its Consumer journal beside it; P's ledger
+    journal and each D's Consumer journal carry the traffic, the others only their
+    header and warm-up."""
     from kvproto.vllm.connector import consumer_journal_path
 
-    out = [workdir / "P-kvproto.jsonl"]
-    out += [Path(consumer_journal_path(str(workdir / f"D{j}-kvproto.jsonl")))
-            for j in range(decoders)]
+    out = []
+    for role in ["P", *(f"D{j}" for j in range(decoders))]:
+        own = workdir / f"{role}-kvproto.jsonl"
+        out += [own, Path(consumer_journal_path(str(own)))]
     return out
 
 
@@ -261,6 +268,7 @@ def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
                if abandon_every and j % abandon_every == abandon_every - 1}
     baseline = int(p.stats()["free_blocks"])
     end: dict[str, float] = {}      # P's internal id -> time D finished or router gave up
+    gone: set[str] = set()          # P's internal ids of the abandoned requests
     internal: dict[str, str] = {}   # rid -> P's internal id
     routed: set[str] = set()
     seen_p = len(p.results)
@@ -293,6 +301,7 @@ def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
             if rid in abandon:
                 d.abort([rid])
                 end[r.internal_id] = time.time()
+                gone.add(r.internal_id)
                 ph.abandoned += 1
         for d in ds:
             d.poll(0)
@@ -303,7 +312,7 @@ def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
                     end[internal[rid]] = d.results[rid].finish_t
         if time.monotonic() >= next_sample:
             next_sample = time.monotonic() + sample
-            ph.stranded.add(time.time(), p.held(), end)
+            ph.stranded.add(time.time(), p.held(), end, gone)
     t_done = time.time()
     for rid in rids:
         if rid in abandon or rid in ph.errors:
@@ -326,7 +335,7 @@ def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
     while True:
         held = p.held()
         now = time.time()
-        ph.stranded.add(now, held, end)
+        ph.stranded.add(now, held, end, gone)
         free = int(p.stats()["free_blocks"])
         if not held and free >= baseline:
             ph.reclaimed = True
@@ -363,6 +372,13 @@ def repin(pid: int, core: int) -> int:
         except OSError:
             continue
     return n
+
+
+def pin(engines: Sequence[Engine]) -> None:
+    """One core per engine (``engines[0]`` is P), every thread; nothing on one core."""
+    if (os.cpu_count() or 1) > 1:
+        for i, e in enumerate(engines):
+            repin(e.pid, engine_core(i))
 
 
 def main_thread_cores(pid: int) -> list[int]:
@@ -415,9 +431,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         engines = h.start_engines(specs)
         try:
             p, ds = engines[0], engines[1:]
-            if args.repin and (os.cpu_count() or 1) > 1:
-                for i, e in enumerate(engines):
-                    repin(e.pid, engine_core(i))
+            if not args.no_pin:
+                pin(engines)
             warm_up(p, ds, name, args.max_tokens)
             affinity[name] = {e.spec.name: main_thread_cores(e.pid) for e in engines}
             log.info("%s: cores of each engine's main thread: %s", name, affinity[name])
@@ -437,7 +452,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "workload": {"requests": args.requests, "decoders": args.decoders,
                      "max_tokens": args.max_tokens, "abandon_every": args.abandon_every,
-                     "lease_s": args.lease, "sample_s": args.sample, "repin": args.repin,
+                     "lease_s": args.lease, "sample_s": args.sample, "pinned": not args.no_pin,
                      "prompt_lengths": list(LENGTHS)},
         "journals_valid": None, "cpu_count": os.cpu_count(), "main_thread_cores": affinity,
         "loadavg_1m": round(os.getloadavg()[0], 2)}
