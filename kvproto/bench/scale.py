@@ -49,6 +49,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -242,14 +243,18 @@ def journals(workdir: Path, decoders: int) -> list[Path]:
 
 
 def validate(paths: Sequence[Path], timeout: float = 1800.0) -> tuple[bool, str]:
-    """``kvproto validate`` on ``paths`` in a child process: (passed, its last line)."""
+    """``kvproto validate`` on ``paths`` in a child process: (passed, a summary: the
+    journals it passed and their steps, or its last line when it failed)."""
     present = [str(p) for p in paths if p.exists() and p.stat().st_size > 0]
     if len(present) != len(paths):
         return False, f"journals missing or empty: {sorted(set(map(str, paths)) - set(present))}"
     run = subprocess.run([sys.executable, "-m", "kvproto.cli", "validate", *present],
                          capture_output=True, text=True, timeout=timeout, check=False)
     lines = (run.stdout + run.stderr).strip().splitlines()
-    return run.returncode == 0, lines[-1] if lines else f"exit {run.returncode}"
+    oks = [m for m in (re.search(r": OK, all (\d+) steps", ln) for ln in lines) if m]
+    if run.returncode == 0:
+        return True, f"{len(oks)} journals OK, {sum(int(m[1]) for m in oks)} steps"
+    return False, lines[-1] if lines else f"exit {run.returncode}"
 
 
 def drive(p: Engine, ds: Sequence[Engine], prompts: Mapping[str, Sequence[int]],
