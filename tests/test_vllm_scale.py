@@ -61,8 +61,8 @@ def test_report_ratio_per_topology() -> None:
         p.stranded.add(0.0, {"x": 4}, {})
         return p
 
-    rep = scale.build_report({"stock": {"pair": ph(100, 10.0), "fanout": ph(100, 5.0)},
-                              "kvproto": {"pair": ph(100, 5.0), "fanout": ph(100, 5.0)}},
+    rep = scale.build_report({"stock": {"pair": [ph(100, 10.0)], "fanout": [ph(100, 5.0)]},
+                              "kvproto": {"pair": [ph(100, 5.0)], "fanout": [ph(100, 5.0)]}},
                              meta={"journals_valid": True})
     assert rep["throughput_ratio"] == {"pair": 2.0, "fanout": 1.0}
     k = rep["kvproto"]["pair"]
@@ -70,8 +70,30 @@ def test_report_ratio_per_topology() -> None:
     assert k["ttft_ms_p99"] == 30.0 and k["peak_held_blocks"] == 4
     text = scale.format_report(rep)
     assert "stranded_block_seconds" in text and "kvproto fanout" in text
-    alone = scale.build_report({"kvproto": {"pair": ph(1, 1.0)}})
+    alone = scale.build_report({"kvproto": {"pair": [ph(1, 1.0)]}})
     assert alone["throughput_ratio"] == {"pair": None, "fanout": None}
+
+
+def test_rounds_merge_and_paired_ratio() -> None:
+    def ph(tok_s: float, stranded: float, peak: int, ttft: float) -> scale.Phase:
+        p = scale.Phase(requests=10, abandoned=1, tokens=int(tok_s), wall_s=1.0,
+                        ttft_ms=[ttft], reclaimed=True)
+        p.stranded.add(0.0, {"x": peak}, {})
+        p.stranded.add(1.0, {"x": peak}, {"x": 1.0 - stranded / peak})
+        return p
+
+    stock = [ph(100, 1.0, 4, 10.0), ph(200, 3.0, 8, 20.0), ph(400, 2.0, 2, 30.0)]
+    kv = [ph(110, 0.0, 4, 5.0), ph(180, 1.0, 4, 6.0), ph(480, 0.0, 4, 7.0)]
+    kv[1].reclaimed = False
+    rep = scale.build_report({"stock": {"pair": stock}, "kvproto": {"pair": kv}})
+    s = rep["stock"]["pair"]
+    assert s["requests"] == 30 and s["abandoned"] == 3 and s["tokens"] == 700
+    assert s["throughput_tok_s"] == 200.0 and s["rounds_throughput_tok_s"] == [100, 200, 400]
+    assert s["stranded_block_seconds"] == 2.0 and s["peak_held_blocks"] == 8
+    assert s["ttft_ms_p50"] == 20.0 and s["ttft_ms_p99"] == 30.0 and s["reclaimed"]
+    assert rep["kvproto"]["pair"]["reclaimed"] is False
+    assert rep["throughput_ratio"]["pair"] == 1.1   # median of 1.1, 0.9, 1.2
+    assert rep["throughput_ratio"]["fanout"] is None
 
 
 def test_repin_moves_every_thread_of_a_process() -> None:
@@ -91,7 +113,8 @@ def test_repin_moves_every_thread_of_a_process() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--requests", "0"], ["--abandon-every", "1"],
-                                  ["--connectors", "nope"], ["--sample", "0"]])
+                                  ["--connectors", "nope"], ["--sample", "0"],
+                                  ["--rounds", "0"]])
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "scale", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -81,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between samples of P's held blocks (0.2)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="bound on one topology's run, seconds (1800)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds; each starts fresh engines for each connector, the order "
+                        "alternating (stock first in even rounds), so that drifting load "
+                        "hits both alike (1)")
     p.add_argument("--connectors", default="stock,kvproto",
                    help="comma-separated subset of stock,kvproto (default both)")
     p.add_argument("--no-pin", action="store_true",
@@ -169,18 +174,44 @@ class Phase:
         }
 
 
-def build_report(phases: Mapping[str, Mapping[str, Phase]], *,
+def merge(rounds: Sequence[Phase]) -> dict[str, Any]:
+    """One topology of one connector over its rounds: counts summed, throughput and
+    stranded block-seconds the median of the rounds (each round's value listed too),
+    TTFT percentiles over every request of every round, the peak the highest."""
+    reps = [ph.report() for ph in rounds]
+    out = dict(reps[0])
+    for key in ("requests", "abandoned", "wrong_outputs", "errors", "tokens",
+                "held_blocks_left", "held_samples"):
+        out[key] = sum(r[key] for r in reps)
+    for key in ("throughput_tok_s", "stranded_block_seconds",
+                "stranded_block_seconds_abandoned", "wall_s"):
+        out[key] = round(statistics.median(r[key] for r in reps), 2)
+    ttft = [t for ph in rounds for t in ph.ttft_ms]
+    out["ttft_ms_p50"] = round(percentile(ttft, 50), 1)
+    out["ttft_ms_p99"] = round(percentile(ttft, 99), 1)
+    out["peak_held_blocks"] = max(r["peak_held_blocks"] for r in reps)
+    out["reclaimed"] = all(r["reclaimed"] for r in reps)
+    out["seconds_to_reclaim"] = max(r["seconds_to_reclaim"] for r in reps)
+    out["loadavg_1m"] = [r["loadavg_1m"] for r in reps]
+    out["rounds_throughput_tok_s"] = [r["throughput_tok_s"] for r in reps]
+    out["rounds_stranded_block_seconds"] = [r["stranded_block_seconds"] for r in reps]
+    return out
+
+
+def build_report(phases: Mapping[str, Mapping[str, Sequence[Phase]]], *,
                  meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One entry per connector (one per topology inside) and ``throughput_ratio``
-    (kvproto/stock per topology; None without both)."""
-    out: dict[str, Any] = {name: {t: ph.report() for t, ph in tops.items()}
+    """One entry per connector (one per topology inside, :func:`merge` of its rounds)
+    and ``throughput_ratio``: kvproto/stock per topology, the median of the per-round
+    ratios (None without both)."""
+    out: dict[str, Any] = {name: {t: merge(rs) for t, rs in tops.items() if rs}
                            for name, tops in phases.items()}
     ratio: dict[str, float | None] = {}
     for t in TOPOLOGIES:
-        s = out.get("stock", {}).get(t)
-        k = out.get("kvproto", {}).get(t)
-        ratio[t] = round(k["throughput_tok_s"] / s["throughput_tok_s"], 4) \
-            if s and k and s["throughput_tok_s"] > 0 else None
+        s = phases.get("stock", {}).get(t, [])
+        k = phases.get("kvproto", {}).get(t, [])
+        pairs = [b.report()["throughput_tok_s"] / a.report()["throughput_tok_s"]
+                 for a, b in zip(s, k, strict=False) if a.report()["throughput_tok_s"] > 0]
+        ratio[t] = round(statistics.median(pairs), 4) if pairs else None
     out["throughput_ratio"] = ratio
     out.update(meta or {})
     return out
@@ -201,11 +232,12 @@ def format_report(res: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------- driving
 
 
-def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: float
-                ) -> list[EngineSpec]:
+def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: float,
+                round_: int = 0) -> list[EngineSpec]:
     """P and ``decoders`` D engines for connector ``name`` (stock or kvproto); kvproto's
-    engines journal to ``<workdir>/P-kvproto.jsonl`` and
-    ``D<i>-kvproto.jsonl`` (D's Consumer journal beside it, ``.consumer.jsonl``)."""
+    engines journal to ``<workdir>/P-kvproto-r<round_>.jsonl`` and
+    ``D<i>-kvproto-r<round_>.jsonl`` (D's Consumer journal beside each,
+    ``.consumer.jsonl``)."""
     from kvproto.vllm import harness as h
     from kvproto.vllm import scenarios as sc
 
@@ -217,18 +249,18 @@ def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: floa
     for i, role in enumerate(["P", *(f"D{j}" for j in range(decoders))]):
         ec = dict(extra)
         if name == "kvproto":
-            ec["journal"] = str(workdir / f"{role}-{name}.jsonl")
+            ec["journal"] = str(workdir / f"{role}-{name}-r{round_}.jsonl")
         specs.append(h.EngineSpec(
             name=f"{role}-{name}", model=model,
             kv_transfer_config={**base, "kv_connector_extra_config": ec},
             env=h.engine_env(),
             kv_cache_memory_bytes=(64 << 20) if i == 0 else (32 << 20),
             max_num_seqs=128 if i == 0 else 64,
-            log_path=str(workdir / f"{role}-{name}.log")))
+            log_path=str(workdir / f"{role}-{name}-r{round_}.log")))
     return specs
 
 
-def journals(workdir: Path, decoders: int) -> list[Path]:
+def journals(workdir: Path, decoders: int, round_: int = 0) -> list[Path]:
     """Every journal the kvproto engines of :func:`scale_specs` write: each engine (role
     ``kv_both``) writes its ledger journal and its Consumer journal beside it; P's ledger
     journal and each D's Consumer journal carry the traffic, the others only their
@@ -237,7 +269,7 @@ def journals(workdir: Path, decoders: int) -> list[Path]:
 
     out = []
     for role in ["P", *(f"D{j}" for j in range(decoders))]:
-        own = workdir / f"{role}-kvproto.jsonl"
+        own = workdir / f"{role}-kvproto-r{round_}.jsonl"
         out += [own, Path(consumer_journal_path(str(own)))]
     return out
 
@@ -428,11 +460,14 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                          timeout=args.timeout)
     finally:
         ref.close()
-    phases: dict[str, dict[str, Phase]] = {}
+    phases: dict[str, dict[str, list[Phase]]] = {n: {t: [] for t in TOPOLOGIES}
+                                                 for n in names}
     affinity: dict[str, dict[str, list[int]]] = {}
-    for name in names:
-        specs = scale_specs(model, workdir, name, args.decoders, args.lease)
-        log.info("%s: starting P and %d D engines", name, args.decoders)
+    order = [(r, n) for r in range(args.rounds)
+             for n in (names if r % 2 == 0 else names[::-1])]
+    for rnd, name in order:
+        specs = scale_specs(model, workdir, name, args.decoders, args.lease, rnd)
+        log.info("round %d, %s: starting P and %d D engines", rnd, name, args.decoders)
         engines = h.start_engines(specs)
         try:
             p, ds = engines[0], engines[1:]
@@ -441,7 +476,6 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             warm_up(p, ds, name, args.max_tokens)
             affinity[name] = {e.spec.name: main_thread_cores(e.pid) for e in engines}
             log.info("%s: cores of each engine's main thread: %s", name, affinity[name])
-            phases[name] = {}
             for top, use in (("pair", ds[:1]), ("fanout", ds)):
                 tag = f"{name}-{top}"
                 prompts = {f"{tag}-{k}": v for k, v in base.items()}
@@ -449,8 +483,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 ph = drive(p, use, prompts, ref_t, max_tokens=args.max_tokens,
                            abandon_every=args.abandon_every, sample=args.sample,
                            drain=args.lease + 30.0, timeout=args.timeout)
-                phases[name][top] = ph
-                log.info("%s %s: %s", name, top, ph.report())
+                phases[name][top].append(ph)
+                log.info("round %d, %s %s: %s", rnd, name, top, ph.report())
         finally:
             for e in engines:
                 e.close()
@@ -458,11 +492,13 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "workload": {"requests": args.requests, "decoders": args.decoders,
                      "max_tokens": args.max_tokens, "abandon_every": args.abandon_every,
                      "lease_s": args.lease, "sample_s": args.sample, "pinned": not args.no_pin,
+                     "rounds": args.rounds,
                      "prompt_lengths": list(LENGTHS)},
         "journals_valid": None, "cpu_count": os.cpu_count(), "main_thread_cores": affinity,
         "loadavg_1m": round(os.getloadavg()[0], 2)}
     if "kvproto" in names and not args.no_validate:
-        ok, last = validate(journals(workdir, args.decoders))
+        ok, last = validate([j for r in range(args.rounds)
+                             for j in journals(workdir, args.decoders, r)])
         meta["journals_valid"] = ok
         meta["validate"] = last
         log.info("kvproto validate: %s (%s)", ok, last)
@@ -472,8 +508,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     bad = None
-    if args.requests < 1 or args.decoders < 1 or args.max_tokens < 1:
-        bad = "--requests, --decoders and --max-tokens must be >= 1"
+    if min(args.requests, args.decoders, args.max_tokens, args.rounds) < 1:
+        bad = "--requests, --decoders, --max-tokens and --rounds must be >= 1"
     elif args.abandon_every < 0 or args.abandon_every == 1:
         bad = "--abandon-every must be 0 (none) or >= 2"
     elif not args.lease > 0 or not args.sample > 0 or not args.timeout > 0:
