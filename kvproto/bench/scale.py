@@ -12,7 +12,10 @@ thread to the last core on CPU (``--no-pin`` keeps what the engines set themselv
 * ``pair``: every request goes to D0 (one P, one D);
 * ``fanout``: request *j* goes to D(*j* mod ``--decoders``) (one P, several D).
 
-In each, the router submits all ``--requests`` prefills to P at once (``max_tokens`` 1,
+The connectors run one after the other, each on fresh engines; ``--rounds N`` repeats
+that with the order alternating (stock first in even rounds), and the figures are merged
+over the rounds (:func:`merge`). In each topology the router submits all ``--requests``
+prefills to P at once (``max_tokens`` 1,
 ``do_remote_decode``) and sends each to its D as soon as P returns it, with P's transfer
 params unchanged. Every ``--abandon-every``-th request is abandoned: the router sends it
 to its D and aborts it there at once (a client that leaves while its request waits at D).
@@ -20,7 +23,8 @@ to its D and aborts it there at once (a client that leaves while its request wai
 Figures, per connector and topology:
 
 * ``throughput_tok_s``: D's generated tokens over the phase's wall time (P's first submit
-  to D's last token); ``throughput_ratio`` is kvproto/stock per topology;
+  to D's last token); ``throughput_ratio`` is kvproto/stock per topology, the median of
+  the per-round ratios;
 * ``ttft_ms_p50`` / ``ttft_ms_p99``: D's first token minus P's submit, per request;
 * ``peak_held_blocks``: the most KV blocks P held at once for finished requests (requests
   its scheduler keeps after their prefill, for a remote reader), sampled every
