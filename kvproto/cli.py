@@ -50,6 +50,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvproto.bench.transfer", "raw NIXL READs vs the kvproto-managed path"),
     "wire": ("kvproto.bench.wire", "wire decode/encode vs the ledger's handling, same run"),
     "vllm": ("kvproto.bench.vllm", "real vLLM P/D: stock NixlConnector vs KVProtoConnector"),
+    "scale": ("kvproto.bench.scale", "real vLLM at scale: 1P+1D and 1P+nD, many requests in "
+              "flight, stock NixlConnector vs KVProtoConnector"),
     "idle": ("kvproto.bench.idle", "real vLLM P holding blocks: CPU per idle second, "
              "idle wait on vs off"),
     "fingerprint": ("kvproto.bench.fingerprint",

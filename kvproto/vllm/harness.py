@@ -383,6 +383,11 @@ class Engine:
         ``waiting``, ``unfinished``, ``time``."""
         return dict(self._call(("stats",), timeout))
 
+    def held(self, timeout: float = 30.0) -> dict[str, int]:
+        """Requests the scheduler keeps after they finished (P: blocks held for a remote
+        reader), by internal id, with the number of KV blocks each still holds."""
+        return {str(k): int(v) for k, v in self._call(("held",), timeout).items()}
+
     def connector_call(self, method: str, *args: Any, worker: bool = False,
                        timeout: float = 30.0) -> Any:
         """Call a method of the engine's connector (scheduler side, or the worker side)
@@ -809,6 +814,10 @@ class _Child:  # pragma: no cover - runs in the engine process
                     "unfinished": self.sched.get_num_unfinished_requests(),
                     "statuses": dict(Counter(str(r.status) for r in self.sched.requests.values())),
                     "time": time.time()}
+        if kind == "held":
+            km = self.sched.kv_cache_manager
+            return {rid: sum(len(g) for g in km.get_block_ids(rid))
+                    for rid, r in self.sched.requests.items() if r.is_finished()}
         if kind == "connector":
             worker, method, args = inner[1], inner[2], inner[3]
             if worker:
