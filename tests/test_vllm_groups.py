@@ -188,7 +188,6 @@ def test_worker_halves_move_two_groups_into_their_positions() -> None:
     pytest.importorskip("nixl._api")
     pytest.importorskip("vllm")
     import torch
-
     from test_vllm_connector import NB, SHAPE, Pair
 
     pr = Pair()

@@ -533,10 +533,12 @@ def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, A
              tag: str = "", extra_config: dict[str, Any] | None = None,
              p_extra: dict[str, Any] | None = None, d_extra: dict[str, Any] | None = None,
              p_kv_bytes: int = 128 << 20, d_kv_bytes: int = 128 << 20,
-             env: dict[str, str] | None = None) -> tuple[EngineSpec, EngineSpec]:
+             env: dict[str, str] | None = None, prefix_caching: bool = False
+             ) -> tuple[EngineSpec, EngineSpec]:
     """Specs of a P and a D engine with ``connector`` (``STOCK_CONNECTOR`` or
     ``KVPROTO_CONNECTOR``); ``extra_config`` goes into both engines'
-    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only."""
+    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only;
+    ``prefix_caching`` on both engines."""
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     specs = []
@@ -549,7 +551,8 @@ def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, A
             cfg["kv_connector_extra_config"] = ec
         specs.append(EngineSpec(name=f"{role}{tag}", model=model, kv_transfer_config=cfg,
                                 env=engine_env(env), kv_cache_memory_bytes=kvb,
-                                log_path=str(wd / f"{role}{tag}.log")))
+                                log_path=str(wd / f"{role}{tag}.log"),
+                                prefix_caching=prefix_caching))
     return specs[0], specs[1]
 
 
