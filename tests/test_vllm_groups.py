@@ -23,9 +23,12 @@ from kvproto.vllm.groups import (
 )
 from kvproto.vllm.sched import (
     PARAMS_KEY,
+    ConnectorOptions,
     DScheduler,
     LoadOrder,
     ParamsError,
+    PeerInfo,
+    PScheduler,
     parse_remote_params,
 )
 
@@ -179,6 +182,22 @@ def test_two_groups_load_order_names_p_blocks_by_index() -> None:
                                 handle=2))
     assert ds.matched_tokens("s", 10, 0) == (0, False)
     assert ds.counters["rejected_params"] == 1
+
+
+def test_p_holds_every_groups_real_blocks_and_refuses_odd_lists() -> None:
+    ps = PScheduler(ConnectorOptions.parse({}, "kv_both"), 16)
+    ps.set_peer(PeerInfo("P", 1, "127.0.0.1", 5600))
+    out = ps.finished_groups("r", ([0, 0, 9], [3, 4, 5]), 12, {"do_remote_decode": True}, 4)
+    assert out is not None
+    assert out[PARAMS_KEY]["blocks"] == [9, 3, 4, 5]
+    assert out[PARAMS_KEY]["groups"] == [[2, 1], [0, 3]]
+    assert out[PARAMS_KEY]["block_size"] == 4
+    (reg,) = ps.drain()
+    assert reg.blocks == (9, 3, 4, 5)  # the ledger holds (and stamps) all of them
+    rp = parse_remote_params(out)
+    assert rp.groups() == [[2, 1], [0, 3]] and rp.block_size == 4
+    assert ps.finished_groups("s", ([9, 0, 10],), 12, {"do_remote_decode": True}, 4) is None
+    assert ps.counters == {"bad_blocks": 1} and not ps.drain()
 
 
 # --------------------------------------------------------------------------- over NIXL

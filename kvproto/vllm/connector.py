@@ -80,8 +80,8 @@ D (decode engine)
     request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
     per P engine), so one dead P never delays another.
   * ``get_num_new_matched_tokens`` answers the prompt's tokens as an async load;
-    ``update_state_after_alloc`` orders a load into the newly allocated blocks (a suffix
-    of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
+    ``update_state_after_alloc`` orders a load into the newly allocated blocks (in each
+    KV cache group, the positions after what D's prefix cache supplied). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
   * Every ordered load ends in ``finished_recving``. A failed or fenced READ also names
@@ -916,15 +916,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted before its prefill finished: nothing to hand out
-        split = kvgroups.split_p_blocks(block_ids)
-        if isinstance(split, str):
-            self.psched.counters["bad_blocks"] = self.psched.counters.get("bad_blocks", 0) + 1
-            log.error("kvproto: P request %s: block lists not transferable (%s); served "
-                      "without remote decode", rid, split)
-            return False, None
-        flat, layout = split
-        out = self.psched.finished(rid, flat, int(request.num_computed_tokens), params,
-                                   {"block_size": self.block_size, "groups": layout})
+        out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
+                                          params, self.block_size)
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:

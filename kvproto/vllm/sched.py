@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 from typing import Any
 
 from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
-from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout
+from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout, split_p_blocks
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +419,22 @@ class PScheduler:
                             initial_term=self.options.config.ms.initial_lease,
                             expected=expected, group=group, generations=gens)
         return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens, extra)
+
+    def finished_groups(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                        num_tokens: int, kv_params: Mapping[str, Any] | None,
+                        block_size: int) -> dict[str, Any] | None:
+        """``finished`` for every KV cache group's block list (vLLM's
+        ``request_finished_all_groups``): the real blocks of all groups are held, and the
+        params carry the groups' layout and P's block size (kvproto.vllm.groups)."""
+        split = split_p_blocks(block_ids)
+        if isinstance(split, str):
+            self._count("bad_blocks")
+            log.error("kvproto: P request %s: block lists not transferable (%s); served "
+                      "without remote decode", request_id, split)
+            return None
+        flat, layout = split
+        return self.finished(request_id, flat, num_tokens, kv_params,
+                             {"block_size": block_size, "groups": layout})
 
     def drain(self) -> list[RegisterOrder]:
         out, self._orders = self._orders, []
