@@ -14,6 +14,7 @@ the block-size test starts one more D with 64-token blocks against the same P.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Iterator
@@ -52,7 +53,8 @@ SHARED = {"A": Y + _prompt(301, 32), "B": Y + _prompt(302, 70), "C": Y + _prompt
           "E": Y + _prompt(304, 40)}
 # Block sizes: P 32, D 64.
 RATIO = {f"r{i}": _prompt(400 + i, n) for i, n in enumerate([50, 130, 260])}
-ALL = {**COR, "X": X, "X2": X2, **SHARED, **RATIO}
+BAD = _prompt(500, 200)
+ALL = {**COR, "X": X, "X2": X2, **SHARED, **RATIO, "bad": BAD}
 WAIT = 120.0  # a hang bound, not a timing assertion
 
 
@@ -140,6 +142,30 @@ def test_hybrid_model_token_for_token_with_two_groups(trio: Trio) -> None:
     read = _num(after, "read_blocks") - _num(before, "read_blocks")
     assert read == sum(len((r.kv_transfer_params or {})["kvproto"]["blocks"])
                        for r in p_res.values())
+
+
+def test_a_failed_load_recomputes_the_request_whole(trio: Trio) -> None:
+    """vLLM refuses block-level load errors with several KV cache groups (it stops the
+    engine); the connector reports the failed request instead, and vLLM recomputes it.
+    The failure: params claiming P kept one block fewer of the sliding group than D
+    needs (client input, refused by D's plan before any READ)."""
+    pd = trio.pd
+    r = pd.prefill("bad", BAD)
+    params = copy.deepcopy(r.kv_transfer_params)
+    assert params is not None
+    kp = params["kvproto"]
+    skip, count = kp["groups"][0]
+    assert skip > 0 and count > 1
+    kp["groups"][0] = [skip + 1, count - 1]
+    del kp["blocks"][0], kp["generations"][0]
+    s0, w0 = trio.sched(pd.d), trio.worker(pd.d)
+    pd.d.submit("bad", BAD, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    out = pd.d.wait(["bad"], WAIT)["bad"]
+    assert out.error is None and out.tokens == trio.ref["bad"], out
+    s1, w1 = trio.sched(pd.d), trio.worker(pd.d)
+    assert _num(s1, "sched_alloc_mismatch") == _num(s0, "sched_alloc_mismatch") + 1
+    assert _num(w1, "reads_failed") == _num(w0, "reads_failed") + 1
+    assert _num(w1, "reads_ok") == _num(w0, "reads_ok")
 
 
 def test_d_partial_prefix_hit_reads_only_the_missing_suffix(trio: Trio) -> None:

@@ -773,8 +773,11 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM takes block-level load errors from one KV cache group only (it stops the
+        # engine otherwise); with several, the failed requests (failed_recving) carry
+        # the failure, and vLLM recomputes or fails them whole.
         out, self._invalid = self._invalid, set()
-        return out
+        return out if len(self.groups) <= 1 else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._stamps and not self._ended:

@@ -7,7 +7,8 @@ tests use the plain functions.
 
 Facts of vLLM 0.32 this relies on (read in its sources, checked by the end-to-end tests):
 
-* All groups allocate from ONE block pool, and a block id belongs to one group at a time;
+* All default groups allocate from ONE block pool (other roles, e.g. HiSparse host
+  groups, are refused), and a block id belongs to one group at a time;
   the KV tensors of the layers of different groups alias the same memory (one tensor
   per layer position, shared by one layer of each group). So one block id names the same
   bytes in every registered tensor, a READ of block b copies whatever group owns b, and
@@ -17,6 +18,8 @@ Facts of vLLM 0.32 this relies on (read in its sources, checked by the end-to-en
   are vLLM's null block (id 0), and only at the front: P's lists are trimmed that way
   before ``request_finished_all_groups``; D's lists have nulls where D will not attend,
   local prefix-cache hits (hashed blocks), and new blocks for the tokens to load.
+* With several groups vLLM refuses block-level load errors (``invalid_block_ids``); a
+  failed load is reported by request (``failed_recving``) and recomputed or failed whole.
 
 The transfer params carry, per group, ``[skip, count]``: the group's list on P is
 ``skip`` nulls followed by ``count`` real blocks, and the real blocks of all groups are
@@ -87,6 +90,11 @@ def describe(kv_cache_config: Any) -> list[GroupInfo]:
                 f"{list(g.layer_names)[:2]}...); KVProtoConnector transfers attention "
                 f"groups only ({', '.join(ATTENTION_SPECS)}), not state-space or other "
                 "layers: use a connector that supports them, or an attention-only model")
+        role = getattr(g, "role", "default")
+        if str(getattr(role, "value", role)) != "default" or getattr(g, "host_resident", False):
+            raise GroupsError(f"kvproto: KV cache group {i} ({kind}) has role "
+                              f"{getattr(role, 'value', role)!s} outside vLLM's one device "
+                              "block pool; KVProtoConnector transfers default groups only")
         if getattr(g, "enable_kv_transfer", True) is False:
             raise GroupsError(f"kvproto: KV cache group {i} ({kind}) is excluded from KV "
                               "transfer; KVProtoConnector transfers every group")
