@@ -112,6 +112,12 @@ def test_describe_accepts_attention_groups_and_refuses_state_space_in_one_line()
         describe(_config(full, mamba))
     assert "\n" not in str(e.value) and "MambaSpec" in str(e.value)
     assert describe(None) == []
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    host = types.SimpleNamespace(kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], sw, host_resident=True)])
+    with pytest.raises(GroupsError, match="default groups only"):
+        describe(host)
 
 
 # --------------------------------------------------------------------------- params
