@@ -209,7 +209,8 @@ def test_p_frees_a_shared_prefix_block_only_with_its_last_holder(trio: Trio) -> 
     assert len(shared) >= len(Y) // BS, (pa, pb)
     assert all(ga[b] == gb[b] for b in shared)
     held_ab = len(set(ga) | set(gb))
-    assert _num(trio.worker(pd.p), "held_blocks") - _num(w0, "held_blocks") == held_ab
+    # P's worker registers B at its next step after B's prefill returned.
+    assert _num(trio.wait_worker(pd.p, "held_blocks", held_ab), "held_blocks") == held_ab
     # D pulls A: P frees A's own blocks, keeps the shared ones (B holds them).
     assert trio.decode("A", SHARED["A"], ra) == trio.ref["A"]
     done = _num(w0, "frees_transferred") + 1
