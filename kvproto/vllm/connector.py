@@ -789,7 +789,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     def kvproto_stats(self, invariants: bool = True) -> dict[str, float]:
         """This side's cumulative counters (stat keys above; the worker side adds
         ``invariant_violations`` of P's ledger and allocator, an O(blocks) check)."""
-        c: dict[str, float] = {"kv_cache_groups": float(len(self.groups))}
+        c: dict[str, float] = {}
         if self.role == KVConnectorRole.WORKER:
             if self.pw is not None:
                 c.update(self.pw.counters())
@@ -799,6 +799,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                 for k, v in self.dw.counters().items():
                     c[k] = c.get(k, 0.0) + v
         else:
+            c["kv_cache_groups"] = float(len(self.groups))
             for s in (self.psched, self.dsched):
                 if s is not None:
                     for k, n in s.counters.items():
