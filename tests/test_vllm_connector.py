@@ -276,6 +276,7 @@ def _connector_over(dw: _DWorker) -> Any:
     c = object.__new__(KVProtoConnector)
     c.pw, c.dw = None, dw
     c._stamps, c._invalid, c._failed, c._ended = {}, set(), set(), []
+    c.groups = []
     return c
 
 
@@ -339,6 +340,16 @@ def test_load_with_no_local_blocks_is_reported_failed() -> None:
         res = c.get_transfer_results(set())
         assert (res.finished_recving, res.failed_recving) == ({"ghost"}, {"ghost"})
         assert c.get_block_ids_with_load_errors() == {3}
+        # Several KV cache groups: vLLM stops the engine on block-level load errors, so
+        # a failed load is reported by request only.
+        from kvproto.vllm.groups import GroupInfo
+
+        c.groups = [GroupInfo("SlidingWindowSpec", 4, 8, 1), GroupInfo("FullAttentionSpec",
+                                                                        4, None, 1)]
+        pr.d.apply(Orders(loads=[LoadOrder("ghost2", (4,))]))
+        res = c.get_transfer_results(set())
+        assert (res.finished_recving, res.failed_recving) == ({"ghost2"}, {"ghost2"})
+        assert c.get_block_ids_with_load_errors() == set()
     finally:
         pr.close()
 

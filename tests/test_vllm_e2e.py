@@ -89,7 +89,8 @@ class Pair:
 def pair(model: str, workdir: Path) -> Iterator[Pair]:
     kw = _pd_kwargs(workdir, "1")
     connector = kw.pop("connector")
-    p_spec, d_spec = h.pd_specs(model, workdir, connector, tag="1", p_kv_bytes=P_KV_BYTES, **kw)
+    p_spec, d_spec = h.pd_specs(model, workdir, connector, tag="1", p_kv_bytes=P_KV_BYTES,
+                                prefix_caching=True, **kw)
     ref_spec = h.EngineSpec("REF", model, env=h.engine_env(), log_path=str(workdir / "REF.log"))
     ref, p, d = h.start_engines([ref_spec, p_spec, d_spec])
     pd = h.PD(p, d)
@@ -294,10 +295,11 @@ def test_faults_d_killed_then_p_killed(pair: Pair, model: str, workdir: Path) ->
     pair.pd.close()   # done with the first pair (no-op when already closed)
     kw = _pd_kwargs(workdir, "2")
     connector = kw.pop("connector")
-    p_spec, d_spec = h.pd_specs(model, workdir, connector, tag="2", p_kv_bytes=P_KV_BYTES, **kw)
+    p_spec, d_spec = h.pd_specs(model, workdir, connector, tag="2", p_kv_bytes=P_KV_BYTES,
+                                prefix_caching=True, **kw)
     kw3 = _pd_kwargs(workdir, "3")
     kw3.pop("connector")
-    _, d3_spec = h.pd_specs(model, workdir, connector, tag="3", **kw3)
+    _, d3_spec = h.pd_specs(model, workdir, connector, tag="3", prefix_caching=True, **kw3)
     engines = h.start_engines([p_spec, d_spec, d3_spec])
     p2, d2, d3 = engines
     try:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 CONNECTORS = ("stock", "kvproto")
 IDLE_S = 5.0   # seconds both pairs sit idle while their CPU use is measured
+MODELS = ("llama", "hybrid")
+HYBRID_WINDOW = 64  # tokens: the hybrid model's sliding window
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill", type=int, default=4, help="requests held when D is killed (4)")
     p.add_argument("--connectors", default="stock,kvproto",
                    help="comma-separated subset of stock,kvproto (default both)")
+    p.add_argument("--model", choices=MODELS, default="llama",
+                   help="llama: one KV cache group; hybrid: layers alternating sliding-window "
+                        f"({HYBRID_WINDOW} tokens) and full attention, two KV cache groups "
+                        "under vLLM's hybrid allocator (default llama)")
     p.add_argument("--workdir", help="keep model, engine logs and journals here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -142,7 +148,11 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from kvproto.vllm import scenarios as sc
 
     t_start = time.monotonic()
-    model = str(h.build_tiny_model(workdir / "model").path)
+    if args.model == "hybrid":
+        model = str(h.build_tiny_model(workdir / "model-hybrid", layers=4,
+                                       sliding_window=HYBRID_WINDOW).path)
+    else:
+        model = str(h.build_tiny_model(workdir / "model").path)
     rounds = [{f"r{i}-{j}": p for j, p in enumerate(h.make_prompts(args.prompts, seed=100 + i))}
               for i in range(args.rounds)]
     late = {f"late-{j}": p for j, p in
@@ -230,7 +240,8 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         for e in engines:
             e.close()
-    meta = {"workload": {"prompts_per_round": args.prompts, "rounds": args.rounds,
+    meta = {"model": args.model,
+            "workload": {"prompts_per_round": args.prompts, "rounds": args.rounds,
                          "max_tokens": args.max_tokens, "late_requests": args.late,
                          "late_delay_s": args.late_delay, "lease_s": args.lease,
                          "kill_requests": args.kill},
@@ -290,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_report(res: dict[str, Any]) -> str:
     names = [n for n in CONNECTORS if n in res]
-    lines = [f"{'':24}" + "".join(f"{n:>14}" for n in names)]
+    lines = [f"{'model: ' + str(res.get('model', 'llama')):24}"
+             + "".join(f"{n:>14}" for n in names)]
     for key in ("requests", "wrong_outputs", "errors", "throughput_tok_s", "ttft_ms_mean",
                 "stranded_block_seconds"):
         lines.append(f"{key:24}" + "".join(f"{res[n][key]!s:>14}" for n in names))

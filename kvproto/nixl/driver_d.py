@@ -264,6 +264,7 @@ class DDriver:
         self._batches: list[_StampBatch] = []  # stamp READs in progress
         self._want: dict[str, None] = {}  # schedule intents (ordered)
         self._plans: dict[str, list[int]] = {}  # rid -> engine-chosen local blocks
+        self._plan_index: dict[str, list[int]] = {}  # rid -> P's blocks they take (by index)
         self._free_local: deque[int] = deque(range(transport.num_blocks))
         self._held_local: dict[str, list[int]] = {}
         self._releases: dict[tuple[str, int, int], list[int]] = {}
@@ -296,16 +297,21 @@ class DDriver:
             self.params[rid] = params
         self._apply(self.machine.admit(rid, params, now), now)
 
-    def schedule(self, rid: str, local_blocks: Sequence[int] | None = None) -> None:
+    def schedule(self, rid: str, local_blocks: Sequence[int] | None = None,
+                 remote_index: Sequence[int] | None = None) -> None:
         """D's scheduler wants this KV. Applied as soon as the request is waiting.
 
         ``local_blocks``: where the READ lands (the engine's allocator chose them); when
         fewer than P's blocks, the engine holds the prefix already and only the last
-        ``len(local_blocks)`` are read. Without it this driver allocates them."""
+        ``len(local_blocks)`` are read, or, with ``remote_index``, the params' blocks at
+        those indices (one per local block: several KV cache groups). Without
+        ``local_blocks`` this driver allocates them."""
         machine = self.machine
         st = machine.state(rid)
         if local_blocks is not None and st != D_NEW:
             self._plans[rid] = list(local_blocks)
+            if remote_index is not None:
+                self._plan_index[rid] = list(remote_index)
         if st == WAITING:
             now = now_ms(self.clock)
             self._apply(machine.schedule(rid, now), now)
@@ -321,6 +327,7 @@ class DDriver:
 
     def free_local(self, rid: str) -> None:
         """The engine is done with a completed request's local blocks."""
+        self._plan_index.pop(rid, None)
         if self._plans.pop(rid, None) is not None:
             self._held_local.pop(rid, None)  # the engine's blocks, not this free list
             return
@@ -640,6 +647,7 @@ class DDriver:
         blocks = pr.blocks
         nblocks = len(blocks)
         plan = self._plans.get(rid)
+        index = self._plan_index.get(rid)
         why = ""
         if p is None or e is None or e.state != PEER_READY:
             why = "engine not ready"
@@ -651,6 +659,9 @@ class DDriver:
             why = "params carry no generation per block"
         elif plan is not None and not 0 < len(plan) <= nblocks:
             why = f"{len(plan)} local blocks for {nblocks} remote ones"
+        elif index is not None and (plan is None or len(index) != len(plan)
+                                    or min(index) < 0 or max(index) >= nblocks):
+            why = "remote block index does not match the local blocks"
         elif plan is not None and (min(plan) < 0 or max(plan) >= self.transport.num_blocks):
             why = "local block id outside this cache"
         elif plan is None and nblocks > len(self._free_local):
@@ -661,7 +672,11 @@ class DDriver:
             self._apply(self.machine.read_result(rid, False, now), now)
             return
         assert p is not None
-        if plan is not None:
+        if plan is not None and index is not None:
+            rd = _Read(rid, p, plan, now, [blocks[i] for i in index],
+                       [p.generations[i] for i in index])
+            local = plan
+        elif plan is not None:
             local, skip = plan, nblocks - len(plan)
             rd = _Read(rid, p, local, now, blocks[skip:], p.generations[skip:])
         else:

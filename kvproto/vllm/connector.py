@@ -80,8 +80,8 @@ D (decode engine)
     request is still queued. Handshakes are non-blocking (own socket, deadline, backoff
     per P engine), so one dead P never delays another.
   * ``get_num_new_matched_tokens`` answers the prompt's tokens as an async load;
-    ``update_state_after_alloc`` orders a load into the newly allocated blocks (a suffix
-    of P's blocks when D's prefix cache supplied the rest). The worker READs the data,
+    ``update_state_after_alloc`` orders a load into the newly allocated blocks (in each
+    KV cache group, the positions after what D's prefix cache supplied). The worker READs the data,
     then the stamps (one READ each per P engine and step), compares them, and sends the
     verified requests' ``done`` as one done batch.
   * Every ordered load ends in ``finished_recving``. A failed or fenced READ also names
@@ -113,8 +113,15 @@ Bounds: every per-request structure (scheduler and worker) holds only requests v
 holds and is emptied when vLLM finishes them; the D worker's memory of requests ended
 before a load order is capped (``MAX_ENDED``); per-step buffers are emptied every step.
 
+KV cache groups (vLLM's hybrid allocator, ``SupportsHMA``): all groups share one block
+pool, so the ledger holds and stamps the real blocks of every group, and the params carry
+each group's layout; D reads each of its new blocks from the same position of the same
+group on P (``kvproto.vllm.groups``, spec/VLLM.md §7). Non-attention (state-space) groups
+are refused at start-up.
+
 Limits of this version: tensor parallel size 1 on both sides (expected readers per P rank
-is configurable and decided by the ledger); one KV cache group (no hybrid allocator).
+is configurable and decided by the ledger); equal block sizes on P and D (a request from
+a P of another block size is refused, counted, and recomputes or fails per policy).
 """
 
 from __future__ import annotations
@@ -135,6 +142,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -143,6 +151,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
 from kvproto.port import now_ms
+from kvproto.vllm import groups as kvgroups
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -477,7 +486,7 @@ class _DWorker:
         # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
         self.admitted: dict[str, tuple[str, int, int]] = {}
         self.handles: set[tuple[str, int, int]] = set()
-        self.delayed: list[tuple[float, str]] = []  # test hook: (due, rid)
+        self.delayed: list[tuple[float, str, tuple[int, ...] | None]] = []  # test hook
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
         self.ended_before_load = 0
@@ -485,7 +494,7 @@ class _DWorker:
         self.failed: set[str] = set()  # of finished_recving: the loads that failed
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
-                                        "reads_failed": 0.0}
+                                        "reads_failed": 0.0, "read_blocks": 0.0}
 
     def apply(self, orders: Orders) -> None:
         a = self.adapter
@@ -510,9 +519,10 @@ class _DWorker:
                 continue
             self.loads[rid] = ld.local_blocks
             if self.opts.test_delay_load_s > 0:
-                self.delayed.append((time.monotonic() + self.opts.test_delay_load_s, rid))
+                self.delayed.append((time.monotonic() + self.opts.test_delay_load_s, rid,
+                                     ld.remote))
             else:
-                a.schedule(rid, ld.local_blocks)
+                a.schedule(rid, ld.local_blocks, ld.remote)
         for rid in orders.aborts:
             self.ended.pop(rid, None)
             a.abort(rid)
@@ -521,12 +531,12 @@ class _DWorker:
     def poll(self) -> None:
         if self.delayed:
             now = time.monotonic()
-            due = [rid for t, rid in self.delayed if t <= now]
-            self.delayed = [(t, rid) for t, rid in self.delayed if t > now]
-            for rid in due:
+            due = [(rid, ix) for t, rid, ix in self.delayed if t <= now]
+            self.delayed = [d for d in self.delayed if d[0] > now]
+            for rid, ix in due:
                 local = self.loads.get(rid)
                 if local is not None:
-                    self.adapter.schedule(rid, local)
+                    self.adapter.schedule(rid, local, ix)
         self._drain(self.adapter.poll())
 
     @property
@@ -570,6 +580,7 @@ class _DWorker:
         self.finished_recving.add(rid)
         if ok:
             self.stats["reads_ok"] += 1
+            self.stats["read_blocks"] += len(local)
         else:
             self.failed.add(rid)
             if counted:
@@ -619,7 +630,7 @@ class _DWorker:
 # ---------------------------------------------------------------------------
 
 
-class KVProtoConnector(KVConnectorBase_V1):
+class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     """kvproto's fail-closed P/D lifecycle as a vLLM KV connector (see module docstring)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -640,6 +651,10 @@ class KVProtoConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        try:
+            self.groups = kvgroups.describe(kv_cache_config)
+        except kvgroups.GroupsError as e:
+            raise ValueError(str(e)) from None
         self.psched: PScheduler | None = None
         self.dsched: DScheduler | None = None
         self.pw: _PWorker | None = None
@@ -656,10 +671,12 @@ class KVProtoConnector(KVConnectorBase_V1):
             if self.opts.producer:
                 self.psched = PScheduler(self.opts, self.num_blocks)
             if self.opts.consumer:
-                self.dsched = DScheduler(self.block_size, self.load_failure_policy)
+                self.dsched = DScheduler(self.block_size, self.load_failure_policy,
+                                         [g.block_size for g in self.groups] or None)
         log.info("kvproto connector (%s, %s) for engine %s, data-parallel rank %d, "
-                 "kv_load_failure_policy %s", role.name.lower(), self.opts.role,
-                 self.engine_id, self.dp_rank, self.load_failure_policy)
+                 "kv_load_failure_policy %s, KV cache groups %s", role.name.lower(),
+                 self.opts.role, self.engine_id, self.dp_rank, self.load_failure_policy,
+                 [(g.kind, g.window) for g in self.groups])
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -768,8 +785,11 @@ class KVProtoConnector(KVConnectorBase_V1):
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM takes block-level load errors from one KV cache group only (it stops the
+        # engine otherwise); with several, the failed requests (failed_recving) carry
+        # the failure, and vLLM recomputes or fails them whole.
         out, self._invalid = self._invalid, set()
-        return out
+        return out if len(self.groups) <= 1 else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._stamps and not self._ended:
@@ -791,6 +811,7 @@ class KVProtoConnector(KVConnectorBase_V1):
                 for k, v in self.dw.counters().items():
                     c[k] = c.get(k, 0.0) + v
         else:
+            c["kv_cache_groups"] = float(len(self.groups))
             for s in (self.psched, self.dsched):
                 if s is not None:
                     for k, n in s.counters.items():
@@ -808,6 +829,7 @@ class KVProtoConnector(KVConnectorBase_V1):
         c = self.kvproto_stats(invariants=False)
         c.pop("held_requests", None)  # levels, not counters
         c.pop("held_blocks", None)
+        c.pop("kv_cache_groups", None)
         return self._delta.take(c)
 
     @classmethod
@@ -857,10 +879,12 @@ class KVProtoConnector(KVConnectorBase_V1):
                                  ) -> None:
         if self.dsched is None or self.dsched.state(request.request_id) is None:
             return
-        group = blocks.blocks[0] if blocks.blocks else []
-        unhashed = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-        prefix = sum(1 for b in group if b.block_hash is not None and not b.is_null)
-        self.dsched.allocated(request.request_id, unhashed, prefix, num_external_tokens)
+        self.dsched.allocated_groups(request.request_id, kvgroups.d_view(blocks),
+                                     num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # A load fills the request's own blocks in every group.
+        return tuple(range(len(self.groups)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         orders = self.dsched.drain() if self.dsched is not None else Orders()
@@ -891,6 +915,10 @@ class KVProtoConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -904,8 +932,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted before its prefill finished: nothing to hand out
-        out = self.psched.finished(rid, list(block_ids), int(request.num_computed_tokens),
-                                   params)
+        out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
+                                          params, self.block_size)
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:

@@ -86,8 +86,13 @@ class TinyModel:
 def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0, hidden: int = 128,
                      layers: int = 2, heads: int = 4, kv_heads: int = 4, vocab: int = 1024,
                      intermediate: int = 256, max_len: int = 2048,
-                     std: float = 0.15) -> TinyModel:
+                     std: float = 0.15, sliding_window: int | None = None) -> TinyModel:
     """Write ``config.json`` and ``model.safetensors`` of a random LlamaForCausalLM.
+
+    ``sliding_window``: a hybrid model, Gemma-3 style: layers alternate between sliding
+    window attention over that many tokens (even layers) and full attention (odd
+    layers), named in the config's ``layer_types``; vLLM's hybrid allocator then gives
+    it two KV cache groups.
 
     The weights are seeded normal noise (``std`` larger than the usual 0.02 so that greedy
     argmax is well separated and attention is far from uniform: a decode step then
@@ -109,6 +114,10 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0, hidden
         "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
         "kvproto_seed": seed, "kvproto_std": std,
     }
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(layers)]
     cfg_path = d / "config.json"
     weights = d / "model.safetensors"
     if cfg_path.exists() and weights.exists():
@@ -211,6 +220,7 @@ class EngineSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     log_path: str | None = None
+    prefix_caching: bool = False
 
 
 @dataclass
@@ -488,7 +498,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "kv_transfer_config": spec.kv_transfer_config, "env": dict(spec.env),
             "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
             "block_size": spec.block_size, "max_model_len": spec.max_model_len,
-            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path}
+            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
+            "prefix_caching": spec.prefix_caching}
 
 
 # ---------------------------------------------------------------------------- P/D pairs
@@ -527,10 +538,12 @@ def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, A
              tag: str = "", extra_config: dict[str, Any] | None = None,
              p_extra: dict[str, Any] | None = None, d_extra: dict[str, Any] | None = None,
              p_kv_bytes: int = 128 << 20, d_kv_bytes: int = 128 << 20,
-             env: dict[str, str] | None = None) -> tuple[EngineSpec, EngineSpec]:
+             env: dict[str, str] | None = None, prefix_caching: bool = False
+             ) -> tuple[EngineSpec, EngineSpec]:
     """Specs of a P and a D engine with ``connector`` (``STOCK_CONNECTOR`` or
     ``KVPROTO_CONNECTOR``); ``extra_config`` goes into both engines'
-    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only."""
+    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only;
+    ``prefix_caching`` on both engines."""
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     specs = []
@@ -543,7 +556,8 @@ def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, A
             cfg["kv_connector_extra_config"] = ec
         specs.append(EngineSpec(name=f"{role}{tag}", model=model, kv_transfer_config=cfg,
                                 env=engine_env(env), kv_cache_memory_bytes=kvb,
-                                log_path=str(wd / f"{role}{tag}.log")))
+                                log_path=str(wd / f"{role}{tag}.log"),
+                                prefix_caching=prefix_caching))
     return specs[0], specs[1]
 
 
@@ -638,7 +652,7 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
         kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], block_size=spec["block_size"],
         max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
-        enable_prefix_caching=False, dtype="float32", seed=0,
+        enable_prefix_caching=bool(spec.get("prefix_caching")), dtype="float32", seed=0,
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
     )
     return LLMEngine.from_engine_args(args)

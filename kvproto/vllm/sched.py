@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
 from typing import Any
 
 from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
+from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout, split_p_blocks
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +220,23 @@ class RemoteParams:
     host: str
     port: int
     num_tokens: int  # tokens whose KV P holds in ``params.blocks``
+    # Per KV cache group ``(skip, count)`` (kvproto.vllm.groups); None: one group.
+    layout: tuple[tuple[int, int], ...] | None = None
+    block_size: int | None = None  # P's block size (tokens); None: not given
+
+    def groups(self) -> list[list[int]]:
+        if self.layout is None:
+            return single_layout(len(self.params.blocks))
+        return [list(g) for g in self.layout]
 
 
-def encode_remote_params(tp: TransferParams, host: str, port: int, num_tokens: int
-                         ) -> dict[str, Any]:
-    """The ``kv_transfer_params`` P's request returns (D's request takes them unchanged)."""
+def encode_remote_params(tp: TransferParams, host: str, port: int, num_tokens: int,
+                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` P's request returns (D's request takes them unchanged);
+    ``extra``: ``groups`` and ``block_size`` (kvproto.vllm.groups)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             PARAMS_KEY: {**tp.to_dict(), "host": host, "port": port,
-                         "num_tokens": num_tokens}}
+                         "num_tokens": num_tokens, **(extra or {})}}
 
 
 def _int(d: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
@@ -271,7 +281,29 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
     tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
                         initial_term=term, expected=expected, group=group,
                         generations=tuple(gens))
-    return RemoteParams(tp, host, port, num_tokens)
+    block_size = None if d.get("block_size") is None else _int(d, "block_size", 1, 1 << 20)
+    layout = _layout(d.get("groups"), len(blocks))
+    return RemoteParams(tp, host, port, num_tokens, layout, block_size)
+
+
+def _layout(v: Any, nblocks: int) -> tuple[tuple[int, int], ...] | None:
+    """The params' per-group ``[[skip, count], ...]`` (None when absent); the counts
+    must add up to the params' blocks."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or not 1 <= len(v) <= MAX_GROUPS:
+        raise ParamsError("bad_params", f"groups must be a list of 1..{MAX_GROUPS} pairs")
+    out = []
+    for g in v:
+        if not isinstance(g, list) or len(g) != 2 or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_PARAM_BLOCKS
+                for x in g):
+            raise ParamsError("bad_params", "each group must be [skip, count], integers >= 0")
+        out.append((g[0], g[1]))
+    if sum(c for _, c in out) != nblocks:
+        raise ParamsError("bad_params", f"groups count {sum(c for _, c in out)} blocks, "
+                                        f"the params carry {nblocks}")
+    return tuple(out)
 
 
 def sibling_group(request_id: str, kv_params: Mapping[str, Any] | None, auto: bool
@@ -325,6 +357,9 @@ class LoadOrder:
     request_id: str
     local_blocks: tuple[int, ...]
     fail: bool = False
+    # Indices into P's params blocks, one per local block; None: the last
+    # ``len(local_blocks)`` of them (one group, D holding a prefix locally).
+    remote: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -373,9 +408,12 @@ class PScheduler:
         self.peer = peer
 
     def finished(self, request_id: str, blocks: list[int], num_tokens: int,
-                 kv_params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+                 kv_params: Mapping[str, Any] | None,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """A prefill for remote decode finished: return D's transfer params and queue the
-        registration, or None (vLLM then frees the blocks at once)."""
+        registration, or None (vLLM then frees the blocks at once). ``blocks``: every KV
+        cache group's real blocks (the ledger holds and stamps them all); ``extra``: the
+        params' ``groups`` and ``block_size`` (kvproto.vllm.groups)."""
         if self.peer is None:
             self._count("no_worker_metadata")
             log.error("kvproto: P request %s finished before the worker's handshake "
@@ -401,7 +439,23 @@ class PScheduler:
                             blocks=tuple(blocks),
                             initial_term=self.options.config.ms.initial_lease,
                             expected=expected, group=group, generations=gens)
-        return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens)
+        return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens, extra)
+
+    def finished_groups(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                        num_tokens: int, kv_params: Mapping[str, Any] | None,
+                        block_size: int) -> dict[str, Any] | None:
+        """``finished`` for every KV cache group's block list (vLLM's
+        ``request_finished_all_groups``): the real blocks of all groups are held, and the
+        params carry the groups' layout and P's block size (kvproto.vllm.groups)."""
+        split = split_p_blocks(block_ids)
+        if isinstance(split, str):
+            self._count("bad_blocks")
+            log.error("kvproto: P request %s: block lists not transferable (%s); served "
+                      "without remote decode", request_id, split)
+            return None
+        flat, layout = split
+        return self.finished(request_id, flat, num_tokens, kv_params,
+                             {"block_size": block_size, "groups": layout})
 
     def drain(self) -> list[RegisterOrder]:
         out, self._orders = self._orders, []
@@ -440,11 +494,14 @@ class DScheduler:
     second request carrying a handle already in use (vLLM's n>1 children share their
     parent's params) are not failures: they prefill locally under either policy."""
 
-    def __init__(self, block_size: int, load_failure_policy: str = "recompute") -> None:
+    def __init__(self, block_size: int, load_failure_policy: str = "recompute",
+                 group_block_sizes: list[int] | None = None) -> None:
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kvproto: kv_load_failure_policy must be one of "
                              f"{LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
         self.block_size = block_size
+        # D's KV cache groups (kvproto.vllm.groups), by their block sizes.
+        self.group_block_sizes = list(group_block_sizes or [block_size])
         self.fail = load_failure_policy == "fail"
         self.reqs: dict[str, tuple[str, RemoteParams | None]] = {}
         # (P engine, epoch, handle) -> the request pulling it (one per handle; bounded by reqs)
@@ -475,6 +532,16 @@ class DScheduler:
             if self.fail:
                 self.reqs[request_id] = (S_FAILED, None)
             return
+        why = self._refusal(rp)
+        if why:
+            # Different block sizes or groups: P's blocks do not map onto D's. Refused
+            # before any admit (no handshake, no READ); P's lease frees them.
+            self._count("rejected_" + why[0])
+            log.warning("kvproto: request %s: refused: %s; %s", request_id, why[1],
+                        self._outcome())
+            if self.fail:
+                self.reqs[request_id] = (S_FAILED, None)
+            return
         # The epoch belongs to the key: a restarted P mints handles from 1 again.
         key = (rp.params.engine, rp.params.epoch, rp.params.handle)
         if key in self.pulling:  # another request pulls this handle: prefill locally
@@ -484,6 +551,17 @@ class DScheduler:
         self.pulling[key] = request_id
         self.reqs[request_id] = (S_ADMITTED, rp)
         self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port))
+
+    def _refusal(self, rp: RemoteParams) -> tuple[str, str] | None:
+        """(counter reason, one line) when P's blocks cannot map onto D's, else None."""
+        if rp.block_size is not None and rp.block_size != self.block_size:
+            return ("block_size", f"P's block size is {rp.block_size} tokens, D's "
+                    f"{self.block_size}; KVProtoConnector maps blocks only between equal "
+                    "block sizes")
+        ng, nd = len(rp.groups()), len(self.group_block_sizes)
+        if ng != nd:
+            return ("groups", f"P's params carry {ng} KV cache groups, D has {nd}")
+        return None
 
     def _outcome(self) -> str:
         return "failing it (kv_load_failure_policy fail)" if self.fail \
@@ -503,11 +581,16 @@ class DScheduler:
         rp = r[1]
         assert rp is not None
         nb = len(rp.params.blocks)
-        if rp.num_tokens != num_prompt_tokens or \
-                nb != (num_prompt_tokens + self.block_size - 1) // self.block_size:
+        # Every group's list on P (nulls included) covers the prompt: one block position
+        # per block_size tokens.
+        spans = [s + c for s, c in rp.groups()]
+        if rp.num_tokens != num_prompt_tokens or any(
+                n != (num_prompt_tokens + bs - 1) // bs
+                for n, bs in zip(spans, self.group_block_sizes, strict=True)):
             self._count("rejected_params")
-            log.warning("kvproto: request %s: P holds %d tokens in %d blocks, the prompt has "
-                        "%d tokens (block size %d); %s", request_id, rp.num_tokens, nb,
+            log.warning("kvproto: request %s: P holds %d tokens in %d blocks (block "
+                        "positions per group %s), the prompt has %d tokens (block size "
+                        "%d); %s", request_id, rp.num_tokens, nb, spans,
                         num_prompt_tokens, self.block_size, self._outcome())
             self._give_up(request_id, S_FAILED)
             return (count, True) if self.fail and count > 0 else (0, False)
@@ -518,11 +601,21 @@ class DScheduler:
 
     def allocated(self, request_id: str, unhashed_blocks: list[int], local_prefix_blocks: int,
                   num_external_tokens: int) -> None:
-        """vLLM's update_state_after_alloc: ``unhashed_blocks`` are the new blocks (the
-        READ lands there), ``local_prefix_blocks`` the ones D's prefix cache supplied."""
+        """vLLM's update_state_after_alloc, one KV cache group: ``unhashed_blocks`` are
+        the new blocks (the READ lands there), ``local_prefix_blocks`` the ones D's prefix
+        cache supplied."""
+        view = [[(-1, HIT)] * local_prefix_blocks + [(b, NEW) for b in unhashed_blocks]]
+        self.allocated_groups(request_id, view, num_external_tokens)
+
+    def allocated_groups(self, request_id: str, view: list[list[tuple[int, int]]],
+                         num_external_tokens: int) -> None:
+        """vLLM's update_state_after_alloc: ``view`` is D's blocks per KV cache group as
+        ``kvproto.vllm.groups.d_view`` gives them; the READ fills the NEW ones that P
+        holds KV for (``groups.plan_load``)."""
         r = self.reqs.get(request_id)
         if r is None:
             return
+        unhashed_blocks = [b for g in view for b, k in g if k == NEW]
         if r[0] == S_FAILED and self.fail and num_external_tokens > 0:
             # A load that fails at once: its blocks are reported as load errors.
             self.reqs[request_id] = (S_LOADING, r[1])
@@ -535,16 +628,21 @@ class DScheduler:
             return
         rp = r[1]
         assert rp is not None
-        need = len(rp.params.blocks) - local_prefix_blocks
         self.reqs[request_id] = (S_LOADING, rp)
-        if not 0 < need <= len(unhashed_blocks):
+        plan = plan_load(rp.groups(), view)
+        if isinstance(plan, str) or not plan[0]:
             # vLLM parks the request for a load anyway: order one that fails at once.
             self._count("alloc_mismatch")
-            log.error("kvproto: request %s: %d new blocks allocated, %d needed",
-                      request_id, len(unhashed_blocks), need)
+            log.error("kvproto: request %s: D's blocks do not match P's (%s); %s",
+                      request_id, plan if isinstance(plan, str) else "nothing to read",
+                      self._outcome())
             self._orders.loads.append(LoadOrder(request_id, tuple(unhashed_blocks), fail=True))
             return
-        self._orders.loads.append(LoadOrder(request_id, tuple(unhashed_blocks[:need])))
+        local, index = plan
+        nb = len(rp.params.blocks)
+        suffix = index == list(range(nb - len(index), nb))
+        self._orders.loads.append(LoadOrder(request_id, tuple(local),
+                                            remote=None if suffix else tuple(index)))
 
     def _give_up(self, request_id: str, state: str) -> None:
         """An admitted request will not pull: tell the worker (it releases to P)."""
