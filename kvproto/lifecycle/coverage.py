@@ -140,7 +140,7 @@ CEffect = CoverageDone | CancelParts
 
 
 class _Entry:
-    __slots__ = ("state", "need", "read", "pending")
+    __slots__ = ("need", "pending", "read", "state")
 
     def __init__(self, need: dict[int, frozenset[Region]]) -> None:
         self.state = C_NEW
@@ -159,21 +159,40 @@ class Coverage:
             raise UsageError("max_requests must be >= 1")
         self.max_requests = max_requests
         self._reqs: dict[str, _Entry] = {}
-        self._ended: dict[str, str] = {}  # ended, not yet forgotten: rid -> final state
+        # ended, not yet forgotten: rid -> (final state, regions read)
+        self._ended: dict[str, tuple[str, frozenset[Region]]] = {}
         self.counters: dict[str, int] = {}
 
     # -- views ------------------------------------------------------------------------
     def state(self, rid: str) -> str:
         e = self._reqs.get(rid)
-        return e.state if e is not None else self._ended.get(rid, C_NEW)
+        if e is not None:
+            return e.state
+        end = self._ended.get(rid)
+        return end[0] if end is not None else C_NEW
 
     def read(self, rid: str) -> frozenset[Region]:
+        """The regions recorded as read and verified (kept once the request ended)."""
         e = self._reqs.get(rid)
-        return frozenset(e.read) if e is not None else frozenset()
+        if e is not None:
+            return frozenset(e.read)
+        end = self._ended.get(rid)
+        return end[1] if end is not None else frozenset()
 
     def pending(self, rid: str) -> tuple[int, ...]:
         e = self._reqs.get(rid)
         return tuple(sorted(e.pending)) if e is not None else ()
+
+    def clone(self) -> Coverage:
+        """An independent copy (model checking and fuzzing explore from it)."""
+        c = type(self)(self.max_requests)
+        for rid, e in self._reqs.items():
+            n = _Entry(dict(e.need))
+            n.state, n.read, n.pending = e.state, set(e.read), set(e.pending)
+            c._reqs[rid] = n
+        c._ended = dict(self._ended)
+        c.counters = dict(self.counters)
+        return c
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -197,7 +216,7 @@ class Coverage:
 
     def _step(self, rid: str, e: _Entry | None, event: str, guard: str,
               regions: frozenset[Region] = frozenset()) -> list[CEffect]:
-        src = e.state if e is not None else self._ended.get(rid, C_NEW)
+        src = e.state if e is not None else self.state(rid)
         row = self.table[(src, event, guard)]
         out: list[CEffect] = []
         for fx in row.effects:
@@ -216,7 +235,7 @@ class Coverage:
                 self._count(f"{row.dst}:{arg}")
         if row.dst in (COMPLETE, INCOMPLETE) and src not in (COMPLETE, INCOMPLETE):
             self._reqs.pop(rid, None)
-            self._ended[rid] = row.dst
+            self._ended[rid] = (row.dst, frozenset(e.read) if e is not None else frozenset())
         elif e is not None:
             e.state = row.dst
         return out

@@ -71,7 +71,7 @@ class Source:
 class Topology:
     """The pairing of P's and D's tensor-parallel ranks for one model."""
 
-    __slots__ = ("p_tp", "d_tp", "kv_heads", "_sources", "_readers")
+    __slots__ = ("_readers", "_sources", "d_tp", "kv_heads", "p_tp")
 
     def __init__(self, p_tp: int, d_tp: int, kv_heads: int) -> None:
         if not 1 <= kv_heads <= MAX_TP:
