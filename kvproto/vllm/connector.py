@@ -682,14 +682,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         from kvproto.vllm.identity import FingerprintError, model_identity
 
         try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            rank = int(get_tensor_model_parallel_rank())
-        except Exception:  # no distributed state (a bare worker): one rank
-            rank = 0
-        try:
             ident = model_identity(self._vllm_config, self._kv_cache_config, tensors,
-                                   num_blocks, tp_rank=rank, pinned=self.opts.model_revision)
+                                   num_blocks, pinned=self.opts.model_revision)
         except FingerprintError as e:
             raise ValueError(f"kvproto: cannot identify the model's weights ({e})") from None
         log.info("kvproto: model identity %s", ident)
