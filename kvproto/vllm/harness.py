@@ -211,6 +211,7 @@ class EngineSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     log_path: str | None = None
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -483,7 +484,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "kv_transfer_config": spec.kv_transfer_config, "env": dict(spec.env),
             "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
             "block_size": spec.block_size, "max_model_len": spec.max_model_len,
-            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path}
+            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
+            "tensor_parallel_size": spec.tensor_parallel_size}
 
 
 # ---------------------------------------------------------------------------- P/D pairs
@@ -634,6 +636,7 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
         kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], block_size=spec["block_size"],
         max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
         enable_prefix_caching=False, dtype="float32", seed=0,
+        tensor_parallel_size=int(spec.get("tensor_parallel_size", 1)),
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
     )
     return LLMEngine.from_engine_args(args)
