@@ -33,7 +33,7 @@ from kvproto.errors import UsageError
 MAX_TP: Final = 1024  # largest tensor-parallel size and head count accepted
 
 
-class TopologyError(UsageError):
+class TopologyError(UsageError, ValueError):
     """A tensor-parallel size the model's KV heads cannot be split over."""
 
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from random import Random
 
+from kvproto.errors import KVProtoError
 from kvproto.lifecycle.coverage import Coverage, CoverageDone, Region, region_map
 from kvproto.lifecycle.topology import Topology
 
 INVARIANTS = frozenset({"Coverage", "FailClosed", "OneVerdict"})
 
 
-class CoverageViolation(AssertionError):
+class CoverageViolation(KVProtoError, AssertionError):
     def __init__(self, invariant: str, detail: str) -> None:
         super().__init__(f"{invariant}: {detail}")
         self.invariant = invariant

@@ -269,7 +269,10 @@ class Engine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_engine_main, args=(child, _spec_dict(spec)),
-                                 name=f"vllm-{spec.name}", daemon=True)
+                                 name=f"vllm-{spec.name}",
+                                 # TP > 1 spawns worker processes, which a daemonic
+                                 # process may not; kill_all still ends it at exit
+                                 daemon=spec.tensor_parallel_size == 1)
         self._seq = 0
         self._replies: dict[int, Any] = {}
         self.results: dict[str, Result] = {}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any, Final
 
+from kvproto.errors import UsageError
 from kvproto.lifecycle import TransferParams
 from kvproto.lifecycle.topology import MAX_TP, Topology, TopologyError
 from kvproto.vllm.sched import (
@@ -180,7 +181,7 @@ def parse_ranks(d: Any, base: RemoteParams) -> RankParams | None:
     return RankParams(n_tp, n_heads, tuple(layers), tuple(out))
 
 
-class TopologyUnsupported(Exception):
+class TopologyUnsupported(UsageError, ValueError):
     """A plan this version cannot pull (head slices: P and D TP sizes differ)."""
 
 
