@@ -6,7 +6,9 @@ One P/D pair serves every test of the module; the single-engine reference (TP 1)
 first and is closed before the pair starts. Checks: D's greedy outputs equal the
 reference token for token; a late D after lease expiry is fenced or refused and
 recomputed (0 wrong); every rank's journal (P rank 0 and 1, D rank 0 and 1) passes
-``kvproto validate``.
+``kvproto validate``; last, one D rank's worker is killed while D pulls: P gets every block
+back within the lease bound and frees each request once per rank, and whatever D still
+answers is the reference.
 
 Heterogeneous TP (P TP 2 -> D TP 1, P TP 1 -> D TP 2) needs head-slice READs, which this
 version does not post: ``kvproto.vllm.topology.d_params`` refuses such a plan before any
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,7 +38,9 @@ MAX_TOKENS = 8
 P_KV_BYTES = 8 << 20
 COR = {f"c{i}": p for i, p in enumerate(h.make_prompts(8, seed=21))}
 LATE = {f"late{i}": p for i, p in enumerate(h.make_prompts(2, seed=22, lengths=[64, 100]))}
-ALL = {**COR, **LATE}
+KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(3, seed=23, lengths=[90, 250, 31]))}
+ALL = {**COR, **LATE, **KILL}
+FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
 
 
 class Pair:
@@ -115,3 +120,43 @@ def test_every_rank_journal_validates(pair: Pair) -> None:
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _worker(engine_pid: int, name: str) -> int:
+    """The pid of the engine's worker process named ``name`` (vLLM's VLLM::<name>)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[1]) == engine_pid and name in cmd:
+            return int(d.name)
+    raise AssertionError(f"no {name} under engine {engine_pid}")
+
+
+def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
+    """Last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
+    its blocks back within the lease bound (done, or expiry of what D can no longer
+    renew), each request freed once per P rank; no answer D still gives is wrong."""
+    p = pair.pd.p
+    baseline = int(p.stats()["free_blocks"])
+    res = {rid: pair.pd.prefill(rid, pr) for rid, pr in KILL.items()}
+    assert baseline - int(p.stats()["free_blocks"]) > 0  # P holds them for D
+    victim = _worker(pair.pd.d.pid, "Worker_TP1")
+    for rid, pr in KILL.items():
+        pair.pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
+    os.kill(victim, signal.SIGKILL)
+    ok, _, _ = sc.wait_free(p, baseline, FREE_TIMEOUT)
+    assert ok, "P did not get its blocks back after a D rank died"
+    assert int(p.stats()["free_blocks"]) == baseline  # and not one block more
+    for j in _rank_journals(pair):
+        fr = _frees(j)
+        for rid in KILL:
+            n = sum(1 for ids in fr.values() for x in ids if x.split("-")[0] == rid)
+            assert n == 1, (j.name, rid, fr)
+    for rid, r in pair.pd.d.results.items():
+        if rid in KILL and r.error is None and r.tokens:
+            assert r.tokens == pair.ref[rid], rid
