@@ -710,9 +710,35 @@ def check_peer(hs: Handshake, role: str, layout: Layout, identity: dict[str, str
     (``check_identity``, field for field). Raises WireError."""
     if hs.role != role:
         raise WireError("malformed_handshake", f"role {hs.role!r}, expected {role}")
-    check_layouts(layout, hs.layout)
     mine, peer = ("D", "P") if role == "producer" else ("P", "D")
+    if layout.tp_size != hs.layout.tp_size and identity and hs.identity:
+        # Heterogeneous TP: one rank's block holds another number of heads, so block
+        # bytes differ. The identity pins what one head's slice holds (head size,
+        # layers, KV heads, dtype, block size, kv_layout per head, weights), and both
+        # TP sizes must split the model's KV heads (check_tp_pairing).
+        check_identity(identity, hs.identity, mine, peer)
+        check_tp_pairing(layout.tp_size, hs.layout.tp_size, identity.get("num_kv_heads"))
+        if layout.dtype != hs.layout.dtype:
+            raise WireError("layout_mismatch", f"local {layout.dtype} vs remote "
+                                               f"{hs.layout.dtype}")
+        return
+    check_layouts(layout, hs.layout)
     check_identity(identity, hs.identity, mine, peer)
+
+
+def check_tp_pairing(local_tp: int, remote_tp: int, kv_heads: str | None) -> None:
+    """Raise WireError('model_mismatch') unless both tensor-parallel sizes split the
+    model's ``kv_heads`` KV heads (a multiple or a divisor of it each): then every rank of
+    one side holds whole heads of the other's (``kvproto.lifecycle.topology``)."""
+    try:
+        heads = int(kv_heads or "")
+    except ValueError:
+        raise WireError("model_mismatch", "heterogeneous tensor parallelism needs the "
+                                          "model's num_kv_heads in the identity") from None
+    for tp in (local_tp, remote_tp):
+        if heads < 1 or tp < 1 or (heads % tp and tp % heads):
+            raise WireError("model_mismatch", f"tensor_parallel_size {tp} cannot hold "
+                                              f"{heads} KV heads")
 
 
 def check_layouts(local: Layout, remote: Layout) -> None:

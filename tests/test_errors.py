@@ -37,16 +37,21 @@ from kvproto.lifecycle import (
     make_table,
     with_rows,
 )
+from kvproto.lifecycle.topology import TopologyError
 from kvproto.nixl.channel import FrameError
 from kvproto.nixl.driver import PeerError
+from kvproto.nixl.faults import FaultConfigError
+from kvproto.testing.cfuzz import CoverageViolation
 from kvproto.testing.script import ScriptError
 from kvproto.verify.check import LeaseConfigError
 from kvproto.verify.oracle import InvariantViolation
 from kvproto.verify.tlc import MissingDependency, ParseError, TLCError
 from kvproto.verify.trace import TraceError
+from kvproto.vllm.groups import GroupsError
 from kvproto.vllm.harness import HarnessError
 from kvproto.vllm.identity import FingerprintError
 from kvproto.vllm.sched import ParamsError
+from kvproto.vllm.topology import TopologyUnsupported
 
 # error -> (its kind, the builtin base it keeps)
 ERRORS: dict[type[Exception], tuple[type[KVProtoError], type[Exception]]] = {
@@ -69,6 +74,11 @@ ERRORS: dict[type[Exception], tuple[type[KVProtoError], type[Exception]]] = {
     MissingExtra: (KVProtoError, ImportError),
     FingerprintError: (UsageError, ValueError),
     ScriptError: (UsageError, ValueError),
+    TopologyError: (UsageError, ValueError),
+    TopologyUnsupported: (UsageError, ValueError),
+    CoverageViolation: (KVProtoError, AssertionError),
+    GroupsError: (UsageError, ValueError),
+    FaultConfigError: (UsageError, ValueError),
 }
 
 

@@ -107,6 +107,36 @@ def test_kv_layout_leaves_out_the_block_count() -> None:
     assert ident.kv_layout(perm, 8) != ident.kv_layout(t8[:1], 8)
 
 
+def test_kv_layout_per_head_is_the_same_at_every_tp_size() -> None:
+    """vLLM's CPU layout (N, heads, block size, 2 x head size): TP 1 with 2 heads and
+    TP 2 with 1 head per rank describe one head's slice alike."""
+    tp1 = [torch.zeros((8, 2, 32, 64), dtype=torch.float16)]
+    tp2 = [torch.zeros((8, 1, 32, 64), dtype=torch.float16)]
+    assert ident.kv_layout(tp1, 8, heads=2) == ident.kv_layout(tp2, 8, heads=1) \
+        == "1x(N,H,32,64)[0123]float16"
+    assert ident.kv_layout(tp1, 8) != ident.kv_layout(tp2, 8)
+    other = [torch.zeros((8, 1, 32, 128), dtype=torch.float16)]  # another head size
+    assert ident.kv_layout(other, 8, heads=1) != ident.kv_layout(tp2, 8, heads=1)
+
+
+def test_heterogeneous_tp_pairs_by_rule_not_by_block_bytes() -> None:
+    from kvproto.wire import Handshake, Layout, WireError, check_peer
+
+    idt = {"num_kv_heads": "2", "kv_layout": "1x(N,H,32,64)[0123]float16", "weights": "w"}
+    p_lay = Layout(100, 8192, "float16", 0, 1)  # P TP 1: two heads per block
+    d_lay = Layout(50, 4096, "float16", 1, 2)  # D TP 2: one head per block
+    hs = Handshake("p", 1, p_lay, b"", "producer", identity=dict(idt))
+    check_peer(hs, "producer", d_lay, dict(idt))  # pairs
+    with pytest.raises(WireError, match="model_mismatch"):  # other weights: refused
+        check_peer(hs, "producer", d_lay, {**idt, "weights": "v"})
+    with pytest.raises(WireError, match="cannot hold"):  # 3 ranks cannot split 2 heads
+        check_peer(hs, "producer", Layout(50, 4096, "float16", 1, 3), dict(idt))
+    with pytest.raises(WireError, match="layout_mismatch"):  # same TP: bytes must match
+        check_peer(hs, "producer", Layout(50, 4096, "float16", 0, 1), dict(idt))
+    with pytest.raises(WireError, match="layout_mismatch"):  # no identity: bytes rule
+        check_peer(Handshake("p", 1, p_lay, b"", "producer"), "producer", d_lay, None)
+
+
 def test_model_identity_of_a_real_vllm_config(models: tuple[Path, Path]) -> None:
     """From vLLM's own VllmConfig (built, not run): every field is there; two checkpoints
     of one shape differ in ``weights`` only; a pin replaces the fingerprint."""
@@ -127,11 +157,12 @@ def test_model_identity_of_a_real_vllm_config(models: tuple[Path, Path]) -> None
     ib = ident.model_identity(cb, groups, tensors, 16)
     assert set(ia) == {"architecture", "model_config", "weights", "dtype", "quantization",
                        "kv_cache_dtype", "num_layers", "num_kv_heads", "head_size",
-                       "block_size", "kv_layout", "kv_cache_groups", "parallel",
+                       "block_size", "kv_layout", "kv_cache_groups", "pipeline_parallel",
                        "speculative", "kvproto", "vllm"}
     assert ia["architecture"] == "LlamaForCausalLM" and ia["num_layers"] == "2"
     assert ia["num_kv_heads"] == "4" and ia["head_size"] == "32" and ia["block_size"] == "32"
-    assert ia["parallel"] == "tp=1,pp=1,rank=0" and ia["speculative"] == "none"
+    assert ia["pipeline_parallel"] == "pp=1" and ia["speculative"] == "none"
+    assert ia["kv_layout"] == "2x(N,2,H,32,32)[01234]bfloat16"
     assert ia["weights"] == ident.weights_fingerprint(a)[0]
     assert {k for k in ia if ia[k] != ib[k]} == {"weights"}
     pa = ident.model_identity(ca, groups, tensors, 16, pinned="v1")

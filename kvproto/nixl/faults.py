@@ -25,12 +25,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvproto.errors import UsageError
+
 MAX_HELD = 64
 MAX_ENGINES = 256
 KINDS = ("drop", "dup", "delay")
 
 
-class FaultConfigError(ValueError):
+class FaultConfigError(UsageError, ValueError):
     """A bad ``test_faults`` setting (one clear line)."""
 
 

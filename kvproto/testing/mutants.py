@@ -29,6 +29,13 @@ One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented h
   rank for one long step. Caught by the replay's ``TickBounded`` check and by TLC's trace
   validation (TraceConsumer: a tick failed more leases than its work budget).
 
+One coverage mutant (``COVERAGE_MUTANTS``, a ``Coverage`` subclass overriding its
+documented hook ``part_guard``): ``drop_region`` -- a part whose READ missed one of its
+regions (one layer of one P rank) still counts as read, so D reports the request complete
+with a region never read (Coverage). Caught by the coverage fuzzer
+(``kvproto.testing.cfuzz``), by the coverage graph equality and by TLC (model
+``bug_drop_region``).
+
 Driver mutants (``DRIVER_MUTANTS``) are bugs of D's driver, which the simulator and the
 fuzzer run as production code does: ``no_fencing`` never compares the stamps a READ
 fetched after its data, so a READ that lands late on blocks P freed and reused is served
@@ -39,7 +46,7 @@ so a READ corrupted in flight with its stamps unchanged is served (ServedIntact)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvproto.lifecycle import (
@@ -57,6 +64,7 @@ from kvproto.lifecycle import (
     Fx,
     Ledger,
 )
+from kvproto.lifecycle.coverage import Coverage, Region
 from kvproto.nixl.driver_d import DDriver
 
 _HELD_LIVE = ("registered", "leased", "notified")
@@ -199,4 +207,37 @@ DRIVER_MUTANTS: dict[str, DriverMutant] = {m.name: m for m in (
     DriverMutant("no_checksum", NoChecksumDriver,
                  "skips the checksum verification: a READ corrupted in flight, stamps "
                  "unchanged, is served", frozenset({"ServedIntact"})),
+)}
+
+
+# ---------------------------------------------------------------------------
+# Coverage mutant: D's coverage machine, hook ``part_guard``.
+# ---------------------------------------------------------------------------
+
+
+class DropRegionCoverage(Coverage):
+    """Coverage mutant: the part's check forgets its last region (hook ``part_guard``),
+    as a READ plan that drops one layer's descriptors and still calls the part read."""
+
+    def part_guard(self, need: Mapping[int, frozenset[Region]], part: int,
+                   got: frozenset[Region], read: frozenset[Region], pending: int) -> str:
+        mine = need[part]
+        kept = mine - {max(mine)} if len(mine) > 1 else mine
+        if not kept <= got:  # BUG: the last region of the part is never checked
+            return "short"
+        return "more_parts" if pending else "all_read"
+
+
+@dataclass(frozen=True)
+class CoverageMutant:
+    name: str
+    coverage_cls: type[Coverage]
+    bug: str
+    caught_by: frozenset[str]
+
+
+COVERAGE_MUTANTS: dict[str, CoverageMutant] = {m.name: m for m in (
+    CoverageMutant("drop_region", DropRegionCoverage,
+                   "a part whose READ missed one region counts as read: complete with a "
+                   "region never read", frozenset({"Coverage"})),
 )}

@@ -35,6 +35,7 @@ class TlcModel:
     about: str
     expect: str | None = None  # None: must pass; else the property that must be violated
     ci: bool = True  # run by `kvproto check --all` and the test suite
+    module: str = "MC"  # the root module the cfg configures
 
     @property
     def path(self) -> Path:
@@ -76,6 +77,14 @@ _TLC: Final[tuple[TlcModel, ...]] = (
     TlcModel("bug_short_extension", "MC_bug_short_extension.cfg",
           "BUG: lease extension shorter than heartbeat interval + delay, so P expires "
           "requests whose reader is alive and heartbeating", expect="RenewalKeepsLease"),
+    TlcModel("coverage", "MC_coverage.cfg",
+          "D's coverage machine (KVCoverage): 2 requests, P TP 2 -> D TP 1 and a "
+          "replicated head read from one P rank, any subset of a part's regions read; "
+          "Coverage", module="MC_coverage"),
+    TlcModel("bug_drop_region", "MC_bug_drop_region.cfg",
+          "BUG: D's part_read guard ignores one region (mutant drop_region), so a request "
+          "is reported complete with a region never read", expect="Coverage",
+          module="MC_coverage"),
 )
 
 

@@ -119,9 +119,13 @@ each group's layout; D reads each of its new blocks from the same position of th
 group on P (``kvproto.vllm.groups``, spec/VLLM.md §7). Non-attention (state-space) groups
 are refused at start-up.
 
-Limits of this version: tensor parallel size 1 on both sides (expected readers per P rank
-is configurable and decided by the ledger); equal block sizes on P and D (a request from
-a P of another block size is refused, counted, and recomputes or fails per policy).
+Tensor parallelism (``kvproto.vllm.topology``): one agent and machine per worker rank;
+the params carry every P rank (``RANKS_KEY``); equal TP sizes pair rank r with rank r;
+unequal ones (head slices) are refused before any READ.
+
+Limits of this version: unequal TP sizes on P and D are refused per request; TP > 1 with
+several KV cache groups is refused at start-up; equal block sizes on P and D (a request
+from a P of another block size is refused, counted, and recomputes or fails per policy).
 """
 
 from __future__ import annotations
@@ -156,8 +160,19 @@ from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
     Orders,
+    ParamsError,
     PeerInfo,
     PScheduler,
+)
+from kvproto.vllm.topology import (
+    RANKS_KEY,
+    RankMirrors,
+    RankPeer,
+    TopologyUnsupported,
+    encode_ranks,
+    for_tp_rank,
+    rank_admit,
+    tp_rank,
 )
 
 if TYPE_CHECKING:
@@ -202,8 +217,17 @@ class KVProtoMetadata(KVConnectorMetadata):
 class KVProtoWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, every step that has something to say."""
 
-    stamps: dict[int, int] = field(default_factory=dict)  # P: block -> new generation
+    stamps: dict[int, int] = field(default_factory=dict)  # P rank 0: block -> generation
     ended: list[str] = field(default_factory=list)  # D: ended before a load order
+    rank_stamps: dict[int, dict[int, int]] = field(default_factory=dict)  # P, per TP rank
+
+    def _ranks(self, other: KVProtoWorkerMetadata) -> dict[int, dict[int, int]]:
+        out = {r: dict(st) for r, st in self.rank_stamps.items()}
+        for r, st in other.rank_stamps.items():
+            mine = out.setdefault(r, {})
+            for b, g in st.items():
+                mine[b] = max(g, mine.get(b, -1))
+        return out
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVProtoWorkerMetadata):
@@ -212,7 +236,7 @@ class KVProtoWorkerMetadata(KVConnectorWorkerMetadata):
         for b, g in other.stamps.items():
             if g > stamps.get(b, -1):
                 stamps[b] = g
-        return KVProtoWorkerMetadata(stamps, [*self.ended, *other.ended])
+        return KVProtoWorkerMetadata(stamps, [*self.ended, *other.ended], self._ranks(other))
 
 
 @dataclass
@@ -481,6 +505,7 @@ class _DWorker:
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
             identity=identity, fault_hook=self.faults)
+        self.rank = (0, 1, 1)  # (TP rank, TP size, the model's KV heads)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Admitted and not finished: request id -> (P engine, epoch, handle), and those
         # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
@@ -499,6 +524,13 @@ class _DWorker:
     def apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
+            try:
+                ad = rank_admit(ad, *self.rank)
+            except (TopologyUnsupported, ParamsError) as e:
+                log.warning("kvproto: request %s: %s; %s", ad.request_id, e, self.outcome)
+                self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
+                self._ended(ad.request_id)
+                continue
             key = (ad.params.engine, ad.params.epoch, ad.params.handle)
             if ad.request_id in self.admitted or key in self.handles:
                 # The same handle twice (e.g. D's n>1 children share P's params): one
@@ -644,10 +676,13 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         self.opts = ConnectorOptions.parse(ktc.kv_connector_extra_config, ktc.kv_role
                                            ).for_dp_rank(self.dp_rank)
         self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
-        tp = pc.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"kvproto: tensor_parallel_size {tp} is not supported by this "
-                             "version of KVProtoConnector (use 1)")
+        # Tensor parallelism: one agent and machine per worker rank (kvproto.vllm.topology).
+        self.tp_size, self.tp_rank = int(pc.tensor_parallel_size), 0
+        self.kv_heads = int(vllm_config.model_config.get_total_num_kv_heads()) \
+            if self.tp_size > 1 else 1
+        self._rank_peers: dict[int, RankPeer] = {}
+        self._mirrors = RankMirrors(int(kv_cache_config.num_blocks)
+                                    if kv_cache_config is not None else 0)
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
@@ -655,6 +690,10 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             self.groups = kvgroups.describe(kv_cache_config)
         except kvgroups.GroupsError as e:
             raise ValueError(str(e)) from None
+        if self.tp_size > 1 and len(self.groups) > 1:
+            raise ValueError(f"kvproto: tensor parallel size {self.tp_size} with "
+                             f"{len(self.groups)} KV cache groups is not supported yet "
+                             "(one group at TP > 1)")
         self.psched: PScheduler | None = None
         self.dsched: DScheduler | None = None
         self.pw: _PWorker | None = None
@@ -694,12 +733,17 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
 
             metrics = Metrics(labels={"engine": self.engine_id})
         identity = self._identity(tensors, num_blocks)
+        self.tp_rank = tp_rank()
+        self.opts = for_tp_rank(self.opts, self.tp_rank, self.tp_size, self.dp_rank)
+        sfx = f"-tp{self.tp_rank}" if self.tp_size > 1 else ""
         if self.opts.producer:
-            self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}", tensors, num_blocks,
-                               self.opts.handshake_port, metrics, identity)
+            self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}{sfx}", tensors,
+                               num_blocks, self.opts.handshake_port, metrics, identity)
         if self.opts.consumer:
-            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}", tensors, num_blocks,
-                               metrics, identity, fail=self.load_failure_policy == "fail")
+            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
+                               num_blocks, metrics, identity,
+                               fail=self.load_failure_policy == "fail")
+            self.dw.rank = (self.tp_rank, self.tp_size, self.kv_heads)
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
@@ -711,14 +755,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         from kvproto.vllm.identity import FingerprintError, model_identity
 
         try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            rank = int(get_tensor_model_parallel_rank())
-        except Exception:  # no distributed state (a bare worker): one rank
-            rank = 0
-        try:
             ident = model_identity(self._vllm_config, self._kv_cache_config, tensors,
-                                   num_blocks, tp_rank=rank, pinned=self.opts.model_revision)
+                                   num_blocks, pinned=self.opts.model_revision)
         except FingerprintError as e:
             raise ValueError(f"kvproto: cannot identify the model's weights ({e})") from None
         log.info("kvproto: model identity %s", ident)
@@ -794,7 +832,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._stamps and not self._ended:
             return None
-        meta = KVProtoWorkerMetadata(self._stamps, self._ended)
+        meta = KVProtoWorkerMetadata(self._stamps if self.tp_rank == 0 else {}, self._ended,
+                                     {self.tp_rank: self._stamps} if self._stamps else {})
         self._stamps, self._ended = {}, []
         return meta
 
@@ -858,6 +897,9 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:
+        self._rank_peers = {r: RankPeer(m.engine, m.epoch, m.host, m.port)
+                            for r, m in metadata.items()
+                            if isinstance(m, KVProtoHandshakeMetadata) and m.engine}
         m = metadata.get(0)
         if self.psched is not None and isinstance(m, KVProtoHandshakeMetadata) and m.engine:
             self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port))
@@ -908,6 +950,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KVProtoWorkerMetadata):
             if self.psched is not None and meta.stamps:
                 self.psched.on_stamps(meta.stamps)
+            self._mirrors.on_stamps(meta.rank_stamps)
             if self.dsched is not None and meta.ended:
                 self.dsched.on_failed(meta.ended)
         if self.psched is not None and connector_output.finished_sending:
@@ -932,9 +975,22 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted before its prefill finished: nothing to hand out
+        if self.tp_size > 1 and len(self._rank_peers) != self.tp_size:
+            log.error("kvproto: P request %s finished before every rank's handshake "
+                      "metadata arrived; served without remote decode", rid)
+            return False, None
         out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
                                           params, self.block_size)
+        if out is not None and self.tp_size > 1:
+            # one KV cache group at TP > 1 (refused at start-up otherwise)
+            out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),
+                                          self.kv_heads, self._layers())
         return (out is not None), out
+
+    def _layers(self) -> list[int]:
+        """Layers per KV cache group (the region map's axes)."""
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or ()
+        return [max(1, len(g.layer_names)) for g in groups] or [1]
 
     def has_pending_block_frees(self) -> bool:
         # False: a held request's blocks come back when D pulls them or the lease ends,

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvproto.errors import UsageError
+
 NULL_BLOCK = 0  # vLLM's null block id (the block pool's first block, never allocated)
 MAX_GROUPS = 64  # KV cache groups a config or a transfer params may name
 
@@ -48,7 +50,7 @@ NULL = 2  # out of the window: D will not attend it
 ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
 
 
-class GroupsError(ValueError):
+class GroupsError(UsageError, ValueError):
     """A KV cache configuration the connector refuses at start-up (one line)."""
 
 

@@ -221,6 +221,7 @@ class EngineSpec:
     max_num_seqs: int = 64
     log_path: str | None = None
     prefix_caching: bool = False
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -278,7 +279,10 @@ class Engine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_engine_main, args=(child, _spec_dict(spec)),
-                                 name=f"vllm-{spec.name}", daemon=True)
+                                 name=f"vllm-{spec.name}",
+                                 # TP > 1 spawns worker processes, which a daemonic
+                                 # process may not; kill_all still ends it at exit
+                                 daemon=spec.tensor_parallel_size == 1)
         self._seq = 0
         self._replies: dict[int, Any] = {}
         self.results: dict[str, Result] = {}
@@ -499,7 +503,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
             "block_size": spec.block_size, "max_model_len": spec.max_model_len,
             "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
-            "prefix_caching": spec.prefix_caching}
+            "prefix_caching": spec.prefix_caching,
+            "tensor_parallel_size": spec.tensor_parallel_size}
 
 
 # ---------------------------------------------------------------------------- P/D pairs
@@ -653,6 +658,7 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
         kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], block_size=spec["block_size"],
         max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
         enable_prefix_caching=bool(spec.get("prefix_caching")), dtype="float32", seed=0,
+        tensor_parallel_size=int(spec.get("tensor_parallel_size", 1)),
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
     )
     return LLMEngine.from_engine_args(args)

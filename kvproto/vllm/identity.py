@@ -167,10 +167,15 @@ def weights_identity(model: str, *, revision: str | None = None, load_format: st
     return fp
 
 
-def kv_layout(tensors: Sequence[Any], num_blocks: int) -> str:
+def kv_layout(tensors: Sequence[Any], num_blocks: int, heads: int | None = None) -> str:
     """The KV tensors' shapes (the block dimension, the first of size ``num_blocks``,
     written ``N``), strides order and dtypes: what a block's bytes hold, independent of
-    how many blocks the cache has."""
+    how many blocks the cache has. With ``heads`` (this rank's KV heads), the first
+    dimension after the block dimension of that size is written ``H``: the layout of one
+    head's slice, the same at every tensor-parallel size (vLLM's CPU layout is (N, H,
+    block size, 2 x head size)). Should another dimension before the heads have the same
+    size, the two sides write ``H`` in different places and are refused, never paired
+    wrongly."""
     seen: set[int] = set()
     parts: list[str] = []
     for t in tensors:
@@ -178,8 +183,10 @@ def kv_layout(tensors: Sequence[Any], num_blocks: int) -> str:
             continue
         seen.add(t.data_ptr())
         shape = list(t.shape)
-        dims = ["N" if i == (shape.index(num_blocks) if num_blocks in shape else -1)
-                else str(s) for i, s in enumerate(shape)]
+        nb = shape.index(num_blocks) if num_blocks in shape else -1
+        hd = next((i for i in range(nb + 1, len(shape)) if shape[i] == heads), -1) \
+            if heads is not None and nb >= 0 else -1
+        dims = ["N" if i == nb else "H" if i == hd else str(s) for i, s in enumerate(shape)]
         order = sorted(range(len(shape)), key=lambda i: -t.stride()[i])
         parts.append(f"({','.join(dims)})[{''.join(map(str, order))}]"
                      f"{str(t.dtype).replace('torch.', '')}")
@@ -232,8 +239,7 @@ def kvproto_version() -> str:
 
 
 def model_identity(vllm_config: Any, kv_cache_config: Any, tensors: Sequence[Any],
-                   num_blocks: int, *, tp_rank: int = 0, pinned: str | None = None
-                   ) -> dict[str, str]:
+                   num_blocks: int, *, pinned: str | None = None) -> dict[str, str]:
     """The identity fields of this engine worker (see the module docstring). Reads
     vLLM's ``VllmConfig`` (model, cache, parallel, speculative and load configs), the
     scheduler's ``KVCacheConfig`` and the registered KV tensors; fingerprints the weights
@@ -247,6 +253,7 @@ def model_identity(vllm_config: Any, kv_cache_config: Any, tensors: Sequence[Any
     weights = weights_identity(str(mc.model), revision=mc.revision,
                                load_format=str(lc.load_format), download_dir=lc.download_dir,
                                pinned=pinned)
+    total_heads = int(mc.get_total_num_kv_heads())
     ident = {
         "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
         "model_config": _hf_config_digest(mc.hf_config),
@@ -255,13 +262,16 @@ def model_identity(vllm_config: Any, kv_cache_config: Any, tensors: Sequence[Any
         "quantization": str(mc.quantization),
         "kv_cache_dtype": str(cc.cache_dtype),
         "num_layers": str(mc.get_total_num_hidden_layers()),
-        "num_kv_heads": str(mc.get_total_num_kv_heads()),
+        "num_kv_heads": str(total_heads),
         "head_size": str(mc.get_head_size()),
         "block_size": str(cc.block_size),
-        "kv_layout": kv_layout(tensors, num_blocks),
+        "kv_layout": kv_layout(tensors, num_blocks,
+                               heads=max(1, total_heads // pc.tensor_parallel_size)),
         "kv_cache_groups": _groups(kv_cache_config),
-        "parallel": f"tp={pc.tensor_parallel_size},pp={pc.pipeline_parallel_size},"
-                    f"rank={tp_rank}",
+        # Tensor parallelism may differ between P and D (the handshake's Layout carries
+        # each side's TP size and rank, and the rank mapping is derived from them and
+        # num_kv_heads: kvproto.lifecycle.topology); pipeline stages must agree.
+        "pipeline_parallel": f"pp={pc.pipeline_parallel_size}",
         "speculative": _speculative(vllm_config, weights),
         "kvproto": kvproto_version(),
         "vllm": str(vllm.__version__),

@@ -347,6 +347,9 @@ class AdmitOrder:
     params: TransferParams
     host: str
     port: int
+    # The per-rank params as the client sent them (kvproto.vllm.topology.RANKS_KEY),
+    # validated by each D rank (kvproto.vllm.topology.rank_admit); None: P runs TP 1.
+    ranks: Any = None
 
 
 @dataclass(frozen=True)
@@ -550,7 +553,8 @@ class DScheduler:
             return
         self.pulling[key] = request_id
         self.reqs[request_id] = (S_ADMITTED, rp)
-        self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port))
+        self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port,
+                                               kv_params.get("kvproto_tp")))
 
     def _refusal(self, rp: RemoteParams) -> tuple[str, str] | None:
         """(counter reason, one line) when P's blocks cannot map onto D's, else None."""

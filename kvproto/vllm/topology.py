@@ -1,0 +1,215 @@
+"""Tensor parallelism inside the vLLM connector: per-rank options, per-rank stamp mirrors,
+the per-rank transfer params, and which P rank a D rank pulls from.
+
+With tensor parallel size t, vLLM runs t workers per engine, each with its own KV tensors
+(its heads), and so its own NIXL agent, ``Ledger`` (P) or ``Consumer`` (D), handshake
+address, epoch and stamp tensor. vLLM's scheduler still sees one request; its KV output
+aggregator reports a request in ``finished_sending``/``finished_recving`` only once
+every rank did, and unions the load errors of all ranks.
+
+* P: every rank registers the request under the same handle (the register order goes
+  to every worker). The transfer params carry, besides rank 0's params (``kvproto``),
+  the key ``RANKS_KEY``: P's TP size, the model's KV heads, the layers per KV cache
+  group (the region map's axes), and for every P rank its agent, epoch, handshake
+  address and the generations of the blocks from *that rank's* stamp mirror
+  (``RankMirrors``; ranks bump stamps at their own pace, so one mirror for all ranks
+  could pair one rank's stamp with another's bump).
+* D: rank d takes its plan from ``kvproto.lifecycle.topology.Topology`` and pulls from
+  the P rank that holds its heads (``d_params``). This version pulls whole blocks, so it
+  pairs equal TP sizes only: a plan that needs head slices (P and D TP sizes differ) is
+  refused before anything is read (``TopologyUnsupported``; the request ends
+  ``tp_unsupported`` and recomputes or fails per ``kv_load_failure_policy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import PurePath
+from typing import Any, Final
+
+from kvproto.errors import UsageError
+from kvproto.lifecycle import TransferParams
+from kvproto.lifecycle.topology import MAX_TP, Topology, TopologyError
+from kvproto.vllm.sched import (
+    MAX_NAME,
+    AdmitOrder,
+    ConnectorOptions,
+    ParamsError,
+    RemoteParams,
+)
+
+RANKS_KEY: Final = "kvproto_tp"  # kv_transfer_params key of the per-rank params
+MAX_LAYERS: Final = 4096  # layers per KV cache group in params
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 without vLLM's distributed state)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no distributed state (a bare worker): one rank
+        return 0
+
+
+def for_tp_rank(opts: ConnectorOptions, rank: int, tp_size: int, dp_rank: int
+                ) -> ConnectorOptions:
+    """The options of TP rank ``rank`` (after ``for_dp_rank``): a fixed port becomes
+    port + dp_rank * tp_size + rank (the DP shift already added dp_rank), a journal path
+    gains ``.tp<rank>`` before its suffix on rank > 0."""
+    if rank == 0 and dp_rank == 0:
+        return opts
+    extra = dp_rank * (tp_size - 1) + rank
+
+    def shifted(key: str, v: int | None) -> int | None:
+        if not v:
+            return v
+        if v + extra > 65535:
+            raise ValueError(f"kvproto: {key} {v} + rank offset {extra} exceeds 65535")
+        return v + extra
+
+    journal = opts.journal
+    if journal is not None and rank > 0:
+        j = PurePath(journal)
+        journal = str(j.with_name(f"{j.stem}.tp{rank}{j.suffix}"))
+    hp = shifted("handshake_port", opts.handshake_port)
+    assert hp is not None
+    return replace(opts, handshake_port=hp,
+                   metrics_port=shifted("metrics_port", opts.metrics_port), journal=journal)
+
+
+class RankMirrors:
+    """P's scheduler: one stamp mirror per TP rank (block -> newest generation that
+    rank's worker reported). A rank's mirror never runs ahead of that rank's stamps."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._m: dict[int, list[int]] = {}
+
+    def on_stamps(self, rank_stamps: Mapping[int, Mapping[int, int]]) -> None:
+        for r, stamps in rank_stamps.items():
+            if not 0 <= r < MAX_TP:
+                continue
+            m = self._m.setdefault(r, [0] * self.num_blocks)
+            for b, g in stamps.items():
+                if 0 <= b < self.num_blocks and g > m[b]:
+                    m[b] = g
+
+    def gens(self, rank: int, blocks: Sequence[int]) -> list[int]:
+        m = self._m.get(rank)
+        return [m[b] for b in blocks] if m is not None else [0] * len(blocks)
+
+
+@dataclass(frozen=True)
+class RankPeer:
+    engine: str
+    epoch: int
+    host: str
+    port: int
+
+
+def encode_ranks(peers: Mapping[int, RankPeer], mirrors: RankMirrors, blocks: Sequence[int],
+                 kv_heads: int, layers: Sequence[int]) -> dict[str, Any]:
+    """The ``RANKS_KEY`` value of P's transfer params (see the module docstring)."""
+    return {"p_tp": len(peers), "kv_heads": kv_heads, "layers": list(layers),
+            "ranks": [{"engine": p.engine, "epoch": p.epoch, "host": p.host,
+                       "port": p.port, "generations": mirrors.gens(r, blocks)}
+                      for r, p in sorted(peers.items())]}
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """D's view of the per-rank params: P's TP size, KV heads, layers per group, and
+    one ``RemoteParams`` per P rank (rank 0's handle, blocks and term, its own engine,
+    epoch, address and generations)."""
+
+    p_tp: int
+    kv_heads: int
+    layers: tuple[int, ...]
+    ranks: tuple[RemoteParams, ...]
+
+
+def parse_ranks(d: Any, base: RemoteParams) -> RankParams | None:
+    """Validate the ``RANKS_KEY`` value of a D request's params (client input); None when
+    absent (P runs TP 1). Raises ParamsError."""
+    if d is None:
+        return None
+    if not isinstance(d, Mapping):
+        raise ParamsError("bad_params", f"{RANKS_KEY} must be a mapping")
+    p_tp, heads, layers, ranks = d.get("p_tp"), d.get("kv_heads"), d.get("layers"), \
+        d.get("ranks")
+    for name, v in (("p_tp", p_tp), ("kv_heads", heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TP:
+            raise ParamsError("bad_params", f"{RANKS_KEY}.{name} must be in 1..{MAX_TP}")
+    if not isinstance(layers, list) or not 1 <= len(layers) <= 64 or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYERS
+            for n in layers):
+        raise ParamsError("bad_params", f"{RANKS_KEY}.layers must list layer counts")
+    if not isinstance(ranks, list) or len(ranks) != p_tp:
+        raise ParamsError("bad_params", f"{RANKS_KEY}.ranks must list p_tp ranks")
+    out: list[RemoteParams] = []
+    for i, r in enumerate(ranks):
+        if not isinstance(r, Mapping):
+            raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}] must be a mapping")
+        engine, host, port, epoch, gens = (r.get(k) for k in (
+            "engine", "host", "port", "epoch", "generations"))
+        if not isinstance(engine, str) or not engine or len(engine) > MAX_NAME \
+                or not isinstance(host, str) or not host or len(host) > MAX_NAME:
+            raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}]: engine and host "
+                                            "must be names")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535 \
+                or isinstance(epoch, bool) or not isinstance(epoch, int) \
+                or not 0 <= epoch < 1 << 32:
+            raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}]: bad port or epoch")
+        if not isinstance(gens, list) or len(gens) != len(base.params.blocks) or any(
+                isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < 1 << 62
+                for g in gens):
+            raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}]: one generation per "
+                                            "block")
+        tp = TransferParams(engine=engine, epoch=epoch, handle=base.params.handle,
+                            blocks=base.params.blocks,
+                            initial_term=base.params.initial_term,
+                            expected=base.params.expected, group=base.params.group,
+                            generations=tuple(gens))
+        out.append(RemoteParams(tp, host, port, base.num_tokens))
+    n_tp, n_heads = int(p_tp or 0), int(heads or 0)  # checked above
+    try:
+        Topology(n_tp, 1, n_heads)
+    except TopologyError as e:
+        raise ParamsError("bad_params", f"{RANKS_KEY}: {e}") from None
+    return RankParams(n_tp, n_heads, tuple(layers), tuple(out))
+
+
+class TopologyUnsupported(UsageError, ValueError):
+    """A plan this version cannot pull (head slices: P and D TP sizes differ)."""
+
+
+def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
+             kv_heads: int) -> RemoteParams:
+    """The params D rank ``d_rank`` of ``d_tp`` pulls with: P rank 0's when P runs TP 1
+    and D too, else the P rank ``Topology`` pairs it with. Raises TopologyUnsupported
+    for a plan that needs head slices, ParamsError when P's KV heads differ from D's."""
+    if ranks is None:
+        if d_tp != 1:
+            raise TopologyUnsupported(f"P runs TP 1, D TP {d_tp}: head slices")
+        return rp
+    if ranks.p_tp != d_tp:
+        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
+    if ranks.kv_heads != kv_heads:
+        raise ParamsError("bad_params", f"P has {ranks.kv_heads} KV heads, D {kv_heads}")
+    try:
+        srcs = Topology(ranks.p_tp, d_tp, kv_heads).sources(d_rank)
+    except TopologyError as e:
+        raise ParamsError("bad_params", str(e)) from None
+    if ranks.p_tp != d_tp or len(srcs) != 1:
+        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
+    return ranks.ranks[srcs[0].p_rank]
+
+
+def rank_admit(ad: AdmitOrder, d_rank: int, d_tp: int, kv_heads: int) -> AdmitOrder:
+    """D rank ``d_rank``'s admit order: the one of the P rank it pulls from. Raises
+    TopologyUnsupported or ParamsError (the request then ends before any READ)."""
+    base = RemoteParams(ad.params, ad.host, ad.port, 1)
+    rp = d_params(base, parse_ranks(ad.ranks, base), d_rank, d_tp, kv_heads)
+    return AdmitOrder(ad.request_id, rp.params, rp.host, rp.port)
