@@ -3,6 +3,8 @@ counters), and the fuzzer catching each of its mutants."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ from kvproto.lifecycle.gate import (
     NeverNotice,
     capability,
 )
-from kvproto.testing.gatefuzz import GATE_MUTANTS, OP_NAMES, GateMutant, Op, run_ops
+from kvproto.testing.gatefuzz import GATE_MUTANTS, OP_NAMES, GateMutant, Op, explore, run_ops
 
 CFG = Config(initial_lease=10.0, lease_extension=10.0, heartbeat_interval=1.0,
              abort_grace=10.0, max_delay=0.5, max_read_time=1.0, clock_drift=0.1)
@@ -179,3 +181,67 @@ def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
     with pytest.raises(AssertionError):
         prop()
     assert found and found[-1].startswith(mutant.caught_by), found[-1]
+
+
+GATE_CFG = """CONSTANTS
+    Requests = {"r0"}
+    Consumers = {"c0", "c1", "c2"}
+    Chunks = 2
+    BugSkipBinding = FALSE
+    BugRegisterUnready = FALSE
+    BugNoNeverNotice = FALSE
+INIT Init
+NEXT Next
+INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed
+"""
+
+
+def _tlc_states(tmp: Path) -> set[object]:
+    from kvproto.verify.conformance import read_dot
+    from kvproto.verify.tlc import Fn, find_jar, find_java, require_ok, run_tlc, spec_dir
+
+    try:
+        find_java()
+        find_jar()
+    except Exception as e:  # no Java or no jar on this machine
+        pytest.skip(str(e))
+    for name in ("KVGate.tla", "MC_gate.tla"):
+        (tmp / name).write_text((spec_dir() / name).read_text())
+    (tmp / "conf_gate.cfg").write_text(GATE_CFG)
+    dot = tmp / "gate.dot"
+    require_ok(run_tlc("conf_gate.cfg", module="MC_gate", workdir=tmp, workers=1,
+                       args=["-nowarning", "-dump", "dot,actionlabels", str(dot)]))
+    out: set[object] = set()
+    for s in read_dot(dot).nodes:
+        assert isinstance(s, Fn)
+        assert s["untold"] == frozenset()
+        reqs = sorted(s["written"].keys())  # type: ignore[union-attr]
+        per_r = tuple((s["written"][r], s["aborted"][r], s["gstate"][r],  # type: ignore[index]
+                       s["bound"][r], s["pstate"][r]) for r in reqs)  # type: ignore[index]
+        cst = s["cstate"]
+        assert isinstance(cst, Fn)
+        out.add((per_r, tuple(sorted((p[0], p[1], v) for p, v in cst.items)),  # type: ignore[index]
+                 frozenset((p[0], p[1]) for p in s["told"])))  # type: ignore[union-attr, index]
+    return out
+
+
+@pytest.mark.tlc
+def test_the_gate_and_kvgate_reach_the_same_states(tmp_path: Path) -> None:
+    """State-set equality: the Python gate (over the ledger, in the fuzz world) and
+    tla/KVGate.tla reach exactly the same abstract states."""
+    tlc = _tlc_states(tmp_path)
+    py = explore(requests=1, consumers=3)
+    assert len(py) > 100
+    assert py == tlc, (sorted(map(repr, py - tlc))[:3], sorted(map(repr, tlc - py))[:3])
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("name", ["gate"])
+def test_the_gate_model_passes(name: str) -> None:
+    from kvproto.verify import check
+
+    o = check.check_model(check.MODELS[name], workers=1)
+    if o.result.result == "error" and "java" in o.summary.lower():
+        pytest.skip(o.summary)
+    assert o.result.result == "ok", o.summary
+    assert o.result.distinct is not None and o.result.distinct > 1000

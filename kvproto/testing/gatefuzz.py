@@ -192,3 +192,45 @@ GATE_MUTANTS: tuple[GateMutant, ...] = (
                "NeverToldAtOnce",
                "an abandoned request's consumers are not told: they wait for a timeout"),
 )
+
+
+# ---------------------------------------------------------------------------
+# The reachable states, for the state-set equality with tla/KVGate.tla.
+# ---------------------------------------------------------------------------
+
+AbstractState = tuple[object, ...]
+
+
+def abstract(w: World) -> AbstractState:
+    """The world as KVGate's variables (told as a set of (request, consumer) names;
+    KVGate's ghost ``untold`` is empty in every state of a correct gate)."""
+    held = {"registered": "held", "leased": "held", "notified": "held", "aborted": "held",
+            "expired": "freed", "freed": "freed", UNREGISTERED: UNREGISTERED}
+    per_r = tuple(
+        (q.written, q.aborted, w.gate.state(q.handle), w.gate.consumer(q.handle) or "none",
+         held[w.ledger.state(q.handle)]) for q in w.reqs)
+    cst = tuple(sorted((f"r{r}", w.consumers[c], s) for (r, c), s in w.cstate.items()))
+    told = frozenset((f"r{r}", w.consumers[c]) for r, c in w.told)
+    return (per_r, cst, told)
+
+
+def explore(gate_cls: type[Gate] = Gate, *, requests: int = 1,
+            consumers: int = 3) -> set[AbstractState]:
+    """Every abstract state the world reaches (BFS over every operation)."""
+    import copy
+
+    start = World(gate_cls, requests, consumers)
+    seen = {abstract(start)}
+    todo = [start]
+    ops = [(n, r, c) for n in OP_NAMES for r in range(requests) for c in range(consumers)]
+    while todo:
+        w = todo.pop()
+        for op in ops:
+            w2 = copy.deepcopy(w)
+            if w2.step(op) is not None:
+                raise AssertionError(f"violation while exploring: {op}")
+            a = abstract(w2)
+            if a not in seen:
+                seen.add(a)
+                todo.append(w2)
+    return seen

@@ -311,8 +311,8 @@ def check_model(model: Model, *, cfg_text: str | None = None, workers: int | Non
     """Run TLC on one model and judge the result against the model's expectation.
     Raises MissingJava / MissingJar."""
     text = cfg_text if cfg_text is not None else model.path.read_text()
-    res = run_tlc(model.cfg, cfg_text=text, workers=workers, timeout=timeout,
-                  on_progress=on_progress, name=model.name)
+    res = run_tlc(model.cfg, module=getattr(model, "module", "MC"), cfg_text=text,
+                  workers=workers, timeout=timeout, on_progress=on_progress, name=model.name)
     return judge(model, res, text)
 
 

@@ -35,6 +35,7 @@ class TlcModel:
     about: str
     expect: str | None = None  # None: must pass; else the property that must be violated
     ci: bool = True  # run by `kvproto check --all` and the test suite
+    module: str = "MC"  # the root module (MC_gate for P's gate: tla/KVGate.tla)
 
     @property
     def path(self) -> Path:
@@ -76,6 +77,20 @@ _TLC: Final[tuple[TlcModel, ...]] = (
     TlcModel("bug_short_extension", "MC_bug_short_extension.cfg",
           "BUG: lease extension shorter than heartbeat interval + delay, so P expires "
           "requests whose reader is alive and heartbeating", expect="RenewalKeepsLease"),
+    TlcModel("gate", "MC_gate.cfg",
+          "P's gate: 2 requests x 3 consumers holding the same params, chunked prefill, "
+          "aborts after the params left; NoFreeUnderRead per claimant, ReadinessHolds, "
+          "NeverToldAtOnce, OneConsumerServed", module="MC_gate"),
+    TlcModel("bug_skip_binding", "MC_bug_skip_binding.cfg",
+          "BUG: a second consumer of a bound handle (router retry) is let through; the "
+          "first one's done frees the blocks under its READ", expect="NoFreeUnderRead",
+          module="MC_gate"),
+    TlcModel("bug_register_unready", "MC_bug_register_unready.cfg",
+          "BUG: a register after an earlier chunk of a chunked prefill reaches the ledger",
+          expect="ReadinessHolds", module="MC_gate"),
+    TlcModel("bug_no_never_notice", "MC_bug_no_never_notice.cfg",
+          "BUG: an aborted prefill whose params left tells no consumer: D waits for a "
+          "timeout", expect="NeverToldAtOnce", module="MC_gate"),
 )
 
 
