@@ -3,7 +3,7 @@
 :func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
 from) into the ledger event it stands for, feeds the ledger, and returns the effects for
 the caller to carry out; :func:`d_receive` does the same for one message that arrived at
-a D rank (P's acks) and its ``Consumer``. The P and D drivers
+a D rank (P's acks and never-registered notices) and its ``Consumer``. The P and D drivers
 (:mod:`kvproto.nixl.driver_p`, :mod:`kvproto.nixl.driver_d`) receive through them, over
 NIXL and in the simulator and the fuzzer alike, so every side decodes, rejects and
 dispatches one way: an unknown peer, bytes that do not decode (malformed, truncated,
@@ -20,7 +20,16 @@ import logging
 from collections.abc import Callable
 
 from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
-from kvproto.wire import KIND_ACK, KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
+from kvproto.lifecycle.gate import Gate
+from kvproto.wire import (
+    KIND_ACK,
+    KIND_DONE,
+    KIND_HEARTBEAT,
+    KIND_NEVER,
+    KIND_RELEASE,
+    WireError,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +41,14 @@ def now_ms(clock: Callable[[], float]) -> int:
     return to_ms(clock())
 
 
-def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
+def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
               max_bytes: int) -> list[Effect]:
     """Feed P's ledger the event one incoming message stands for; return its effects.
 
-    ``known``: whether ``peer`` completed a handshake with this P; ``epoch``: this P's
-    epoch (messages for another incarnation are rejected by the decoder); ``max_bytes``:
-    ``Config.max_message_bytes``."""
+    ``ledger``: P's ledger, or P's gate over it (``kvproto.lifecycle.gate.Gate``, which
+    refuses heartbeats about never-registered handles). ``known``: whether ``peer``
+    completed a handshake with this P; ``epoch``: this P's epoch (messages for another
+    incarnation are rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``."""
     if not known:
         return ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
     try:
@@ -80,6 +90,15 @@ def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: boo
     except Exception as e:  # the decoder should only raise WireError; never crash on input
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return consumer.reject("malformed", peer, type(e).__name__, now)
+    if msg.kind == KIND_NEVER:
+        # P will never register these handles: each request of this P still waiting for
+        # its READ fails now (D's abort: release, recompute) instead of at its lease end.
+        out: list[DEffect] = []
+        for h in msg.handles:
+            rid = consumer.request_id(peer, h)
+            if rid is not None:
+                out += consumer.abort(rid, now)
+        return out
     if msg.kind != KIND_ACK:
         return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
     return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

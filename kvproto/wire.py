@@ -33,8 +33,11 @@ KIND_ACK: Final = 4
 # The same ``done`` message for several handles at once (one notification carries the done
 # of every request whose stamps one READ fetched). Decodes to a ``done`` Message.
 KIND_DONE_BATCH: Final = 5
+# P -> D: these handles will never be registered (their prefill aborted or failed after
+# the params left): D fails the requests at once. Body as ``release`` without expected.
+KIND_NEVER: Final = 6
 KIND_NAMES: Final = {KIND_DONE: "done", KIND_RELEASE: "release", KIND_HEARTBEAT: "heartbeat",
-                     KIND_ACK: "ack", KIND_DONE_BATCH: "done"}
+                     KIND_ACK: "ack", KIND_DONE_BATCH: "done", KIND_NEVER: "never"}
 
 MAX_HANDLE: Final = (1 << 64) - 1
 MAX_EXPECTED: Final = 0xFFFF
@@ -213,6 +216,11 @@ def encode_release(epoch: int, handles: Iterable[int], expected: int,
     return _batched(KIND_RELEASE, epoch, (expected,), handles, max_bytes)
 
 
+def encode_never(epoch: int, handles: Iterable[int], max_bytes: int) -> list[bytes]:
+    """``never`` (P -> D): ``handles`` will never be registered."""
+    return _batched(KIND_NEVER, epoch, (), handles, max_bytes)
+
+
 def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: int,
                                 max_bytes: int) -> list[bytes]:
     """Reference encoder (the fast ``encode_done_batch`` must match it byte for byte).
@@ -301,13 +309,13 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
         if h > MAX_HANDLE:
             raise WireError("bad_field", "handle above 2**64-1")
         handles: tuple[int, ...] = (h,)
-    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK, KIND_DONE_BATCH):
+    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK, KIND_DONE_BATCH, KIND_NEVER):
         if kind == KIND_HEARTBEAT:
             seq, pos = _get_varint(buf, pos)
             expected, pos = _get_varint(buf, pos)
         elif kind == KIND_RELEASE or kind == KIND_DONE_BATCH:
             expected, pos = _get_varint(buf, pos)
-        else:
+        elif kind == KIND_ACK:
             seq, pos = _get_varint(buf, pos)
             term_ms, pos = _get_varint(buf, pos)
             if term_ms > 0xFFFFFFFF:

@@ -98,8 +98,9 @@ class Pair:
             time.sleep(0.001)
         raise AssertionError(f"not reached in {timeout}s: sent {self.sent} recv {self.recv}")
 
-    def prefill(self, rid: str, blocks: list[int], tokens: int) -> dict[str, Any]:
-        out = self.ps.finished(rid, blocks, tokens, {"do_remote_decode": True})
+    def prefill(self, rid: str, blocks: list[int], tokens: int, *,
+                ready: bool = True) -> dict[str, Any]:
+        out = self.ps.finished(rid, blocks, tokens, {"do_remote_decode": True}, ready=ready)
         assert out is not None
         return out
 

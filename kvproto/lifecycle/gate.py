@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
-from kvproto.lifecycle.producer import Effect, Ledger, Rejected
+from kvproto.lifecycle.producer import Ack, Effect, Free, Ledger, Rejected
 from kvproto.lifecycle.table import UNREGISTERED, TableError
 
 # Gate states of one handle. "open" is also the state of every handle the gate keeps no
@@ -293,3 +293,44 @@ class Gate:
         for h in handles:
             st = G_BOUND if h in self._bound else G_OPEN
             self._run(self.TABLE[(st, FORGET, "freed")], h, None, "", [])
+
+    # -- the ledger's message intake, through the gate ----------------------------------
+    # P's port (``kvproto.port.p_receive``) feeds these. Until D presents capabilities on
+    # the wire, messages carry no capability: done and release go to the ledger as they
+    # are; a heartbeat about a never-registered handle is refused in its ack (rows
+    # present/never: D fails the request at once, in one round trip).
+    def done(self, reader: str, handle: int, expected: int, now: int) -> list[Effect]:
+        return self._freed(self.ledger.done(reader, handle, expected, now))
+
+    def release(self, reader: str, handles: Sequence[int], expected: int,
+                now: int) -> list[Effect]:
+        return self._freed(self.ledger.release(reader, handles, expected, now))
+
+    def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
+                  now: int) -> list[Effect]:
+        never = self._never
+        if not never:
+            return self.ledger.heartbeat(reader, seq, handles, expected, now)
+        told = [h for h in handles if h in never]
+        if not told:
+            return self.ledger.heartbeat(reader, seq, handles, expected, now)
+        row = self.TABLE[(G_NEVER, PRESENT, "never")]
+        out = self.ledger.heartbeat(reader, seq, [h for h in handles if h not in never],
+                                    expected, now)
+        if not row.passes:
+            refuse = set(told)
+            for i, e in enumerate(out):
+                if isinstance(e, Ack):
+                    out[i] = Ack(e.reader, e.seq, e.term, tuple(sorted({*e.refused, *refuse})),
+                                 e.pending)
+            if row.counter is not None:
+                self.counters[row.counter] = self.counters.get(row.counter, 0) + len(told)
+        return out
+
+    def reject(self, reason: str, peer: str, detail: str, now: int) -> list[Effect]:
+        return self.ledger.reject(reason, peer, detail, now)
+
+    def _freed(self, out: list[Effect]) -> list[Effect]:
+        if out and self._bound:
+            self.forget([e.handle for e in out if isinstance(e, Free)])
+        return out

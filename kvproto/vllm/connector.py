@@ -360,7 +360,7 @@ class _PWorker:
         a = self.adapter
         for o in orders.registers:
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
-                            handle=o.handle)
+                            handle=o.handle, ready=o.ready)
             if a.ledger.state(o.handle) == UNREGISTERED:
                 # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
                 # adapter bumped their stamps (D may already hold params for them); the
@@ -892,8 +892,12 @@ class KVProtoConnector(KVConnectorBase_V1):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted before its prefill finished: nothing to hand out
+        # Readiness: request_finished runs after the output of the request's last forward
+        # pass was processed; the KV stays in place (no save to wait for), so the writes
+        # are complete once every prompt token was computed.
+        ready = int(request.num_computed_tokens) >= int(request.num_prompt_tokens)
         out = self.psched.finished(rid, list(block_ids), int(request.num_computed_tokens),
-                                   params)
+                                   params, ready=ready)
         return (out is not None), out
 
     def has_pending_block_frees(self) -> bool:

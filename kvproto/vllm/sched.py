@@ -284,6 +284,10 @@ class RegisterOrder:
     group: str | None
     expected: int
     generations: tuple[int, ...]  # the scheduler's snapshot, given to D
+    # The readiness mark: every prompt token's KV was computed by a forward pass that
+    # completed (never an earlier chunk of a chunked prefill). P's gate refuses a
+    # register without it.
+    ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -352,9 +356,11 @@ class PScheduler:
         self.peer = peer
 
     def finished(self, request_id: str, blocks: list[int], num_tokens: int,
-                 kv_params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+                 kv_params: Mapping[str, Any] | None, *,
+                 ready: bool = False) -> dict[str, Any] | None:
         """A prefill for remote decode finished: return D's transfer params and queue the
-        registration, or None (vLLM then frees the blocks at once)."""
+        registration, or None (vLLM then frees the blocks at once). ``ready``: the
+        readiness mark the register order carries (see ``RegisterOrder``)."""
         if self.peer is None:
             self._count("no_worker_metadata")
             log.error("kvproto: P request %s finished before the worker's handshake "
@@ -374,7 +380,7 @@ class PScheduler:
         group = sibling_group(request_id, kv_params, self.options.group_siblings)
         expected = self.options.expected_readers
         self._orders.append(RegisterOrder(request_id, handle, tuple(blocks), group, expected,
-                                          gens))
+                                          gens, ready))
         self.held[request_id] = handle
         tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
                             blocks=tuple(blocks),

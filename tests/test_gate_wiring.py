@@ -1,0 +1,93 @@
+"""P's gate through the worker halves of the vLLM connector over real NIXL (no engine):
+a register without the readiness mark is refused and counted, and D, which already holds
+the params, fails the request in one round trip (its heartbeat's ack refuses the
+never-registered handle), long before the lease would end. Also the wire ``never``
+message and D's port."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from kvproto.lifecycle import (
+    Config,
+    Consumer,
+    Finished,
+    SendRelease,
+    TransferParams,
+)
+from kvproto.port import d_receive
+from kvproto.wire import KIND_NEVER, decode, encode_never
+from tests.test_vllm_connector import Pair
+
+
+def test_never_message_roundtrips() -> None:
+    bufs = encode_never(7, [5, 3, 9], 1 << 16)
+    assert len(bufs) == 1
+    m = decode(bufs[0], epoch=7)
+    assert m.kind == KIND_NEVER and m.handles == (3, 5, 9) and m.kind_name == "never"
+
+
+def test_d_fails_a_waiting_request_at_once_on_never() -> None:
+    c = Consumer("D", Config())
+    c.handshake_result("P", True, 0)
+    tp = TransferParams(engine="P", epoch=7, handle=4, blocks=(1,), initial_term=30_000)
+    c.admit("r4", tp, 0)
+    assert c.state("r4") == "waiting"
+    out = d_receive(c, "P", encode_never(7, [4, 99], 1 << 16)[0], 5, known=True, epoch=7,
+                    max_bytes=1 << 16)
+    assert [(e.request_id, e.state) for e in out if isinstance(e, Finished)] == \
+        [("r4", "failed")]
+    assert any(isinstance(e, SendRelease) for e in out)
+    # an unknown peer's never is a counted rejection that touches nothing
+    tp5 = TransferParams(engine="P", epoch=7, handle=5, blocks=(2,), initial_term=30_000)
+    c.admit("r5", tp5, 7)
+    out = d_receive(c, "Q", encode_never(1, [5], 1 << 16)[0], 8, known=False, epoch=1,
+                    max_bytes=1 << 16)
+    assert c.state("r5") == "waiting" and not any(isinstance(e, Finished) for e in out)
+
+
+def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
+    pr = Pair()
+    try:
+        t0 = time.monotonic()
+        params = pr.prefill("u1", [3, 5], 8, ready=False)
+        pr.ds.new_request("u1", params)
+        pr.step()  # P: the gate refuses the register; D: admit, handshake
+        led = pr.p.adapter.ledger
+        assert led.held_requests == 0
+        assert led.counters.get("rejected:unready_register") == 1
+        assert pr.p.adapter.gate.counters.get("unready_register") == 1
+        assert "u1" in pr.sent  # the blocks go back to vLLM at once
+        assert led.pool.held_count == 0
+        d = pr.d.adapter
+        pr.pump(lambda: d.machine.request("u1") is None and "u1" not in d.params,
+                timeout=10.0)
+        took = time.monotonic() - t0
+        lease = pr.p.adapter.config.initial_lease
+        assert took < lease / 2, (took, lease)
+        # P refused D's heartbeat about the never-registered handle: D failed it (revoked),
+        # not at its lease end (lease_lost, which is what happens without the gate)
+        assert d.machine.finished.get("failed:revoked") == 1, d.machine.finished
+        assert pr.p.adapter.gate.counters.get("never_registered", 0) >= 1
+    finally:
+        pr.close()
+
+
+def test_ready_register_still_pulls() -> None:
+    pr = Pair()
+    try:
+        params = pr.prefill("k1", [3, 5, 7], 12, ready=True)
+        pr.ds.new_request("k1", params)
+        pr.step()
+        pr.ds.matched_tokens("k1", 12, 4)
+        pr.ds.allocated("k1", [9, 2, 11], local_prefix_blocks=1, num_external_tokens=8)
+        pr.pump(lambda: "k1" in pr.recv and "k1" in pr.sent)
+        assert pr.invalid == set()
+        assert pr.p.adapter.gate.counters.get("unready_register", 0) == 0
+    finally:
+        pr.close()
