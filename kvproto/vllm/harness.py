@@ -211,6 +211,7 @@ class EngineSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     log_path: str | None = None
+    max_num_batched_tokens: int | None = None  # small: chunked prefill of long prompts
 
 
 @dataclass
@@ -483,7 +484,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "kv_transfer_config": spec.kv_transfer_config, "env": dict(spec.env),
             "kv_cache_memory_bytes": spec.kv_cache_memory_bytes,
             "block_size": spec.block_size, "max_model_len": spec.max_model_len,
-            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path}
+            "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
+            "max_num_batched_tokens": spec.max_num_batched_tokens}
 
 
 # ---------------------------------------------------------------------------- P/D pairs
@@ -635,6 +637,9 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
         max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
         enable_prefix_caching=False, dtype="float32", seed=0,
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+        **({"max_num_batched_tokens": spec["max_num_batched_tokens"],
+            "enable_chunked_prefill": True}
+           if spec.get("max_num_batched_tokens") else {}),
     )
     return LLMEngine.from_engine_args(args)
 
