@@ -17,16 +17,18 @@ never a crash. Standard library only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
-from kvproto.lifecycle.gate import Gate
+from kvproto.lifecycle.gate import Gate, GateEffect
 from kvproto.wire import (
     KIND_ACK,
+    KIND_CLAIM,
     KIND_DONE,
     KIND_HEARTBEAT,
     KIND_NEVER,
     KIND_RELEASE,
+    Message,
     WireError,
     decode,
 )
@@ -42,13 +44,14 @@ def now_ms(clock: Callable[[], float]) -> int:
 
 
 def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
-              max_bytes: int) -> list[Effect]:
+              max_bytes: int, consumer: str | None = None) -> Sequence[GateEffect]:
     """Feed P's ledger the event one incoming message stands for; return its effects.
 
     ``ledger``: P's ledger, or P's gate over it (``kvproto.lifecycle.gate.Gate``, which
     refuses heartbeats about never-registered handles). ``known``: whether ``peer``
     completed a handshake with this P; ``epoch``: this P's epoch (messages for another
-    incarnation are rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``."""
+    incarnation are rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``;
+    ``consumer``: the D engine ``peer`` belongs to (from its handshake), for the gate."""
     if not known:
         return ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
     try:
@@ -58,6 +61,8 @@ def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: 
     except Exception as e:  # the decoder should only raise WireError; never crash on input
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return ledger.reject("malformed", peer, type(e).__name__, now)
+    if isinstance(ledger, Gate):
+        return _through_gate(ledger, peer, msg, now, consumer if consumer else peer)
     if msg.kind == KIND_DONE:
         hs = msg.handles
         if len(hs) == 1:
@@ -71,6 +76,22 @@ def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: 
     if msg.kind == KIND_RELEASE:
         return ledger.release(peer, msg.handles, msg.expected, now)
     return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
+
+
+def _through_gate(gate: Gate, peer: str, msg: Message, now: int,
+                  consumer: str) -> Sequence[GateEffect]:
+    if msg.kind == KIND_DONE:
+        out: list[Effect] = []  # a done batch: one done event per handle, in order
+        for h in msg.handles:
+            out += gate.done(peer, h, msg.expected, now, consumer)
+        return out
+    if msg.kind == KIND_HEARTBEAT:
+        return gate.heartbeat(peer, msg.seq, msg.handles, msg.expected, now, consumer)
+    if msg.kind == KIND_RELEASE:
+        return gate.release(peer, msg.handles, msg.expected, now, consumer)
+    if msg.kind == KIND_CLAIM:
+        return gate.claim(consumer, msg.handles[0], msg.capability, now)
+    return gate.reject("unexpected_kind", peer, msg.kind_name, now)
 
 
 def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: bool,

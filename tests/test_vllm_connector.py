@@ -64,7 +64,7 @@ class Pair:
         self.p = _PWorker(o, f"P-{os.getpid()}-{n}", self.pk, NB, 0, metrics)
         self.d = _DWorker(o, f"D-{os.getpid()}-{n}", self.dk, NB, metrics)
         a = self.p.adapter
-        self.peer = PeerInfo(a.name, a.epoch, a.host, a.port)
+        self.peer = PeerInfo(a.name, a.epoch, a.host, a.port, a.gate.key)
         self.ps = PScheduler(o, NB)
         self.ps.set_peer(self.peer)
         self.ds = DScheduler(block_size=4)

@@ -200,6 +200,11 @@ class Gate:
         """The capability to put in ``handle``'s transfer params."""
         return capability(self._key, self.engine, self.epoch, handle)
 
+    @property
+    def key(self) -> bytes:
+        """The capability key (the engine's scheduler mints params with it)."""
+        return self._key
+
     def state(self, handle: int) -> str:
         if handle in self._never:
             return G_NEVER
@@ -295,36 +300,73 @@ class Gate:
             self._run(self.TABLE[(st, FORGET, "freed")], h, None, "", [])
 
     # -- the ledger's message intake, through the gate ----------------------------------
-    # P's port (``kvproto.port.p_receive``) feeds these. Until D presents capabilities on
-    # the wire, messages carry no capability: done and release go to the ledger as they
-    # are; a heartbeat about a never-registered handle is refused in its ack (rows
-    # present/never: D fails the request at once, in one round trip).
-    def done(self, reader: str, handle: int, expected: int, now: int) -> list[Effect]:
+    # P's port (``kvproto.port.p_receive``) feeds these, with the consumer the sending D
+    # rank belongs to (from its handshake). ``claim`` presents a capability and may
+    # bind; done, release and heartbeat carry none: from the bound consumer, or about a
+    # handle no consumer claimed yet, they go to the ledger; from any other consumer they
+    # are refused and counted (row present/foreign; a refused heartbeat handle is refused
+    # in its ack, so that consumer fails the request at once). A heartbeat about a
+    # never-registered handle is refused in its ack too (row present/never).
+    def claim(self, consumer: str, handle: int, cap: str, now: int) -> list[GateEffect]:
+        out: list[GateEffect] = []
+        if not self.present(consumer, handle, cap, out):
+            for e in out:
+                if isinstance(e, Rejected):
+                    self.ledger.reject(e.reason, consumer[:64], e.detail, now)
+        return out
+
+    def _foreign(self, consumer: str | None, handle: int, now: int) -> bool:
+        """True when ``handle`` is bound to a consumer other than ``consumer`` and the
+        table refuses it (counted, journaled as a ledger rejection)."""
+        b = self._bound.get(handle)
+        if b is None or consumer is None or b == consumer:
+            return False
+        row = self.TABLE[(G_BOUND, PRESENT, "foreign")]
+        if row.passes:
+            return False
+        self._run(row, handle, consumer, "", [])
+        self.ledger.reject(row.counter or "foreign_consumer", consumer[:64],
+                           f"handle {handle} is bound to another consumer", now)
+        return True
+
+    def done(self, reader: str, handle: int, expected: int, now: int,
+             consumer: str | None = None) -> list[Effect]:
+        if self._bound and self._foreign(consumer, handle, now):
+            return []
         return self._freed(self.ledger.done(reader, handle, expected, now))
 
-    def release(self, reader: str, handles: Sequence[int], expected: int,
-                now: int) -> list[Effect]:
+    def release(self, reader: str, handles: Sequence[int], expected: int, now: int,
+                consumer: str | None = None) -> list[Effect]:
+        if self._bound:
+            handles = [h for h in handles if not self._foreign(consumer, h, now)]
+            if not handles:
+                return []
         return self._freed(self.ledger.release(reader, handles, expected, now))
 
     def heartbeat(self, reader: str, seq: int, handles: Sequence[int], expected: int,
-                  now: int) -> list[Effect]:
+                  now: int, consumer: str | None = None) -> list[Effect]:
         never = self._never
-        if not never:
+        if not never and not self._bound:
             return self.ledger.heartbeat(reader, seq, handles, expected, now)
-        told = [h for h in handles if h in never]
-        if not told:
+        refuse: list[int] = []
+        if never:
+            told = [h for h in handles if h in never]
+            row = self.TABLE[(G_NEVER, PRESENT, "never")]
+            if told and not row.passes:
+                refuse += told
+                if row.counter is not None:
+                    self.counters[row.counter] = self.counters.get(row.counter, 0) + len(told)
+        if self._bound and consumer is not None:
+            refuse += [h for h in handles if self._foreign(consumer, h, now)]
+        if not refuse:
             return self.ledger.heartbeat(reader, seq, handles, expected, now)
-        row = self.TABLE[(G_NEVER, PRESENT, "never")]
-        out = self.ledger.heartbeat(reader, seq, [h for h in handles if h not in never],
+        gone = set(refuse)
+        out = self.ledger.heartbeat(reader, seq, [h for h in handles if h not in gone],
                                     expected, now)
-        if not row.passes:
-            refuse = set(told)
-            for i, e in enumerate(out):
-                if isinstance(e, Ack):
-                    out[i] = Ack(e.reader, e.seq, e.term, tuple(sorted({*e.refused, *refuse})),
-                                 e.pending)
-            if row.counter is not None:
-                self.counters[row.counter] = self.counters.get(row.counter, 0) + len(told)
+        for i, e in enumerate(out):
+            if isinstance(e, Ack):
+                out[i] = Ack(e.reader, e.seq, e.term, tuple(sorted({*e.refused, *gone})),
+                             e.pending)
         return out
 
     def reject(self, reason: str, peer: str, detail: str, now: int) -> list[Effect]:

@@ -215,7 +215,8 @@ class PDriver:
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.ms.initial_lease,
-                              expected=max(1, expected), group=group, generations=gens)
+                              expected=max(1, expected), group=group, generations=gens,
+                              capability=self.gate.capability(handle))
 
     def fence(self, blocks: Sequence[int]) -> None:
         """Bump the generation stamps of ``blocks``: every READ whose params carry the old
@@ -279,8 +280,11 @@ class PDriver:
         self.execute(effects, now)
 
     def _on_message(self, peer: str, buf: bytes, now: int) -> None:
-        self.execute(p_receive(self.gate, peer, buf, now, known=peer in self.peers,
-                               epoch=self.epoch, max_bytes=self.config.max_message_bytes), now)
+        hs = self.peers.get(peer)
+        c = hs.extra.get("consumer") if hs is not None and hs.extra else None
+        self.execute(p_receive(self.gate, peer, buf, now, known=hs is not None,
+                               epoch=self.epoch, max_bytes=self.config.max_message_bytes,
+                               consumer=c[:64] if isinstance(c, str) and c else None), now)
 
     def execute(self, effects: Sequence[Effect | NeverNotice], now: int) -> None:
         """Carry out the ledger's (and the gate's) effects, in order."""

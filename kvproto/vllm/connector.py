@@ -214,6 +214,7 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
     epoch: int = 0
     host: str = ""
     port: int = 0
+    cap_key: str = ""  # hex: the worker gate's capability key (this engine only)
 
 
 # ---------------------------------------------------------------------------
@@ -699,7 +700,8 @@ class KVProtoConnector(KVConnectorBase_V1):
         if self.pw is None:
             return None
         a = self.pw.adapter
-        return KVProtoHandshakeMetadata(engine=a.name, epoch=a.epoch, host=a.host, port=a.port)
+        return KVProtoHandshakeMetadata(engine=a.name, epoch=a.epoch, host=a.host, port=a.port,
+                                        cap_key=a.gate.key.hex())
 
     def _orders(self) -> Orders:
         meta = self._connector_metadata
@@ -826,7 +828,8 @@ class KVProtoConnector(KVConnectorBase_V1):
                                     ) -> None:
         m = metadata.get(0)
         if self.psched is not None and isinstance(m, KVProtoHandshakeMetadata) and m.engine:
-            self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port))
+            self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port,
+                                          bytes.fromhex(m.cap_key or "")))
             log.info("kvproto: P worker %s (epoch %d) handshakes at %s:%d", m.engine, m.epoch,
                      m.host, m.port)
 

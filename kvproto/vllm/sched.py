@@ -24,6 +24,7 @@ from typing import Any
 
 from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
+from kvproto.lifecycle.gate import capability
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +248,12 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
     group = d.get("group")
     if group is not None and (not isinstance(group, str) or len(group) > MAX_NAME):
         raise ParamsError("bad_params", "group must be a name or null")
+    cap = d.get("capability", "")
+    if not isinstance(cap, str) or len(cap) > 64 or any(c not in "0123456789abcdef" for c in cap):
+        raise ParamsError("bad_params", "capability must be at most 64 lowercase hex digits")
     tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
                         initial_term=term, expected=expected, group=group,
-                        generations=tuple(gens))
+                        generations=tuple(gens), capability=cap)
     return RemoteParams(tp, host, port, num_tokens)
 
 
@@ -329,6 +333,7 @@ class PeerInfo:
     epoch: int
     host: str
     port: int
+    cap_key: bytes = b""  # the worker gate's capability key (same engine, never sent out)
 
 
 class PScheduler:
@@ -382,10 +387,13 @@ class PScheduler:
         self._orders.append(RegisterOrder(request_id, handle, tuple(blocks), group, expected,
                                           gens, ready))
         self.held[request_id] = handle
+        cap = capability(self.peer.cap_key, self.peer.engine, self.peer.epoch, handle) \
+            if len(self.peer.cap_key) >= 16 else ""
         tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
                             blocks=tuple(blocks),
                             initial_term=self.options.config.ms.initial_lease,
-                            expected=expected, group=group, generations=gens)
+                            expected=expected, group=group, generations=gens,
+                            capability=cap)
         return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens)
 
     def drain(self) -> list[RegisterOrder]:
