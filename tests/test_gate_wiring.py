@@ -93,3 +93,58 @@ def test_ready_register_still_pulls() -> None:
         assert pr.p.adapter.gate.counters.get("unready_register", 0) == 0
     finally:
         pr.close()
+
+
+def test_a_second_consumer_of_the_same_params_is_refused_never_served() -> None:
+    """A router retry: a second D engine gets the same params while the first one holds
+    the binding. Its claim and heartbeats are refused (counted), it fails the request at
+    once and recomputes; the first D pulls and P frees once, on the first D's done."""
+    from kvproto.vllm.connector import _DWorker
+    from kvproto.vllm.sched import DScheduler
+    from tests.test_vllm_connector import NB, caches, opts
+
+    pr = Pair()
+    d2 = _DWorker(opts(), f"D2-{id(pr)}", caches(), NB, None)
+    ds2 = DScheduler(block_size=4)
+    try:
+        params = pr.prefill("x", [3, 5, 7], 12)
+        pr.ds.new_request("x", params)
+        pr.step()
+        gate = pr.p.adapter.gate
+        handle = params["kvproto"]["handle"]
+        pr.pump(lambda: gate.consumer(handle) is not None)  # D1 claimed (first heartbeat)
+        assert gate.consumer(handle) == pr.d.adapter.consumer_id
+        # the retry reaches D2 with the same (now someone else's) params
+        ds2.new_request("x-retry", params)
+        m2 = d2.adapter.machine
+
+        def d2_step() -> None:
+            o = ds2.drain()
+            d2.apply(o)
+            d2.poll()
+            _, _, ended = d2.take()
+            ds2.on_failed(ended)
+
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end and m2.request("x-retry") is None:
+            d2_step()
+            pr.step()
+        while time.monotonic() < end and m2.request("x-retry") is not None:
+            d2_step()
+            pr.step()
+            time.sleep(0.001)
+        assert m2.request("x-retry") is None, "D2 still waits on a handle bound to D1"
+        assert m2.finished.get("failed:revoked", 0) == 1, m2.finished
+        assert gate.counters.get("foreign_consumer", 0) >= 1, gate.counters
+        assert pr.p.adapter.ledger.counters.get("rejected:foreign_consumer", 0) >= 1
+        assert d2.counters().get("reads_ok", 0) == 0  # never served
+        # D1 still pulls, and P frees once, on D1's done
+        pr.ds.matched_tokens("x", 12, 4)
+        pr.ds.allocated("x", [9, 2, 11], local_prefix_blocks=1, num_external_tokens=8)
+        pr.pump(lambda: "x" in pr.recv and "x" in pr.sent)
+        assert pr.invalid == set()
+        assert pr.p.adapter.ledger.frees["transferred"] == 1
+        assert pr.p.adapter.check_invariants() == []
+    finally:
+        d2.close()
+        pr.close()
