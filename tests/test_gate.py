@@ -172,7 +172,7 @@ def test_the_real_gate_keeps_every_property(ops: list[Op]) -> None:
 def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
     found: list[str] = []
 
-    @settings(max_examples=2000, deadline=None, database=None,
+    @settings(max_examples=2000, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(ops=ops_of(mutant.ops))
     def prop(ops: list[Op]) -> None:

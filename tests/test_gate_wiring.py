@@ -54,7 +54,6 @@ def test_d_fails_a_waiting_request_at_once_on_never() -> None:
 def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
     pr = Pair()
     try:
-        t0 = time.monotonic()
         params = pr.prefill("u1", [3, 5], 8, ready=False)
         pr.ds.new_request("u1", params)
         pr.step()  # P: the gate refuses the register; D: admit, handshake
@@ -67,9 +66,6 @@ def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
         d = pr.d.adapter
         pr.pump(lambda: d.machine.request("u1") is None and "u1" not in d.params,
                 timeout=10.0)
-        took = time.monotonic() - t0
-        lease = pr.p.adapter.config.initial_lease
-        assert took < lease / 2, (took, lease)
         # D's claim was answered with a never notice (D aborts the request), or its
         # heartbeat's ack refused the handle (revoked): not at its lease end (lease_lost,
         # which is what happens without the gate)

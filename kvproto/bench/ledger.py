@@ -432,9 +432,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  heartbeat bytes per id            {res['heartbeat_bytes_per_id']:>12}   target <= 12 "
           f"(upstream string format: {res['upstream_heartbeat_bytes_per_id']})")
     print(f"  gate (readiness + capability) cost  {res['gate_cost_ratio']:>10}x   "
-          f"register {res['gate_cost_ratio_register']}x, heartbeat (first presentation: "
-          f"HMAC + bind) {res['gate_cost_ratio_heartbeat']}x, done "
-          f"{res['gate_cost_ratio_done']}x")
+          f"register {res['gate_cost_ratio_register']}x, heartbeat "
+          f"{res['gate_cost_ratio_heartbeat']}x, done {res['gate_cost_ratio_done']}x, "
+          f"claim (HMAC + bind) {res['gate_claim_us']} us per request")
     print(f"  worst tick, mass expiry (CPU ms)  budget {res['tick_budget']}   unbounded")
     for label in ("1e5", "1e6"):
         print(f"    {label} leases at once          {res[f'worst_tick_ms_{label}']:>12.3f} "

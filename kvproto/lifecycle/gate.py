@@ -331,9 +331,13 @@ class Gate:
 
     def done(self, reader: str, handle: int, expected: int, now: int,
              consumer: str | None = None) -> list[Effect]:
-        if self._bound and self._foreign(consumer, handle, now):
+        b = self._bound.get(handle)
+        if b is not None and b != consumer and self._foreign(consumer, handle, now):
             return []
-        return self._freed(self.ledger.done(reader, handle, expected, now))
+        out = self.ledger.done(reader, handle, expected, now)
+        if b is not None and out:
+            self._freed(out)
+        return out
 
     def release(self, reader: str, handles: Sequence[int], expected: int, now: int,
                 consumer: str | None = None) -> list[Effect]:
@@ -356,8 +360,11 @@ class Gate:
                 refuse += told
                 if row.counter is not None:
                     self.counters[row.counter] = self.counters.get(row.counter, 0) + len(told)
-        if self._bound and consumer is not None:
-            refuse += [h for h in handles if self._foreign(consumer, h, now)]
+        bound = self._bound
+        if bound and consumer is not None:
+            get = bound.get
+            refuse += [h for h in handles
+                       if get(h, consumer) != consumer and self._foreign(consumer, h, now)]
         if not refuse:
             return self.ledger.heartbeat(reader, seq, handles, expected, now)
         gone = set(refuse)
