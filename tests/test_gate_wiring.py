@@ -144,3 +144,22 @@ def test_a_second_consumer_of_the_same_params_is_refused_never_served() -> None:
     finally:
         d2.close()
         pr.close()
+
+
+def test_an_expiry_drops_the_binding_too() -> None:
+    """Bindings leave with their blocks on every free, expiry included, so the gate's
+    records stay bounded by the held requests."""
+    pr = Pair()
+    try:
+        a = pr.p.adapter
+        assert a.register("e1", [3, 5], handle=50, ready=True) is not None
+        a.gate.claim("Dx", 50, a.gate.capability(50), a._now())
+        assert a.gate.consumer(50) == "Dx"
+        end = time.monotonic() + 30.0
+        while a.ledger.state(50) != "expired" and time.monotonic() < end:
+            time.sleep(0.05)
+            a.tick()  # nobody heartbeats: the lease runs out
+        assert a.ledger.frees["expired"] == 1
+        assert a.gate.consumer(50) is None and len(a.gate) == 0
+    finally:
+        pr.close()

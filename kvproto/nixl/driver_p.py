@@ -300,6 +300,7 @@ class PDriver:
                     # already lists them; nothing allocates between the ledger's step
                     # and this loop: one thread.)
                     self.transport.bump(e.reclaimed)
+                self.gate.forget((e.handle,))  # every free (expiry too) drops its binding
                 log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
                           len(e.reclaimed))
                 if m is not None:
