@@ -3,7 +3,7 @@
 :func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
 from) into the ledger event it stands for, feeds the ledger, and returns the effects for
 the caller to carry out; :func:`d_receive` does the same for one message that arrived at
-a D rank (P's acks) and its ``Consumer``. The P and D drivers
+a D rank (P's acks and never-registered notices) and its ``Consumer``. The P and D drivers
 (:mod:`kvproto.nixl.driver_p`, :mod:`kvproto.nixl.driver_d`) receive through them, over
 NIXL and in the simulator and the fuzzer alike, so every side decodes, rejects and
 dispatches one way: an unknown peer, bytes that do not decode (malformed, truncated,
@@ -17,10 +17,21 @@ never a crash. Standard library only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
-from kvproto.wire import KIND_ACK, KIND_DONE, KIND_HEARTBEAT, KIND_RELEASE, WireError, decode
+from kvproto.lifecycle.gate import Gate, GateEffect
+from kvproto.wire import (
+    KIND_ACK,
+    KIND_CLAIM,
+    KIND_DONE,
+    KIND_HEARTBEAT,
+    KIND_NEVER,
+    KIND_RELEASE,
+    Message,
+    WireError,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +43,15 @@ def now_ms(clock: Callable[[], float]) -> int:
     return to_ms(clock())
 
 
-def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
-              max_bytes: int) -> list[Effect]:
+def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: bool, epoch: int,
+              max_bytes: int, consumer: str | None = None) -> Sequence[GateEffect]:
     """Feed P's ledger the event one incoming message stands for; return its effects.
 
-    ``known``: whether ``peer`` completed a handshake with this P; ``epoch``: this P's
-    epoch (messages for another incarnation are rejected by the decoder); ``max_bytes``:
-    ``Config.max_message_bytes``."""
+    ``ledger``: P's ledger, or P's gate over it (``kvproto.lifecycle.gate.Gate``, which
+    refuses heartbeats about never-registered handles). ``known``: whether ``peer``
+    completed a handshake with this P; ``epoch``: this P's epoch (messages for another
+    incarnation are rejected by the decoder); ``max_bytes``: ``Config.max_message_bytes``;
+    ``consumer``: the D engine ``peer`` belongs to (from its handshake), for the gate."""
     if not known:
         return ledger.reject("unknown_peer", peer[:64], f"{len(buf)} bytes", now)
     try:
@@ -48,6 +61,8 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, e
     except Exception as e:  # the decoder should only raise WireError; never crash on input
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return ledger.reject("malformed", peer, type(e).__name__, now)
+    if isinstance(ledger, Gate):
+        return _through_gate(ledger, peer, msg, now, consumer if consumer else peer)
     if msg.kind == KIND_DONE:
         hs = msg.handles
         if len(hs) == 1:
@@ -61,6 +76,22 @@ def p_receive(ledger: Ledger, peer: str, buf: bytes, now: int, *, known: bool, e
     if msg.kind == KIND_RELEASE:
         return ledger.release(peer, msg.handles, msg.expected, now)
     return ledger.reject("unexpected_kind", peer, msg.kind_name, now)
+
+
+def _through_gate(gate: Gate, peer: str, msg: Message, now: int,
+                  consumer: str) -> Sequence[GateEffect]:
+    if msg.kind == KIND_DONE:
+        out: list[Effect] = []  # a done batch: one done event per handle, in order
+        for h in msg.handles:
+            out += gate.done(peer, h, msg.expected, now, consumer)
+        return out
+    if msg.kind == KIND_HEARTBEAT:
+        return gate.heartbeat(peer, msg.seq, msg.handles, msg.expected, now, consumer)
+    if msg.kind == KIND_RELEASE:
+        return gate.release(peer, msg.handles, msg.expected, now, consumer)
+    if msg.kind == KIND_CLAIM:
+        return gate.claim(consumer, msg.handles[0], msg.capability, now)
+    return gate.reject("unexpected_kind", peer, msg.kind_name, now)
 
 
 def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: bool,
@@ -80,6 +111,15 @@ def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: boo
     except Exception as e:  # the decoder should only raise WireError; never crash on input
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return consumer.reject("malformed", peer, type(e).__name__, now)
+    if msg.kind == KIND_NEVER:
+        # P will never register these handles: each request of this P still waiting for
+        # its READ fails now (D's abort: release, recompute) instead of at its lease end.
+        out: list[DEffect] = []
+        for h in msg.handles:
+            rid = consumer.request_id(peer, h)
+            if rid is not None:
+                out += consumer.abort(rid, now)
+        return out
     if msg.kind != KIND_ACK:
         return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
     return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

@@ -33,8 +33,16 @@ KIND_ACK: Final = 4
 # The same ``done`` message for several handles at once (one notification carries the done
 # of every request whose stamps one READ fetched). Decodes to a ``done`` Message.
 KIND_DONE_BATCH: Final = 5
+# P -> D: these handles will never be registered (their prefill aborted or failed after
+# the params left): D fails the requests at once. Body as ``release`` without expected.
+KIND_NEVER: Final = 6
+# D -> P: a consumer presents a handle's capability (P's gate binds the handle to the
+# first consumer that does). Body: the handle, then CAPABILITY_WIRE_BYTES raw bytes.
+KIND_CLAIM: Final = 7
+CAPABILITY_WIRE_BYTES: Final = 16
 KIND_NAMES: Final = {KIND_DONE: "done", KIND_RELEASE: "release", KIND_HEARTBEAT: "heartbeat",
-                     KIND_ACK: "ack", KIND_DONE_BATCH: "done"}
+                     KIND_ACK: "ack", KIND_DONE_BATCH: "done", KIND_NEVER: "never",
+                     KIND_CLAIM: "claim"}
 
 MAX_HANDLE: Final = (1 << 64) - 1
 MAX_EXPECTED: Final = 0xFFFF
@@ -62,6 +70,7 @@ class Message(NamedTuple):
     seq: int = 0
     term_ms: int = 0  # ack only: the granted lease term, milliseconds
     pending: tuple[int, ...] = ()  # ack only: handles not registered yet (not renewed)
+    capability: str = ""  # claim only: the capability as lowercase hex
 
     @property
     def kind_name(self) -> str:
@@ -213,6 +222,23 @@ def encode_release(epoch: int, handles: Iterable[int], expected: int,
     return _batched(KIND_RELEASE, epoch, (expected,), handles, max_bytes)
 
 
+def encode_never(epoch: int, handles: Iterable[int], max_bytes: int) -> list[bytes]:
+    """``never`` (P -> D): ``handles`` will never be registered."""
+    return _batched(KIND_NEVER, epoch, (), handles, max_bytes)
+
+
+def encode_claim(epoch: int, handle: int, capability: str) -> bytes:
+    """``claim`` (D -> P): present ``capability`` (hex, ``2 * CAPABILITY_WIRE_BYTES``
+    digits) for ``handle``."""
+    _check_range("handle", handle, MAX_HANDLE)
+    raw = bytes.fromhex(capability)
+    if len(raw) != CAPABILITY_WIRE_BYTES:
+        raise ValueError(f"a capability is {CAPABILITY_WIRE_BYTES} bytes, got {len(raw)}")
+    b = _header(KIND_CLAIM, epoch)
+    _put_varint(b, handle)
+    return bytes(b) + raw
+
+
 def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: int,
                                 max_bytes: int) -> list[bytes]:
     """Reference encoder (the fast ``encode_done_batch`` must match it byte for byte).
@@ -301,13 +327,13 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
         if h > MAX_HANDLE:
             raise WireError("bad_field", "handle above 2**64-1")
         handles: tuple[int, ...] = (h,)
-    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK, KIND_DONE_BATCH):
+    elif kind in (KIND_RELEASE, KIND_HEARTBEAT, KIND_ACK, KIND_DONE_BATCH, KIND_NEVER):
         if kind == KIND_HEARTBEAT:
             seq, pos = _get_varint(buf, pos)
             expected, pos = _get_varint(buf, pos)
         elif kind == KIND_RELEASE or kind == KIND_DONE_BATCH:
             expected, pos = _get_varint(buf, pos)
-        else:
+        elif kind == KIND_ACK:
             seq, pos = _get_varint(buf, pos)
             term_ms, pos = _get_varint(buf, pos)
             if term_ms > 0xFFFFFFFF:
@@ -329,6 +355,17 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
         if kind == KIND_ACK:
             pend, pos = _get_handles(buf, pos)
             pending = tuple(pend)
+    elif kind == KIND_CLAIM:
+        h, pos = _get_varint(buf, pos)
+        if h > MAX_HANDLE:
+            raise WireError("bad_field", "handle above 2**64-1")
+        if len(buf) - pos < CAPABILITY_WIRE_BYTES:
+            raise WireError("truncated", "claim without its capability")
+        cap = buf[pos:pos + CAPABILITY_WIRE_BYTES].hex()
+        pos += CAPABILITY_WIRE_BYTES
+        if pos != len(buf):
+            raise WireError("trailing_bytes", f"{len(buf) - pos} bytes after the message")
+        return Message(kind, ep, (h,), capability=cap)
     else:
         raise WireError("unknown_kind", f"message kind {kind}")
     if pos != len(buf):
@@ -514,7 +551,7 @@ def _decode_fast(buf: bytes, n: int, prefix: bytes, ep: int) -> Message | None:
             h, pos = _get_varint(buf, 9)
             if pos != n or h > MAX_HANDLE:
                 return None
-        return _new_message(Message, (KIND_DONE, ep, (h,), expected, 0, 0, ()))
+        return _new_message(Message, (KIND_DONE, ep, (h,), expected, 0, 0, (), ""))
     if prefix == _HB_PREFIX:
         seq, pos = _get_varint(buf, 8)
         expected, pos = _get_varint(buf, pos)
@@ -523,7 +560,7 @@ def _decode_fast(buf: bytes, n: int, prefix: bytes, ep: int) -> Message | None:
         r = _fast_handles(buf, pos, n)
         if r is None or r[1] != n:
             return None
-        return _new_message(Message, (KIND_HEARTBEAT, ep, r[0], expected, seq, 0, ()))
+        return _new_message(Message, (KIND_HEARTBEAT, ep, r[0], expected, seq, 0, (), ""))
     if prefix == _DONES_PREFIX:
         expected, pos = _get_varint(buf, 8)
         if not 1 <= expected <= MAX_EXPECTED:
@@ -531,21 +568,21 @@ def _decode_fast(buf: bytes, n: int, prefix: bytes, ep: int) -> Message | None:
         r = _fast_handles(buf, pos, n)
         if r is None or r[1] != n or not r[0]:
             return None
-        return _new_message(Message, (KIND_DONE, ep, r[0], expected, 0, 0, ()))
+        return _new_message(Message, (KIND_DONE, ep, r[0], expected, 0, 0, (), ""))
     if prefix == _ACK_PREFIX:
         seq, pos = _get_varint(buf, 8)
         term_ms, pos = _get_varint(buf, pos)
         if seq > MAX_SEQ or term_ms > 0xFFFFFFFF:
             return None
         if pos == n - 2 and buf[pos] == 0 and buf[pos + 1] == 0:
-            return _new_message(Message, (KIND_ACK, ep, (), 0, seq, term_ms, ()))
+            return _new_message(Message, (KIND_ACK, ep, (), 0, seq, term_ms, (), ""))
         r = _fast_handles(buf, pos, n)
         if r is None:
             return None
         r2 = _fast_handles(buf, r[1], n)
         if r2 is None or r2[1] != n:
             return None
-        return _new_message(Message, (KIND_ACK, ep, r[0], 0, seq, term_ms, r2[0]))
+        return _new_message(Message, (KIND_ACK, ep, r[0], 0, seq, term_ms, r2[0], ""))
     return None
 
 

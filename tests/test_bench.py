@@ -26,7 +26,8 @@ def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture
                 "unbounded_tick_ms_1e5", "heap_entries_over_live", "peak_heap_entries_churn",
                 "peak_heap_entries_no_compaction", "tick_budget", "d_worst_tick_ms_1e5",
                 "d_worst_tick_ms_1e6", "d_unbounded_tick_ms_1e5", "d_unbounded_tick_ms_1e6",
-                "d_tick_ratio_1e5", "d_tick_ratio_1e6", "d_loss_ticks_1e5"):
+                "d_tick_ratio_1e5", "d_tick_ratio_1e6", "d_loss_ticks_1e5", "gate_cost_ratio",
+                "gate_cost_ratio_register", "gate_cost_ratio_heartbeat", "gate_cost_ratio_done"):
         assert key in res, key
     assert res["d_loss_ticks_1e5"] > 1  # the budget spread the losses over several ticks
     assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}

@@ -64,7 +64,7 @@ class Pair:
         self.p = _PWorker(o, f"P-{os.getpid()}-{n}", self.pk, NB, 0, metrics)
         self.d = _DWorker(o, f"D-{os.getpid()}-{n}", self.dk, NB, metrics)
         a = self.p.adapter
-        self.peer = PeerInfo(a.name, a.epoch, a.host, a.port)
+        self.peer = PeerInfo(a.name, a.epoch, a.host, a.port, a.gate.key)
         self.ps = PScheduler(o, NB)
         self.ps.set_peer(self.peer)
         self.ds = DScheduler(block_size=4)
@@ -98,8 +98,9 @@ class Pair:
             time.sleep(0.001)
         raise AssertionError(f"not reached in {timeout}s: sent {self.sent} recv {self.recv}")
 
-    def prefill(self, rid: str, blocks: list[int], tokens: int) -> dict[str, Any]:
-        out = self.ps.finished(rid, blocks, tokens, {"do_remote_decode": True})
+    def prefill(self, rid: str, blocks: list[int], tokens: int, *,
+                ready: bool = True) -> dict[str, Any]:
+        out = self.ps.finished(rid, blocks, tokens, {"do_remote_decode": True}, ready=ready)
         assert out is not None
         return out
 

@@ -65,6 +65,8 @@ def sample_messages() -> list[bytes]:
         *wire.encode_done_batch(EPOCH, [7, 300, 1 << 40], 2, 4096),
         *wire.encode_ack(EPOCH, 12, 20_000, [7, 9000], 4096, pending=[3, 300]),
         *wire.encode_heartbeat(EPOCH, 1, [], 1, 4096),
+        *wire.encode_never(EPOCH, [4, 1 << 40], 4096),
+        wire.encode_claim(EPOCH, 1 << 40, "0123456789abcdef" * 2),
     ]
 
 
@@ -250,7 +252,7 @@ def test_wrong_version_is_rejected() -> None:
     assert reason_of(header(KIND_DONE, version=VERSION + 1) + b"\x01\x01") == "version"
 
 
-@pytest.mark.parametrize("kind", [0, 6, 255])
+@pytest.mark.parametrize("kind", [0, 8, 255])
 def test_unknown_kind_is_rejected(kind: int) -> None:
     assert reason_of(header(kind) + b"\x01\x01") == "unknown_kind"
 

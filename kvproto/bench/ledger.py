@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvproto import wire
+from kvproto.bench.gate import bench_gate
 from kvproto.lifecycle import (
     MAX_CAP,
     BlockPool,
@@ -511,8 +512,11 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
         "peak_heap_entries_no_compaction": old["peak_heap_entries"],
         "churn_requests": churn_n, "no_compaction_requests": churn_n // 4,
     })
+    say("gate: the same events with and without readiness and capability checks")
+    gate = bench_gate(10_000 if quick else 100_000)
     key = "100000" if "100000" in tick_us else max(tick_us, key=int)
     out: dict[str, Any] = {
+        **gate,
         **{k: round(v) if k.endswith("_per_s") else round(v, 3) for k, v in ev.items()},
         "tick_us": tick_us,
         "scan_tick_us": scan_us,
@@ -572,6 +576,10 @@ def run(args: argparse.Namespace) -> int:
           f"({res['held_requests']:,} held: {res['total_mib']} MiB)")
     print(f"  heartbeat bytes per id            {res['heartbeat_bytes_per_id']:>12}   target <= 12 "
           f"(upstream string format: {res['upstream_heartbeat_bytes_per_id']})")
+    print(f"  gate (readiness + capability) cost  {res['gate_cost_ratio']:>10}x   "
+          f"register {res['gate_cost_ratio_register']}x, heartbeat "
+          f"{res['gate_cost_ratio_heartbeat']}x, done {res['gate_cost_ratio_done']}x, "
+          f"claim (HMAC + bind) {res['gate_claim_us']} us per request")
     print(f"  worst tick, mass expiry (CPU ms)  budget {res['tick_budget']}   unbounded")
     for label in ("1e5", "1e6"):
         print(f"    {label} leases at once          {res[f'worst_tick_ms_{label}']:>12.3f} "

@@ -66,6 +66,7 @@ class TransferParams:
     expected: int = 1  # readers that will pull this request from this P rank
     group: str | None = None
     generations: tuple[int, ...] = ()  # fail-closed reads (see the NIXL adapter)
+    capability: str = ""  # P's capability for the handle (lifecycle.gate); "" = none
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -78,7 +79,8 @@ class TransferParams:
         return cls(engine=str(d["engine"]), epoch=int(d["epoch"]), handle=int(d["handle"]),
                    blocks=tuple(int(b) for b in d["blocks"]),
                    initial_term=_ms(d["initial_term"]), expected=int(d.get("expected", 1)),
-                   group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())))
+                   group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())),
+                   capability=str(d.get("capability", "")))
 
 
 # D effects. Values: compared and hashed by their fields, and never changed once built

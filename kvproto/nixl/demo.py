@@ -159,12 +159,13 @@ class Demo:
         p = self._spawn("P", producer_main, pname, self.cfg.to_dict(), self.args.p_blocks,
                         self.block_bytes, popts)
         self.engines = {"A": ("A",), "B": ("B0", "B1"), "C": ("C",)}
-        for ranks in self.engines.values():  # started in parallel with P
+        for eng, ranks in self.engines.items():  # started in parallel with P
             for i, rank in enumerate(ranks):
                 self._spawn(rank, consumer_main, f"demo-D{rank}-{tag}", self.cfg.to_dict(),
                             512, self.block_bytes, {},
                             {"device": self.device, "tp_rank": i, "tp_size": len(ranks),
-                             "metrics_port": None if mport is None else 0})
+                             "metrics_port": None if mport is None else 0,
+                             "consumer": f"demo-D{eng}-{tag}"})
         _, host, port, epoch = self._expect(p, "ready")
         for eng_ranks in self.engines.values():
             for rank in eng_ranks:

@@ -78,6 +78,7 @@ from kvproto.wire import (
     WireError,
     check_peer,
     decode_handshake,
+    encode_claim,
     encode_done_batch,
     encode_heartbeat,
     encode_release,
@@ -239,6 +240,10 @@ class DDriver:
         whose identity differs is refused, ``model_mismatch``). ``sink`` receives every
         machine event and its effects (a D journal: ``JournalWriter(..., reader=name).sink``)."""
         self.name = name
+        # This rank's consumer (its D engine): P's gate binds a handle to the first
+        # consumer that presents its capability; the ranks of one engine share it.
+        self.consumer_id = name
+        self._claimed: set[str] = set()  # request ids whose capability was presented
         self.identity = dict(identity or {})
         if peer_timeout is not None:  # kept for callers: the machine reads the config
             config = replace(config, peer_timeout=peer_timeout)
@@ -436,6 +441,7 @@ class DDriver:
     def _finished(self, f: Finished, now: int = 0) -> None:
         rid = f.request_id
         p = self.params.pop(rid, None)
+        self._claimed.discard(rid)
         if self._want:
             self._want.pop(rid, None)
         info = self._done_info.pop(rid, None)
@@ -472,6 +478,7 @@ class DDriver:
         e = self.engines.get(hb.engine)
         if e is None or e.state != PEER_READY:
             return
+        self._claim(e.name, e.epoch, hb.handles)
         msgs = encode_heartbeat(e.epoch, hb.seq, hb.handles, hb.expected,
                                 self.config.max_message_bytes)
         if len(msgs) != 1:  # pragma: no cover - the chunk size makes this impossible
@@ -481,6 +488,22 @@ class DDriver:
                 return
         if self.metrics is not None:
             self.metrics.heartbeat(len(hb.handles))
+
+    def _claim(self, engine: str, epoch: int, handles: Sequence[int]) -> None:
+        """Present the capability of each handle not presented yet (before its first
+        heartbeat: P's gate binds the handle to this rank's consumer)."""
+        for h in handles:
+            rid = self.machine.request_id(engine, h)
+            p = self.params.get(rid) if rid is not None else None
+            if rid is None or p is None or not p.capability or rid in self._claimed:
+                continue
+            self._claimed.add(rid)
+            try:
+                buf = encode_claim(epoch, h, p.capability)
+            except ValueError:
+                self._count("bad_capability")
+                continue
+            self._send("claim", engine, buf)
 
     def _flush_releases(self) -> None:
         if not self._releases:
@@ -498,7 +521,8 @@ class DDriver:
     def _payload(self) -> bytes:
         t = self.transport
         return Handshake(engine=self.name, epoch=0, layout=t.layout(),
-                         agent_metadata=t.metadata, role="consumer", extra={},
+                         agent_metadata=t.metadata, role="consumer",
+                         extra={"consumer": self.consumer_id},
                          version=self.handshake_version, identity=self.identity).encode()
 
     def _x_handshake(self, eff: StartHandshake, now: int) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,6 +60,7 @@ from kvproto.lifecycle import (
     TransferParams,
 )
 from kvproto.nixl.checksum import CHECKSUMS_KEY
+from kvproto.lifecycle.gate import Gate, NeverNotice
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
 from kvproto.port import now_ms, p_receive
 from kvproto.wire import (
@@ -68,6 +70,7 @@ from kvproto.wire import (
     check_peer,
     decode_handshake,
     encode_ack,
+    encode_never,
 )
 
 if TYPE_CHECKING:
@@ -112,6 +115,9 @@ class PDriver:
         self.transport = transport
         self.pool = BlockPool(num_blocks, strict=strict_pool)
         self.ledger = ledger_cls(config, self.pool, sink=sink)
+        # P's gate over the ledger: readiness on register, never-registered notices. Its
+        # capability key is drawn here (the lifecycle never draws randomness).
+        self.gate = Gate(self.ledger, secrets.token_bytes(32), name, self.epoch)
         self.fault_hook = fault_hook
         self.observer = observer
         self.handshake_version = HANDSHAKE_VERSION  # test hook: speak another version
@@ -181,10 +187,14 @@ class PDriver:
                 log.error("block %d returned to the allocator twice", b)
 
     def register(self, request_id: str, blocks: Sequence[int], *, group: str | None = None,
-                 expected: int = 0, handle: int | None = None) -> TransferParams | None:
-        """Hand ``blocks`` (already filled) to the lifecycle; return D's transfer params,
-        or None if the ledger rejected or immediately freed the request. ``handle``: one
-        minted elsewhere for this ledger (e.g. by an engine's scheduler process)."""
+                 expected: int = 0, handle: int | None = None,
+                 ready: bool = True) -> TransferParams | None:
+        """Hand ``blocks`` to the lifecycle; return D's transfer params, or None if the
+        gate or the ledger rejected or immediately freed the request. ``handle``: one
+        minted elsewhere for this ledger (e.g. by an engine's scheduler process).
+        ``ready``: the readiness mark, the writes that fill ``blocks`` completed (the
+        engine's last forward pass and save for the request); without it the gate
+        refuses the register (counted)."""
         now = self._now()
         if handle is None:
             handle = self.ledger.new_handle()
@@ -193,8 +203,8 @@ class PDriver:
             self.transport.seal(blocks)
         if self.metrics is not None:
             self._reg_at[handle] = now
-        effects = self.ledger.register(handle, request_id, blocks, now, group=group,
-                                       expected=expected)
+        effects = self.gate.register(handle, request_id, blocks, now, ready=ready,
+                                     group=group, expected=expected)
         self.execute(effects, now)
         rejected = any(isinstance(e, Rejected) for e in effects)
         if not rejected:  # the ledger's hold replaces the engine's pins
@@ -205,18 +215,29 @@ class PDriver:
             # reaches the ledger): bump their stamps so that no such params ever match.
             cap = self.pool.capacity
             self.fence([b for b in blocks if isinstance(b, int) and 0 <= b < cap])
+            # A register is one-shot (the engine frees the blocks when it returns None):
+            # params handed out for this handle are for a request never registered.
+            if isinstance(handle, int) and not isinstance(handle, bool) and handle >= 0:
+                self.abandon(handle)
         if rejected or any(isinstance(e, Free) for e in effects):
             self._reg_at.pop(handle, None)
             return None
         return TransferParams(engine=self.name, epoch=self.epoch, handle=handle,
                               blocks=tuple(blocks), initial_term=self.config.ms.initial_lease,
-                              expected=max(1, expected), group=group, generations=gens)
+                              expected=max(1, expected), group=group, generations=gens,
+                              capability=self.gate.capability(handle))
 
     def fence(self, blocks: Sequence[int]) -> None:
         """Bump the generation stamps of ``blocks``: every READ whose params carry the old
         stamps fails its stamp check from now on (fail closed)."""
         if blocks:
             self.transport.bump(blocks)
+
+    def abandon(self, handle: int) -> None:
+        """Transfer params for ``handle`` were handed out, but it will never be
+        registered (its prefill aborted or failed, or its register was refused): the
+        gate says so, and D hears it at once (wire ``never``)."""
+        self.execute(self.gate.abandon(handle), self._now())
 
     def abort(self, request_id: str) -> None:
         now = self._now()
@@ -268,13 +289,19 @@ class PDriver:
         self.execute(effects, now)
 
     def _on_message(self, peer: str, buf: bytes, now: int) -> None:
-        self.execute(p_receive(self.ledger, peer, buf, now, known=peer in self.peers,
-                               epoch=self.epoch, max_bytes=self.config.max_message_bytes), now)
+        hs = self.peers.get(peer)
+        c = hs.extra.get("consumer") if hs is not None and hs.extra else None
+        self.execute(p_receive(self.gate, peer, buf, now, known=hs is not None,
+                               epoch=self.epoch, max_bytes=self.config.max_message_bytes,
+                               consumer=c[:64] if isinstance(c, str) and c else None), now)
 
-    def execute(self, effects: list[Effect], now: int) -> None:
-        """Carry out the ledger's effects, in order."""
+    def execute(self, effects: Sequence[Effect | NeverNotice], now: int) -> None:
+        """Carry out the ledger's (and the gate's) effects, in order."""
         m = self.metrics
         for e in effects:
+            if isinstance(e, NeverNotice):
+                self._send_never(e)
+                continue
             if isinstance(e, Free):
                 if e.reclaimed:
                     # Bump BEFORE the blocks can be reused: a READ racing this free then
@@ -282,6 +309,7 @@ class PDriver:
                     # already lists them; nothing allocates between the ledger's step
                     # and this loop: one thread.)
                     self.transport.bump(e.reclaimed)
+                self.gate.forget((e.handle,))  # every free (expiry too) drops its binding
                 log.debug("free %s (%s): %d blocks reclaimed", e.request_id, e.reason,
                           len(e.reclaimed))
                 if m is not None:
@@ -297,6 +325,15 @@ class PDriver:
                 log.info("rejected %s from %r: %s", e.reason, e.peer, e.detail)
             if self.observer is not None:
                 self.observer(e, now)
+
+    def _send_never(self, e: NeverNotice) -> None:
+        to = [e.consumer] if e.consumer is not None else sorted(self.peers)
+        for peer in to:
+            for buf in encode_never(self.epoch, (e.handle,), self.config.max_message_bytes):
+                if self.transport.send(peer, buf) is not None:
+                    self._count("send_error")
+                    continue
+                self._count("never_sent")
 
     def _send_ack(self, a: Ack) -> None:
         for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes,

@@ -221,6 +221,8 @@ def consumer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                         handshake_secret=opts.get("handshake_secret"))
     if opts.get("handshake_version"):
         d.handshake_version = int(opts["handshake_version"])
+    if opts.get("consumer"):  # the D engine this rank belongs to (P's gate binds to it)
+        d.consumer_id = str(opts["consumer"])
     for eng, (host, port) in engines.items():
         d.add_engine(eng, host, port)
     keys: dict[str, str] = {}

@@ -35,7 +35,7 @@ class TlcModel:
     about: str
     expect: str | None = None  # None: must pass; else the property that must be violated
     ci: bool = True  # run by `kvproto check --all` and the test suite
-    module: str = "MC"  # the root module the cfg configures
+    module: str = "MC"  # the root module the cfg configures (e.g. MC_gate, MC_coverage)
 
     @property
     def path(self) -> Path:
@@ -85,6 +85,20 @@ _TLC: Final[tuple[TlcModel, ...]] = (
           "BUG: D's part_read guard ignores one region (mutant drop_region), so a request "
           "is reported complete with a region never read", expect="Coverage",
           module="MC_coverage"),
+    TlcModel("gate", "MC_gate.cfg",
+          "P's gate: 2 requests x 3 consumers holding the same params, chunked prefill, "
+          "aborts after the params left; NoFreeUnderRead per claimant, ReadinessHolds, "
+          "NeverToldAtOnce, OneConsumerServed", module="MC_gate"),
+    TlcModel("bug_skip_binding", "MC_bug_skip_binding.cfg",
+          "BUG: a second consumer of a bound handle (router retry) is let through; the "
+          "first one's done frees the blocks under its READ", expect="NoFreeUnderRead",
+          module="MC_gate"),
+    TlcModel("bug_register_unready", "MC_bug_register_unready.cfg",
+          "BUG: a register after an earlier chunk of a chunked prefill reaches the ledger",
+          expect="ReadinessHolds", module="MC_gate"),
+    TlcModel("bug_no_never_notice", "MC_bug_no_never_notice.cfg",
+          "BUG: an aborted prefill whose params left tells no consumer: D waits for a "
+          "timeout", expect="NeverToldAtOnce", module="MC_gate"),
 )
 
 

@@ -247,6 +247,7 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
     epoch: int = 0
     host: str = ""
     port: int = 0
+    cap_key: str = ""  # hex: the worker gate's capability key (this engine only)
 
 
 # ---------------------------------------------------------------------------
@@ -395,7 +396,7 @@ class _PWorker:
         a = self.adapter
         for o in orders.registers:
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
-                            handle=o.handle)
+                            handle=o.handle, ready=o.ready)
             if a.ledger.state(o.handle) == UNREGISTERED:
                 # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
                 # adapter bumped their stamps (D may already hold params for them); the
@@ -766,7 +767,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         if self.pw is None:
             return None
         a = self.pw.adapter
-        return KVProtoHandshakeMetadata(engine=a.name, epoch=a.epoch, host=a.host, port=a.port)
+        return KVProtoHandshakeMetadata(engine=a.name, epoch=a.epoch, host=a.host, port=a.port,
+                                        cap_key=a.gate.key.hex())
 
     def _orders(self) -> Orders:
         meta = self._connector_metadata
@@ -902,7 +904,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                             if isinstance(m, KVProtoHandshakeMetadata) and m.engine}
         m = metadata.get(0)
         if self.psched is not None and isinstance(m, KVProtoHandshakeMetadata) and m.engine:
-            self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port))
+            self.psched.set_peer(PeerInfo(m.engine, m.epoch, m.host, m.port,
+                                          bytes.fromhex(m.cap_key or "")))
             log.info("kvproto: P worker %s (epoch %d) handshakes at %s:%d", m.engine, m.epoch,
                      m.host, m.port)
 
@@ -979,8 +982,12 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("kvproto: P request %s finished before every rank's handshake "
                       "metadata arrived; served without remote decode", rid)
             return False, None
+        # Readiness: this runs after the output of the request's last forward pass was
+        # processed; the KV stays in place (no save to wait for), so the writes are
+        # complete once every prompt token was computed.
+        ready = int(request.num_computed_tokens) >= int(request.num_prompt_tokens)
         out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
-                                          params, self.block_size)
+                                          params, self.block_size, ready=ready)
         if out is not None and self.tp_size > 1:
             # one KV cache group at TP > 1 (refused at start-up otherwise)
             out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),

@@ -222,6 +222,7 @@ class EngineSpec:
     log_path: str | None = None
     prefix_caching: bool = False
     tensor_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None  # small: chunked prefill of long prompts
 
 
 @dataclass
@@ -504,7 +505,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "block_size": spec.block_size, "max_model_len": spec.max_model_len,
             "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
             "prefix_caching": spec.prefix_caching,
-            "tensor_parallel_size": spec.tensor_parallel_size}
+            "tensor_parallel_size": spec.tensor_parallel_size,
+            "max_num_batched_tokens": spec.max_num_batched_tokens}
 
 
 # ---------------------------------------------------------------------------- P/D pairs
@@ -660,6 +662,9 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
         enable_prefix_caching=bool(spec.get("prefix_caching")), dtype="float32", seed=0,
         tensor_parallel_size=int(spec.get("tensor_parallel_size", 1)),
         kv_transfer_config=KVTransferConfig(**ktc) if ktc else None,
+        **({"max_num_batched_tokens": spec["max_num_batched_tokens"],
+            "enable_chunked_prefill": True}
+           if spec.get("max_num_batched_tokens") else {}),
     )
     return LLMEngine.from_engine_args(args)
 

@@ -25,6 +25,7 @@ from typing import Any
 from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
 from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout, split_p_blocks
+from kvproto.lifecycle.gate import capability
 
 log = logging.getLogger(__name__)
 
@@ -278,9 +279,12 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
     group = d.get("group")
     if group is not None and (not isinstance(group, str) or len(group) > MAX_NAME):
         raise ParamsError("bad_params", "group must be a name or null")
+    cap = d.get("capability", "")
+    if not isinstance(cap, str) or len(cap) > 64 or any(c not in "0123456789abcdef" for c in cap):
+        raise ParamsError("bad_params", "capability must be at most 64 lowercase hex digits")
     tp = TransferParams(engine=engine, epoch=epoch, handle=handle, blocks=tuple(blocks),
                         initial_term=term, expected=expected, group=group,
-                        generations=tuple(gens))
+                        generations=tuple(gens), capability=cap)
     block_size = None if d.get("block_size") is None else _int(d, "block_size", 1, 1 << 20)
     layout = _layout(d.get("groups"), len(blocks))
     return RemoteParams(tp, host, port, num_tokens, layout, block_size)
@@ -337,6 +341,10 @@ class RegisterOrder:
     group: str | None
     expected: int
     generations: tuple[int, ...]  # the scheduler's snapshot, given to D
+    # The readiness mark: every prompt token's KV was computed by a forward pass that
+    # completed (never an earlier chunk of a chunked prefill). P's gate refuses a
+    # register without it.
+    ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -384,6 +392,7 @@ class PeerInfo:
     epoch: int
     host: str
     port: int
+    cap_key: bytes = b""  # the worker gate's capability key (same engine, never sent out)
 
 
 class PScheduler:
@@ -412,11 +421,13 @@ class PScheduler:
 
     def finished(self, request_id: str, blocks: list[int], num_tokens: int,
                  kv_params: Mapping[str, Any] | None,
-                 extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                 extra: Mapping[str, Any] | None = None, *,
+                 ready: bool = False) -> dict[str, Any] | None:
         """A prefill for remote decode finished: return D's transfer params and queue the
         registration, or None (vLLM then frees the blocks at once). ``blocks``: every KV
         cache group's real blocks (the ledger holds and stamps them all); ``extra``: the
-        params' ``groups`` and ``block_size`` (kvproto.vllm.groups)."""
+        params' ``groups`` and ``block_size`` (kvproto.vllm.groups); ``ready``: the
+        readiness mark the register order carries (see ``RegisterOrder``)."""
         if self.peer is None:
             self._count("no_worker_metadata")
             log.error("kvproto: P request %s finished before the worker's handshake "
@@ -436,17 +447,20 @@ class PScheduler:
         group = sibling_group(request_id, kv_params, self.options.group_siblings)
         expected = self.options.expected_readers
         self._orders.append(RegisterOrder(request_id, handle, tuple(blocks), group, expected,
-                                          gens))
+                                          gens, ready))
         self.held[request_id] = handle
+        cap = capability(self.peer.cap_key, self.peer.engine, self.peer.epoch, handle) \
+            if len(self.peer.cap_key) >= 16 else ""
         tp = TransferParams(engine=self.peer.engine, epoch=self.peer.epoch, handle=handle,
                             blocks=tuple(blocks),
                             initial_term=self.options.config.ms.initial_lease,
-                            expected=expected, group=group, generations=gens)
+                            expected=expected, group=group, generations=gens,
+                            capability=cap)
         return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens, extra)
 
     def finished_groups(self, request_id: str, block_ids: Sequence[Sequence[int]],
                         num_tokens: int, kv_params: Mapping[str, Any] | None,
-                        block_size: int) -> dict[str, Any] | None:
+                        block_size: int, *, ready: bool = False) -> dict[str, Any] | None:
         """``finished`` for every KV cache group's block list (vLLM's
         ``request_finished_all_groups``): the real blocks of all groups are held, and the
         params carry the groups' layout and P's block size (kvproto.vllm.groups)."""
@@ -458,7 +472,7 @@ class PScheduler:
             return None
         flat, layout = split
         return self.finished(request_id, flat, num_tokens, kv_params,
-                             {"block_size": block_size, "groups": layout})
+                             {"block_size": block_size, "groups": layout}, ready=ready)
 
     def drain(self) -> list[RegisterOrder]:
         out, self._orders = self._orders, []

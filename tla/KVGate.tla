@@ -1,0 +1,154 @@
+------------------------------ MODULE KVGate ------------------------------
+(***************************************************************************)
+(* P's gate (kvproto.lifecycle.gate.Gate) in front of the ledger, with    *)
+(* several consumers holding the same transfer params (a router retry, a  *)
+(* migration, a hedged request). Mirrors GATE_TRANSITIONS name for name:  *)
+(* states "open", "bound", "never"; events Present, GateRegister, Abandon *)
+(* and Forget (inside Done, where the ledger frees).                       *)
+(*                                                                         *)
+(*   written[r]  chunks of r's prefill whose writes completed (0..Chunks)  *)
+(*   aborted[r]  r's prefill aborted after its params left (Abandon ran)   *)
+(*   gstate[r]   Gate.state(r)                                             *)
+(*   bound[r]    Gate.consumer(r), "none" when no consumer is bound        *)
+(*   pstate[r]   the ledger, abstracted: "unregistered", "held", "freed"   *)
+(*               (leases are KVLifecycle's: here only a done frees)        *)
+(*   cstate[p]   consumer p[2]'s view of request p[1]: "waiting" (holds    *)
+(*               the params), "granted" (the gate let its claim through),  *)
+(*               "reading", "done", "failed" (refused or told: recompute)  *)
+(*   told        GHOST: pairs told by a never-registered notice            *)
+(*   untold      GHOST: pairs owed a notice that Abandon did not send      *)
+(* A consumer posts its READ only after the gate granted its claim, so     *)
+(* NoFreeUnderRead holds per claimant.                                     *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets, TLC
+
+CONSTANTS
+    Requests,           \* request handles
+    Consumers,          \* consumers holding every request's params
+    Chunks,             \* forward passes (chunked prefill) that fill a request's blocks
+    BugSkipBinding,     \* BUG: a second consumer of a bound handle is let through
+    BugRegisterUnready, \* BUG: a register after an earlier chunk reaches the ledger
+    BugNoNeverNotice    \* BUG: abandoning an unclaimed request tells nobody
+
+VARIABLES written, aborted, gstate, bound, pstate, cstate, told, untold
+vars == <<written, aborted, gstate, bound, pstate, cstate, told, untold>>
+
+Pairs == Requests \X Consumers
+
+(* mirrors the engine's forward pass: one more chunk of r written *)
+Write(r) ==
+    /\ ~aborted[r] /\ written[r] < Chunks
+    /\ written' = [written EXCEPT ![r] = @ + 1]
+    /\ UNCHANGED <<aborted, gstate, bound, pstate, cstate, told, untold>>
+
+(* mirrors Gate.register: rows register/ready (pass), register/unready (refused,
+   counted: no state changes), register/never (refused). The adapter may try after any
+   chunk; the readiness mark is written[r] = Chunks. *)
+GateRegister(r) ==
+    /\ ~aborted[r] /\ written[r] > 0 /\ pstate[r] = "unregistered" /\ gstate[r] # "never"
+    /\ written[r] = Chunks \/ BugRegisterUnready
+    /\ pstate' = [pstate EXCEPT ![r] = "held"]
+    /\ UNCHANGED <<written, aborted, gstate, bound, cstate, told, untold>>
+
+(* mirrors Gate.present for a claim: rows present/first (bind), present/same,
+   present/foreign (refused), present/never (refused, told again). *)
+Present(r, c) ==
+    /\ cstate[<<r, c>>] = "waiting"
+    /\ CASE gstate[r] = "open" ->
+              /\ gstate' = [gstate EXCEPT ![r] = "bound"]
+              /\ bound' = [bound EXCEPT ![r] = c]
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "granted"]
+              /\ UNCHANGED told
+         [] gstate[r] = "bound" ->
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] =
+                              IF bound[r] = c \/ BugSkipBinding THEN "granted" ELSE "failed"]
+              /\ UNCHANGED <<gstate, bound, told>>
+         [] gstate[r] = "never" ->
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
+              /\ told' = told \cup {<<r, c>>}
+              /\ UNCHANGED <<gstate, bound>>
+    /\ UNCHANGED <<written, aborted, pstate, untold>>
+
+(* The consumer posts its READ once granted, while the ledger holds the blocks. *)
+Read(r, c) ==
+    /\ cstate[<<r, c>>] = "granted" /\ pstate[r] = "held"
+    /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "reading"]
+    /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
+
+(* The READ completed; its done notification presents the capability (present/same,
+   or present/foreign: refused). A done that passes frees r (one expected reader), and
+   the gate forgets r's binding (forget/freed). *)
+Done(r, c) ==
+    /\ cstate[<<r, c>>] = "reading"
+    /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "done"]
+    /\ IF (bound[r] = c \/ BugSkipBinding) /\ pstate[r] = "held"
+       THEN /\ pstate' = [pstate EXCEPT ![r] = "freed"]
+            /\ gstate' = [gstate EXCEPT ![r] = "open"]
+            /\ bound' = [bound EXCEPT ![r] = "none"]
+       ELSE UNCHANGED <<pstate, gstate, bound>>
+    /\ UNCHANGED <<written, aborted, told, untold>>
+
+(* mirrors Gate.abandon: rows abandon/claimed (tell the bound consumer),
+   abandon/unclaimed (tell every peer). A told consumer fails at once. *)
+Abandon(r) ==
+    /\ ~aborted[r] /\ pstate[r] = "unregistered"
+    /\ LET claimed == gstate[r] = "bound"
+           to == IF claimed THEN {<<r, bound[r]>>}
+                 ELSE IF BugNoNeverNotice THEN {} ELSE {r} \X Consumers
+           owed == {p \in {r} \X Consumers :
+                      cstate[p] \in (IF claimed THEN {"granted"} ELSE {"waiting", "granted"})}
+       IN  /\ told' = told \cup to
+           /\ untold' = untold \cup (owed \ to)
+           /\ cstate' = [p \in Pairs |-> IF p \in to /\ cstate[p] \in {"waiting", "granted"}
+                                         THEN "failed" ELSE cstate[p]]
+    /\ aborted' = [aborted EXCEPT ![r] = TRUE]
+    /\ gstate' = [gstate EXCEPT ![r] = "never"]
+    /\ bound' = [bound EXCEPT ![r] = "none"]
+    /\ UNCHANGED <<written, pstate>>
+
+Init ==
+    /\ written = [r \in Requests |-> 0]
+    /\ aborted = [r \in Requests |-> FALSE]
+    /\ gstate = [r \in Requests |-> "open"]
+    /\ bound = [r \in Requests |-> "none"]
+    /\ pstate = [r \in Requests |-> "unregistered"]
+    /\ cstate = [p \in Pairs |-> "waiting"]
+    /\ told = {}
+    /\ untold = {}
+
+(* Nothing left to do (every request freed or abandoned): a safety model, so the end of
+   a run is not a deadlock. *)
+Quiet == UNCHANGED vars
+
+Next ==
+    \/ \E r \in Requests : Write(r) \/ GateRegister(r) \/ Abandon(r)
+    \/ Quiet
+    \/ \E r \in Requests, c \in Consumers : Present(r, c) \/ Read(r, c) \/ Done(r, c)
+
+Spec == Init /\ [][Next]_vars
+
+ConsumerSymmetry == Permutations(Consumers)
+
+GateTypeOK ==
+    /\ written \in [Requests -> 0..Chunks]
+    /\ aborted \in [Requests -> BOOLEAN]
+    /\ gstate \in [Requests -> {"open", "bound", "never"}]
+    /\ bound \in [Requests -> Consumers \cup {"none"}]
+    /\ pstate \in [Requests -> {"unregistered", "held", "freed"}]
+    /\ cstate \in [Pairs -> {"waiting", "granted", "reading", "done", "failed"}]
+    /\ \A r \in Requests : (gstate[r] = "bound") = (bound[r] # "none")
+
+(* Per claimant: every consumer whose READ is in flight reads blocks the ledger holds. *)
+NoFreeUnderRead == \A p \in Pairs : cstate[p] = "reading" => pstate[p[1]] = "held"
+
+(* The ledger holds only requests whose every chunk was written. *)
+ReadinessHolds == \A r \in Requests : pstate[r] # "unregistered" => written[r] = Chunks
+
+(* An abandoned request's bound consumer (or, when none was bound, every holder of its
+   params) is told in the step that abandons it. *)
+NeverToldAtOnce == untold = {}
+
+(* Only one consumer of a request is ever served from P's blocks. *)
+OneConsumerServed ==
+    \A r \in Requests : Cardinality({c \in Consumers : cstate[<<r, c>>] \in {"reading", "done"}}) <= 1
+=============================================================================
