@@ -95,8 +95,8 @@ def test_a_second_consumer_of_the_same_params_is_refused_never_served() -> None:
     """A router retry: a second D engine gets the same params while the first one holds
     the binding. Its claim and heartbeats are refused (counted), it fails the request at
     once and recomputes; the first D pulls and P frees once, on the first D's done."""
-    from kvproto.vllm.connector import _DWorker
     from kvproto.vllm.sched import DScheduler
+    from kvproto.vllm.workers import DWorker as _DWorker
     from tests.test_vllm_connector import LEASE, NB, caches, opts
 
     # A long lease: on a loaded machine only P's refusal, never a lease end, fails D2.

@@ -30,9 +30,9 @@ pytest.importorskip("vllm")
 from kvproto.vllm.connector import (
     KVProtoStats,
     KVProtoWorkerMetadata,
-    _DWorker,
-    _PWorker,
 )
+from kvproto.vllm.workers import DWorker as _DWorker
+from kvproto.vllm.workers import PWorker as _PWorker
 
 pytestmark = pytest.mark.nixl
 

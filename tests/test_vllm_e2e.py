@@ -130,7 +130,7 @@ def _frees(stats: dict[str, Any]) -> dict[str, float]:
 
 def _validate(journals: list[Path], *, need_consumer: bool = False) -> None:
     """``kvproto validate`` on the P journals and the D (Consumer) journals beside them."""
-    from kvproto.vllm.connector import consumer_journal_path
+    from kvproto.vllm.workers import consumer_journal_path
 
     consumer = [Path(consumer_journal_path(str(j))) for j in journals]
     present = [str(j) for j in journals + consumer if j.exists() and j.stat().st_size > 0]

@@ -222,7 +222,7 @@ def test_worker_halves_move_two_groups_into_their_positions() -> None:
         pr.ds = DScheduler(block_size=4, group_block_sizes=[4, 4])
         flat, layout = _split(([0, 9, 10], [3, 5, 7]))
         params = pr.ps.finished("g", flat, 12, {"do_remote_decode": True},
-                                {"block_size": 4, "groups": layout})
+                                {"block_size": 4, "groups": layout}, ready=True)
         assert params is not None
         pr.ds.new_request("g", params)
         pr.step()

@@ -269,7 +269,7 @@ def journals(workdir: Path, decoders: int, round_: int = 0) -> list[Path]:
     ``kv_both``) writes its ledger journal and its Consumer journal beside it; P's ledger
     journal and each D's Consumer journal carry the traffic, the others only their
     header and warm-up."""
-    from kvproto.vllm.connector import consumer_journal_path
+    from kvproto.vllm.workers import consumer_journal_path
 
     out = []
     for role in ["P", *(f"D{j}" for j in range(decoders))]:

@@ -59,8 +59,8 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
-from kvproto.nixl.checksum import CHECKSUMS_KEY
 from kvproto.lifecycle.gate import Gate, NeverNotice
+from kvproto.nixl.checksum import CHECKSUMS_KEY
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
 from kvproto.port import now_ms, p_receive
 from kvproto.wire import (

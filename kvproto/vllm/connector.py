@@ -132,10 +132,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -153,14 +150,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
-from kvproto.port import now_ms
 from kvproto.vllm import groups as kvgroups
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
     Orders,
-    ParamsError,
     PeerInfo,
     PScheduler,
 )
@@ -168,18 +162,14 @@ from kvproto.vllm.topology import (
     RANKS_KEY,
     RankMirrors,
     RankPeer,
-    TopologyUnsupported,
     encode_ranks,
     for_tp_rank,
-    rank_admit,
     tp_rank,
 )
+from kvproto.vllm.workers import DWorker, PWorker
 
 if TYPE_CHECKING:
-    from kvproto.journal import JournalWriter
     from kvproto.metrics import Exporter, Metrics
-    from kvproto.nixl.consumer import Completion, ConsumerAdapter
-    from kvproto.nixl.producer import ProducerAdapter
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +186,6 @@ def _share_vllm_logging() -> None:
 
 
 STATS_INTERVAL = 0.5  # seconds between connector-stats deltas
-IDLE_SLICE = 0.002  # seconds between adapter polls inside one idle wait
-MAX_ENDED = 65536  # D worker: requests ended before their load order, remembered (oldest dropped)
 
 
 # ---------------------------------------------------------------------------
@@ -343,326 +331,6 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
 # ---------------------------------------------------------------------------
 
 
-def consumer_journal_path(journal: str) -> str:
-    """Where a D worker writes its Consumer journal, given the ``journal`` option."""
-    p = Path(journal)
-    return str(p.with_name(p.stem + ".consumer" + (p.suffix or ".jsonl")))
-
-
-class _PWorker:
-    """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
-
-    def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, port: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None) -> None:
-        from kvproto.nixl.producer import ProducerAdapter
-
-        self.writer: JournalWriter | None = None
-        if opts.journal:
-            from kvproto.journal import JournalWriter
-
-            self.writer = JournalWriter(opts.journal, opts.config, num_blocks,
-                                        meta={"engine": name, "source": "kvproto.vllm"},
-                                        flush_every=opts.journal_flush_every)
-        self.finished_sending: set[str] = set()
-        self.stamps: dict[int, int] = {}
-        self._reg_at: dict[int, tuple[int, int]] = {}  # handle -> (ms, blocks)
-        self.stranded = 0.0
-        self.adapter: ProducerAdapter = ProducerAdapter(
-            name, opts.config, num_blocks=num_blocks, block_bytes=1,
-            sink=self.writer.sink if self.writer is not None else None,
-            host=opts.handshake_host, port=port, strict_pool=False,
-            observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics, identity=identity, handshake_thread=True)
-        self._gen = self.adapter.region.gen
-        self.idle_wait_s = opts.idle_wait_ms / 1000.0
-        self.steps = 0  # worker steps (get_finished calls)
-        self.idle_waits = 0  # of those, steps that waited
-        self.idle_polls = 0  # adapter polls made inside idle waits
-
-    def _observe(self, e: Effect, now: int) -> None:
-        if isinstance(e, Free):
-            # The adapter bumped the reclaimed blocks' stamps before calling us.
-            self.finished_sending.add(e.request_id)
-            if e.reclaimed:
-                gens = self._gen[list(e.reclaimed)].tolist()
-                for b, g in zip(e.reclaimed, gens, strict=True):
-                    self.stamps[b] = int(g)
-            t = self._reg_at.pop(e.handle, None)
-            if t is not None and e.reason in ("expired", "aborted"):
-                self.stranded += (now - t[0]) / 1000 * t[1]
-
-    def apply(self, orders: Orders) -> None:
-        a = self.adapter
-        for o in orders.registers:
-            tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
-                            handle=o.handle, ready=o.ready)
-            if a.ledger.state(o.handle) == UNREGISTERED:
-                # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
-                # adapter bumped their stamps (D may already hold params for them); the
-                # mirror learns the new stamps before vLLM frees the blocks.
-                a._count("register_rejected")
-                log.error("kvproto: register of %s rejected; blocks returned", o.request_id)
-                valid = [b for b in o.blocks if 0 <= b < len(self._gen)]
-                for b, g in zip(valid, self._gen[valid].tolist(), strict=True):
-                    self.stamps[b] = int(g)
-                self.finished_sending.add(o.request_id)
-                continue
-            self._reg_at.setdefault(o.handle, (now_ms(a.clock), len(o.blocks)))
-            if tp is not None and tp.generations != o.generations:
-                # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
-                a._count("stale_stamp_snapshot")
-
-    def poll(self) -> None:
-        self.adapter.poll()
-
-    def idle_wait(self) -> None:
-        """Wait up to ``idle_wait_s``, polling every ``IDLE_SLICE``; return as soon as a
-        poll handled a message or decided a free, and never after the ledger's next
-        deadline (so an expiry is late by at most one slice)."""
-        if self.idle_wait_s <= 0 or self.finished_sending or self.stamps:
-            return
-        a = self.adapter
-        end = a.clock() + self.idle_wait_s
-        self.idle_waits += 1
-        while True:
-            due = a.ledger.next_deadline()
-            stop = end if due is None else min(end, due)
-            left = stop - a.clock()
-            if left <= 0:
-                return
-            time.sleep(min(IDLE_SLICE, left))
-            self.idle_polls += 1
-            if a.poll() or self.finished_sending or self.stamps:
-                return
-
-    def take(self) -> tuple[set[str], dict[int, int]]:
-        out, self.finished_sending = self.finished_sending, set()
-        st, self.stamps = self.stamps, {}
-        return out, st
-
-    def counters(self) -> dict[str, float]:
-        led = self.adapter.ledger
-        c: dict[str, float] = {f"frees_{r}": float(n) for r, n in led.frees.items()}
-        c["stranded_block_seconds"] = self.stranded
-        for k, n in [*led.counters.items(), *self.adapter.counters.items()]:
-            if k.startswith("rejected:"):
-                key = "rejected_" + k[9:]
-                c[key] = c.get(key, 0.0) + n
-        c["stale_stamp_snapshots"] = float(self.adapter.counters.get("stale_stamp_snapshot", 0))
-        ac = self.adapter.counters
-        c["handshake_failures"] = float(ac.get("handshake_refused", 0)
-                                        + ac.get("handshake_metadata_error", 0))
-        c["model_mismatches"] = float(ac.get("rejected:handshake_model_mismatch", 0))
-        c["worker_steps"] = float(self.steps)
-        c["idle_waits"] = float(self.idle_waits)
-        c["idle_polls"] = float(self.idle_polls)
-        c["held_requests"] = float(led.held_requests)
-        c["held_blocks"] = float(led.pool.held_count)
-        return c
-
-    def close(self) -> None:
-        self.adapter.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
-class _DWorker:
-    """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
-
-    def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
-                 num_blocks: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None, fail: bool = False) -> None:
-        from kvproto.nixl.consumer import ConsumerAdapter
-
-        self.opts = opts
-        self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
-            else "prefilling locally"
-        hook = None
-        if opts.test_read_stall_s > 0:
-            stall = opts.test_read_stall_s
-
-            def hook(phase: str, rid: str) -> None:
-                if phase == "before_gen":
-                    log.warning("kvproto TEST HOOK: stalling %s for %.1fs", rid, stall)
-                    time.sleep(stall)
-        # D's own journal (the Consumer's events and effects) beside P's: with ``journal``
-        # = X.jsonl it is X.consumer.jsonl; ``kvproto validate`` and ``replay`` take both.
-        self.writer: JournalWriter | None = None
-        if opts.journal:
-            from kvproto.journal import JournalWriter
-
-            self.writer = JournalWriter(consumer_journal_path(opts.journal), opts.config,
-                                        meta={"engine": name, "source": "kvproto.vllm"},
-                                        flush_every=opts.journal_flush_every, reader=name)
-        from kvproto.nixl.faults import from_options
-
-        self.faults = from_options(opts.test_faults)
-        if self.faults is not None:
-            log.warning("kvproto TEST SHIM: faults on D's notifications %s", opts.test_faults)
-        self.adapter: ConsumerAdapter = ConsumerAdapter(
-            name, opts.config, num_blocks=num_blocks, block_bytes=1,
-            handshake_timeout=opts.handshake_timeout,
-            handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
-            metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
-            identity=identity, fault_hook=self.faults)
-        self.rank = (0, 1, 1)  # (TP rank, TP size, the model's KV heads)
-        self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
-        # Admitted and not finished: request id -> (P engine, epoch, handle), and those
-        # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
-        self.admitted: dict[str, tuple[str, int, int]] = {}
-        self.handles: set[tuple[str, int, int]] = set()
-        self.delayed: list[tuple[float, str, tuple[int, ...] | None]] = []  # test hook
-        self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
-        self.ended_report: list[str] = []
-        self.ended_before_load = 0
-        self.finished_recving: set[str] = set()
-        self.failed: set[str] = set()  # of finished_recving: the loads that failed
-        self.invalid: set[int] = set()
-        self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
-                                        "reads_failed": 0.0, "read_blocks": 0.0}
-
-    def apply(self, orders: Orders) -> None:
-        a = self.adapter
-        for ad in orders.admits:
-            try:
-                ad = rank_admit(ad, *self.rank)
-            except (TopologyUnsupported, ParamsError) as e:
-                log.warning("kvproto: request %s: %s; %s", ad.request_id, e, self.outcome)
-                self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
-                self._ended(ad.request_id)
-                continue
-            key = (ad.params.engine, ad.params.epoch, ad.params.handle)
-            if ad.request_id in self.admitted or key in self.handles:
-                # The same handle twice (e.g. D's n>1 children share P's params): one
-                # pulls, the others prefill locally.
-                self._ended(ad.request_id)
-                continue
-            self.admitted[ad.request_id] = key
-            self.handles.add(key)
-            a.add_engine(ad.params.engine, ad.host, ad.port)
-            a.admit(ad.request_id, ad.params)
-        for ld in orders.loads:
-            rid = ld.request_id
-            if ld.fail or rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
-                self.ended.pop(rid, None)
-                a.abort(rid)  # releases to P if the machine still holds it
-                a.free_local(rid)
-                self._complete(rid, ld.local_blocks, ok=False)
-                continue
-            self.loads[rid] = ld.local_blocks
-            if self.opts.test_delay_load_s > 0:
-                self.delayed.append((time.monotonic() + self.opts.test_delay_load_s, rid,
-                                     ld.remote))
-            else:
-                a.schedule(rid, ld.local_blocks, ld.remote)
-        for rid in orders.aborts:
-            self.ended.pop(rid, None)
-            a.abort(rid)
-        self._drain(a.poll())
-
-    def poll(self) -> None:
-        if self.delayed:
-            now = time.monotonic()
-            due = [(rid, ix) for t, rid, ix in self.delayed if t <= now]
-            self.delayed = [d for d in self.delayed if d[0] > now]
-            for rid, ix in due:
-                local = self.loads.get(rid)
-                if local is not None:
-                    self.adapter.schedule(rid, local, ix)
-        self._drain(self.adapter.poll())
-
-    @property
-    def busy(self) -> bool:
-        """Requests admitted, loading or delayed: D's worker must poll every step."""
-        return bool(self.admitted or self.loads or self.delayed)
-
-    def _ended(self, rid: str) -> None:
-        self.ended_before_load += 1
-        self.ended[rid] = None
-        self.ended_report.append(rid)
-        if len(self.ended) > MAX_ENDED:
-            self.ended.popitem(last=False)
-
-    def _drain(self, completions: Iterable[Completion]) -> None:
-        for c in completions:
-            key = self.admitted.pop(c.request_id, None)
-            if key is not None:
-                self.handles.discard(key)
-            local = self.loads.pop(c.request_id, None)
-            self.adapter.free_local(c.request_id)
-            if local is None:
-                if c.reason != "aborted":
-                    log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
-                                c.request_id, c.state, c.reason, self.outcome)
-                self._ended(c.request_id)
-                continue
-            ok = c.state == D_DONE and c.reason == "pulled"
-            # A client abort (vLLM already ended the request) is no failed read: its
-            # blocks are still named, so nothing computes on them, but it is not counted
-            # as a read failure or as blocks to recompute.
-            aborted = c.reason == "aborted"
-            self._complete(c.request_id, local, ok=ok, counted=not aborted)
-            if not ok and not aborted:
-                log.warning("kvproto: remote KV of %s not served (%s: %s); %d blocks "
-                            "reported for recompute", c.request_id, c.state, c.reason,
-                            len(local))
-
-    def _complete(self, rid: str, local: tuple[int, ...], ok: bool,
-                  counted: bool = True) -> None:
-        self.finished_recving.add(rid)
-        if ok:
-            self.stats["reads_ok"] += 1
-            self.stats["read_blocks"] += len(local)
-        else:
-            self.failed.add(rid)
-            if counted:
-                self.stats["reads_failed"] += 1
-                self.stats["recomputed_blocks"] += len(local)
-            self.invalid.update(local)
-
-    def take(self) -> tuple[set[str], set[int], list[str]]:
-        fr, self.finished_recving = self.finished_recving, set()
-        inv, self.invalid = self.invalid, set()
-        er, self.ended_report = self.ended_report, []
-        return fr, inv, er
-
-    def take_failed(self) -> set[str]:
-        """The failed loads among the requests ``take`` reported (taken together)."""
-        out, self.failed = self.failed, set()
-        return out
-
-    def counters(self) -> dict[str, float]:
-        c = dict(self.stats)
-        ac = self.adapter.counters
-        c["fenced_reads"] = float(ac.get("fenced", 0))
-        c["checksum_failures"] = float(ac.get("checksum_failed", 0))
-        c["checksum_verified_blocks"] = float(ac.get("checksum_verified", 0))
-        c["ended_before_load"] = float(self.ended_before_load)
-        c["read_refused"] = float(ac.get("read_refused", 0))
-        c["peer_lost"] = float(ac.get("peer_lost", 0))
-        c["handshake_failures"] = float(sum(n for k, n in ac.items()
-                                            if k.startswith("handshake_failed:")))
-        c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))
-        if self.faults is not None:
-            for k, n in self.faults.counts.items():
-                c["test_faults_" + k] = float(n)
-        for k, n in ac.items():
-            if k.startswith("rejected:"):
-                c["rejected_" + k[9:]] = c.get("rejected_" + k[9:], 0.0) + n
-        return c
-
-    def close(self) -> None:
-        self.adapter.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
-# ---------------------------------------------------------------------------
-# The connector.
-# ---------------------------------------------------------------------------
-
-
 class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     """kvproto's fail-closed P/D lifecycle as a vLLM KV connector (see module docstring)."""
 
@@ -697,8 +365,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                              "(one group at TP > 1)")
         self.psched: PScheduler | None = None
         self.dsched: DScheduler | None = None
-        self.pw: _PWorker | None = None
-        self.dw: _DWorker | None = None
+        self.pw: PWorker | None = None
+        self.dw: DWorker | None = None
         self._delta = _Delta()
         self._next_stats = 0.0
         self._exporter: Exporter | None = None
@@ -738,10 +406,10 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         self.opts = for_tp_rank(self.opts, self.tp_rank, self.tp_size, self.dp_rank)
         sfx = f"-tp{self.tp_rank}" if self.tp_size > 1 else ""
         if self.opts.producer:
-            self.pw = _PWorker(self.opts, f"kvproto-p-{self.engine_id}{sfx}", tensors,
+            self.pw = PWorker(self.opts, f"kvproto-p-{self.engine_id}{sfx}", tensors,
                                num_blocks, self.opts.handshake_port, metrics, identity)
         if self.opts.consumer:
-            self.dw = _DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
+            self.dw = DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
                                num_blocks, metrics, identity,
                                fail=self.load_failure_policy == "fail")
             self.dw.rank = (self.tp_rank, self.tp_size, self.kv_heads)

@@ -24,8 +24,8 @@ from typing import Any
 
 from kvproto.errors import RemoteInputError
 from kvproto.lifecycle import Config, ConfigError, TransferParams
-from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout, split_p_blocks
 from kvproto.lifecycle.gate import capability
+from kvproto.vllm.groups import HIT, MAX_GROUPS, NEW, plan_load, single_layout, split_p_blocks
 
 log = logging.getLogger(__name__)
 
