@@ -286,7 +286,7 @@ def judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
 
 def _judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
     name = violated_name(res, cfg_text)
-    gen = f" ({res.generated:,} generated)" if isinstance(res.generated, int) else ""
+    gen = f", {res.generated:,} generated" if isinstance(res.generated, int) else ""
     stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states{gen}, "
              f"depth {res.depth if res.depth is not None else '?'}, {res.seconds:.1f} s"
              if isinstance(res.distinct, int) else f"{res.seconds:.1f} s")
