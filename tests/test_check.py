@@ -9,8 +9,10 @@ proves nothing), and the lease check tells safe numbers from unsafe ones.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -320,3 +322,151 @@ def test_json_verdict_names_the_liveness_property(capsys: pytest.CaptureFixture[
     res = json.loads(capsys.readouterr().out)
     assert res["kind"] == "liveness" and res["as_expected"]
     assert res["violated"] == "ReportedIsFreed"
+
+
+# ---------------------------------------------------------------------------
+# The safety models' VIEW (KVLifecycle.SafetyView) drops only history.
+# ---------------------------------------------------------------------------
+
+# Variables the view reads through an operator that keeps what a step can still read,
+# and the one it leaves out (read only by a liveness property).
+VIEW_OPERATORS = {"pstate": "EndedPState", "dst": "EndedDst", "owner": "LiveOwner",
+                  "peer": "LivePeer", "groupsDone": "LiveGroupsDone", "hsSlow": "LiveHsSlow"}
+VIEW_LEFT_OUT = {"reported"}
+
+
+def _tla_variables(text: str) -> list[str]:
+    decl = re.search(r"^VARIABLES\b(.*?)(?=^\S)", text, re.S | re.M)
+    assert decl, "no VARIABLES block"
+    body = re.sub(r"\\\*[^\n]*", "", decl.group(1))
+    return re.findall(r"[A-Za-z]\w*", body)
+
+
+def _safety_view_names(text: str) -> set[str]:
+    m = re.search(r"^SafetyView ==\s*<<(.*?)>>\s*$", text, re.S | re.M)
+    assert m, "no SafetyView"
+    return {x.strip() for x in m.group(1).split(",")}
+
+
+def test_safety_view_names_every_variable() -> None:
+    """A variable added to the spec must reach the safety models' VIEW (raw, or through
+    an operator that drops only its history): a variable the view forgets would merge
+    states with different futures and hide bugs."""
+    text = (tlc.spec_dir() / "KVLifecycle.tla").read_text()
+    variables = _tla_variables(text)
+    assert {"pstate", "dst", "msgs", "hsSlow", "reported"} <= set(variables)
+    names = _safety_view_names(text)
+    for v in variables:
+        if v in VIEW_LEFT_OUT:
+            assert v not in names
+        else:
+            assert VIEW_OPERATORS.get(v, v) in names, f"{v} is missing from SafetyView"
+    assert len(names) == len(variables) - len(VIEW_LEFT_OUT)
+
+
+# A small model in which every part the view drops varies: two requests in one sibling
+# group (r2 registered late: groups transferred before it registers), one reader that
+# starts without a handshake and may crash (hsSlow, a crashed reader's peer), one lost
+# message (hsSlow no longer read), expiry and frees, done and failed pairs.
+VIEW_MODEL = """\
+CONSTANTS
+    Requests = {"r1", "r2"}
+    Readers = {d1}
+    Blocks = {1, 2, 3}
+    NoGroup = "none"
+    BlocksOf <- MCBlocksOf
+    GroupOf <- MCGroupOf
+    RegExpected <- MCRegExpected
+    ReadersOf <- MCReadersOf
+    InitialLease = 3
+    LeaseExtension = 3
+    AbortGrace = 3
+    HeartbeatInterval = 2
+    MaxDelay = 0
+    MaxReadTime = 2
+    ClockDrift = 0
+    MaxStaged = 2
+    MaxStagedMsgs = 4
+    MaxStagedAge = 3
+    MaxLoss = 1
+    MaxDup = 0
+    MaxCrashes = 1
+    MaxPAborts = 0
+    MaxDAborts = 0
+    MaxReadErrors = 0
+    MaxHsFail = 1
+    MaxPeerLost = 0
+    PeerReadyAtStart = FALSE
+    EarlyRequests = {"r2"}
+    ExpiryMayLag = TRUE
+    BugCountMessages = FALSE
+    BugDropEarly = FALSE
+    BugAbortFreesNow = FALSE
+INIT Init
+NEXT Next
+INVARIANT TypeOK NoDoubleFree Conservation NoFreeUnderRead StagingBounded StaleIsHarmless RenewalKeepsLease
+"""
+
+_TERMINAL = {"expired", "freed"}
+_ENDED = _TERMINAL | {"done", "failed"}
+
+
+def _safety_view(state: tlc.Fn) -> tuple[object, ...]:
+    """KVLifecycle.SafetyView of a dumped state, for MC.tla (one sibling group holding
+    every request, every request pulled by every reader)."""
+    s: Any = state
+    crashed, dst, pstate = s["crashed"], s["dst"], s["pstate"]
+
+    def ended(v: object) -> object:
+        return "ended" if v in _ENDED else v
+
+    def alive(d: object) -> bool:
+        return d not in crashed
+
+    hs = frozenset() if s["nLoss"] else frozenset(
+        p for p in s["hsSlow"] if alive(p[1]) and pstate[p[0]] not in _TERMINAL
+        and dst[p] in {"handshaking", "waiting", "reading"})
+    owner = tuple((d, g, s["owner"][d][g] if any(dst[p] not in _ENDED for p in dst.keys()
+                                                  if p[1] == d) else "none")
+                  for d in s["owner"].keys() for g in s["owner"][d].keys())
+    peer = tuple((d, s["peer"][d] if alive(d) else "unknown") for d in s["peer"].keys())
+    unregistered = any(pstate[r] == "unregistered" for r in pstate.keys())
+    groups_done = frozenset(g for g in s["groupsDone"] if unregistered)
+    rest = tuple((k, s[k]) for k in s.keys()
+                 if k not in VIEW_LEFT_OUT and k not in VIEW_OPERATORS)
+    return (rest, hs, owner, peer, groups_done,
+            tuple((r, ended(pstate[r])) for r in pstate.keys()),
+            tuple((p, ended(dst[p])) for p in dst.keys()))
+
+
+@pytest.mark.tlc
+def test_safety_view_explores_every_reachable_view(tmp_path: Path) -> None:
+    """The view is exact: TLC with VIEW SafetyView explores as many states as there are
+    distinct views among all the states reachable without it. A view that merged states
+    with different futures would cut some reachable views off (fewer with VIEW)."""
+    _tlc_or_skip()
+    dump = tmp_path / "states"
+    full = tlc.require_ok(tlc.run_tlc("MC_view.cfg", cfg_text=VIEW_MODEL, workers=1,
+                                      args=["-nowarning", "-dump", str(dump)]))
+    blocks = re.split(r"^State \d+:\n", (tmp_path / "states.dump").read_text(), flags=re.M)
+    states = [tlc.parse_state(b) for b in blocks[1:]]
+    assert len(states) == full.distinct
+    views = {_safety_view(s) for s in states}
+    viewed = tlc.require_ok(tlc.run_tlc("MC_view.cfg", cfg_text=VIEW_MODEL + "VIEW SafetyView\n",
+                                        workers=1))
+    assert viewed.distinct == len(views)
+    assert viewed.distinct < full.distinct // 2  # the history it drops is most of the states
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("name", [m.name for m in check.MODELS.values()
+                                  if m.expect and "PROPERTY" not in m.path.read_text()])
+def test_buggy_safety_model_is_caught_under_the_view(name: str) -> None:
+    """The view hides no bug: each safety bug model still fails, with the property it
+    breaks, when TLC merges states by SafetyView."""
+    _tlc_or_skip()
+    model = check.MODELS[name]
+    text = model.path.read_text()
+    assert "VIEW" not in text
+    o = check.check_model(model, cfg_text=text + "\nVIEW SafetyView\n")
+    assert o.result.result == "violation" and o.as_expected, o.summary

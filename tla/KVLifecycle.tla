@@ -471,10 +471,50 @@ Spec == Init /\ [][Next]_vars /\ Fairness
    models only; the readers must then be model values). *)
 ReaderSymmetry == Permutations(Readers)
 
-(* The state as safety checking needs it: the GHOST `reported` is read only by the
-   liveness property ReportedIsFreed, so safety models may leave it out (VIEW). *)
-SafetyView == <<ledgerVars, dVars, msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr,
-                nHsFail, nPeerLost, flaw, hsSlow>>
+(* The state as safety checking needs it (VIEW of the safety models): every variable,
+   less the parts of the history no step and no invariant reads again. A part left out
+   is never read again and never comes back, so two states with one view have the same
+   steps, successors with one view and the same invariant values (spec/TLA.md, "The
+   view and the symmetry"). tests/test_check.py checks that every variable is here. *)
+
+(* The GHOST hsSlow, as far as Tick's RenewalKeepsLease check can still read it: pairs of
+   a live reader, still active, of a request not yet expired or freed, and only while no
+   message was lost. Pairs leave for done or failed, readers crash, requests end and
+   nLoss grows, never the reverse. *)
+LiveHsSlow == IF nLoss > 0 THEN {}
+              ELSE {p \in hsSlow : /\ Alive(p[2]) /\ pstate[p[1]] \notin Terminal
+                                   /\ dst[p] \in {"handshaking", "waiting", "reading"}}
+
+(* D's group owners a step can still read: owner[d][g] is read and written only for a
+   pair of d in group g that is not yet done or failed (Schedule, Disown, DAck). *)
+LiveOwner == [d \in Readers |-> [g \in Groups |->
+                 IF \E q \in Requests : /\ GroupOf[q] = g /\ IsPair(q, d)
+                                        /\ dst[<<q, d>>] \notin {"done", "failed"}
+                 THEN owner[d][g] ELSE "none"]]
+
+(* A crashed reader's peer state: every step that reads peer[d] requires Alive(d). *)
+LivePeer == [d \in Readers |-> IF Alive(d) THEN peer[d] ELSE "unknown"]
+
+(* Groups transferred, as far as RegisterOp can still read them: a group with a member
+   not yet registered. *)
+LiveGroupsDone == {g \in groupsDone : \E q \in Requests : GroupOf[q] = g /\ pstate[q] = "unregistered"}
+
+(* How a request or a pair ended is history: no step and no invariant tells an expired
+   request from a freed one (both are Terminal: stale, refused, never held again; Tick's
+   RenewalKeepsLease check reads "expired" only of a request that was held), nor a done
+   pair from a failed one (both are ended: no D step leaves them). *)
+Ended(v) == IF v \in Terminal \cup {"done", "failed"} THEN "ended" ELSE v
+EndedPState == [r \in Requests |-> Ended(pstate[r])]
+EndedDst == [p \in Pairs |-> Ended(dst[p])]
+
+(* Left out entirely: the GHOST `reported`, read only by the liveness property
+   ReportedIsFreed (never in a model with a VIEW). *)
+SafetyView ==
+    <<EndedPState, expected, finished, released, deadline, reports, rc,
+      stagedQ, staged, stagedAge, LiveGroupsDone, nfree,
+      pre, EndedDst, dlease, readAge, abortPending, LiveOwner, LivePeer, hbTimer, crashed,
+      msgs, nLoss, nDup, nCrash, nPAbort, nDAbort, nReadErr, nHsFail, nPeerLost,
+      flaw, LiveHsSlow>>
 
 (* Invariants. Each is referenced from spec/TLA.md. *)
 

@@ -5,7 +5,8 @@ it covers and what TLC must conclude about it:
 
 * ``ci`` (the default) and ``live`` must pass: the safety invariants, then liveness
   (``NoLeak``, ``ReportedIsFreed``) under fairness;
-* ``large`` is the longer documented run (not in CI);
+* ``large`` is the longer run (every fault at once, not in CI) and ``full`` the one for
+  TLC's distributed mode;
 * the ``bug_*`` models each re-introduce a known upstream bug and must FAIL with the
   named property. ``kvproto check --bugs`` exits 0 only when every one of them does: a
   checker that cannot fail proves nothing.
@@ -290,7 +291,8 @@ def judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
 
 def _judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
     name = violated_name(res, cfg_text)
-    stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states, "
+    gen = f", {res.generated:,} generated" if isinstance(res.generated, int) else ""
+    stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states{gen}, "
              f"depth {res.depth if res.depth is not None else '?'}, {res.seconds:.1f} s"
              if isinstance(res.distinct, int) else f"{res.seconds:.1f} s")
     if res.result == "error":

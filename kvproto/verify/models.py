@@ -60,8 +60,13 @@ _TLC: Final[tuple[TlcModel, ...]] = (
           "NoLeak for `--lease-config`: 1 request x 1 reader, 1 loss, 1 crash, aborts on "
           "P and D, at a coarse unit (the default Config here)"),
     TlcModel("large", "MC_large.cfg",
-          "the longer run: the ci model plus early messages (staging), aborts on P and D, "
-          "a READ error, a failed handshake, D ranks that start without a handshake",
+          "every fault at once with a sibling group and early messages: 2 requests x 1 "
+          "reader that starts without a handshake, one each of loss, duplicate, crash, "
+          "aborts on P and D, READ error, failed handshake, peer loss; READs span a Tick",
+          ci=False),
+    TlcModel("full", "MC_full.cfg",
+          "every fault at once with fan-in: large with 2 readers; more than one machine's "
+          "work, for TLC's distributed mode (spec/TLA.md)",
           ci=False),
     TlcModel("bug_count_messages", "MC_bug_count_messages.cfg",
           "BUG: P counts done messages instead of distinct readers (vLLM's fan-in "
