@@ -20,6 +20,7 @@ from kvproto.lifecycle.producer import (
     CLOCK_START,
     HEAP_SLACK,
 )
+from kvproto.lifecycle.quarantine import MAX_ENDED, Quarantined, ReadGuard, Unquarantined
 from kvproto.lifecycle.table import (
     ACK,
     ADMIT,
@@ -151,7 +152,7 @@ class DRejected:
 
 
 DEffect = (StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
-           | DropPeer | DRejected)
+           | DropPeer | DRejected | Quarantined | Unquarantined)
 
 
 # D events (inputs of ``Consumer.apply``; the journal of a D rank records them).
@@ -334,7 +335,7 @@ class PeerView(NamedTuple):
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _CONSUMER_SHARED: Final = frozenset({
     "reader", "config", "sink", "max_landed_groups", "reqs", "peers", "_group_owner",
-    "_groups_landed", "_lease_heap", "_next_hb",
+    "_groups_landed", "_lease_heap", "_next_hb", "_rg",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -370,8 +371,8 @@ class Consumer:
     keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
 
-    Documented hook (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
-    lease check of ``tick`` and its work budget).
+    Documented hooks (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
+    lease check of ``tick`` and its work budget), ``sweep_reads`` (the READ deadlines).
     """
 
     TABLE: ClassVar[Table] = D_TABLE
@@ -379,14 +380,20 @@ class Consumer:
     def __init__(self, reader: str, config: Config, *,
                  heartbeat_chunk: int | None = None,
                  max_landed_groups: int = MAX_LANDED_GROUPS,
+                 max_ended: int = MAX_ENDED,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """``heartbeat_chunk`` optionally caps the handles per heartbeat further; every
         SendHeartbeat always fits one wire message of ``config.max_message_bytes``, so
         that one ack answers exactly the handles of one message. ``sink`` (the journal)
         is called with every event and its effects. ``max_landed_groups``: the landed
-        sibling groups remembered (``MAX_LANDED_GROUPS``)."""
+        sibling groups remembered (``MAX_LANDED_GROUPS``); ``max_ended``: the ended loads
+        remembered to refuse a second pull (``quarantine.MAX_ENDED``)."""
         if max_landed_groups < 1:
             raise ConfigError(f"max_landed_groups must be >= 1, got {max_landed_groups}")
+        if max_ended < 1:
+            raise ConfigError(f"max_ended must be >= 1, got {max_ended}")
+        # READ deadlines, the quarantine of overdue READs, ended loads (quarantine.py).
+        self._rg = ReadGuard(max_ended)
         self.max_landed_groups = max_landed_groups
         self.reader = reader
         self.config = config.validate()
@@ -529,6 +536,7 @@ class Consumer:
         n._group_owner = dict(self._group_owner)
         n._groups_landed = OrderedDict(self._groups_landed)
         n._lease_heap = list(self._lease_heap)
+        n._rg = self._rg.copy()
         n.counters = dict(self.counters)
         n.finished = dict(self.finished)
         return n
@@ -546,6 +554,9 @@ class Consumer:
         if heap:
             ms = self.config.ms
             t = min(t, heap[0][0] - ms.max_read_time - ms.clock_drift)
+        due = self._rg.next_due()
+        if due is not None:
+            t = min(t, due + 1)
         pt = self.config.ms.peer_timeout
         for peer in self.peers.values():
             if peer.state == PEER_READY and peer.outstanding:
@@ -571,6 +582,8 @@ class Consumer:
                 hs_peer.state = PEER_HANDSHAKING
                 out.append(StartHandshake(p.engine))
         if row.read:
+            ms = self.config.ms
+            self._rg.posted(r.rid, self.now + ms.max_read_time + ms.read_grace)
             if p.group is not None:
                 self._group_owner[(p.engine, p.group)] = r.rid
             out.append(PostRead(r.rid, p.engine, p.handle, p.blocks, p.expected))
@@ -585,9 +598,14 @@ class Consumer:
         if row.disown and p.group is not None \
                 and self._group_owner.get((p.engine, p.group)) == r.rid:
             del self._group_owner[(p.engine, p.group)]
+        if row.quarantine:
+            out.append(self._rg.quarantine(r.rid, p.engine, p.handle))
         if row.finish is not None:
             why = row.finish or reason
             del self.reqs[r.rid]
+            self._rg.ended_read(r.rid)
+            if self._rg.finished((p.engine, p.epoch, p.handle)):
+                self._count("ended_memory_evicted")
             n = len(self._lease_heap)
             if n > 2 * len(self.reqs) and n > HEAP_SLACK:
                 # Compact in place (tick may be iterating this very list).
@@ -674,6 +692,13 @@ class Consumer:
         if self._clock(now) is None:
             return []
         out: list[DEffect] = []
+        if rid not in self.reqs and self._rg.refuses((params.engine, params.epoch, params.handle)):
+            # No second pull: refused before the table, like peer_table_full.
+            self._count("second_pull")
+            key = f"{D_FAILED}:second_pull"
+            self.finished[key] = self.finished.get(key, 0) + 1
+            out.append(Finished(rid, D_FAILED, "second_pull"))
+            return self._emit(Admit(rid, params, now), out)
         peer = self.peers.get(params.engine)
         if peer is None:  # not setdefault: that would build a _Peer on every admit
             if rid in self.reqs:
@@ -773,7 +798,12 @@ class Consumer:
         landed = ok and not fenced
         r = self.reqs.get(rid)
         if r is None or r.state != READING:
-            self._count("read_result_not_reading")
+            q = self._rg.release(rid) if r is None else None
+            if q is None:
+                self._count("read_result_not_reading")
+            else:  # the transfer of an overdue READ ended: its blocks may go back
+                self._count("quarantine_ended")
+                out.append(q)
         elif landed:
             self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
                        notif_attached=notif_attached)
@@ -881,6 +911,23 @@ class Consumer:
                 continue
             self._step(r, D_TICK, "lease_lost", out)
 
+    def sweep_reads(self, now: int, out: list[DEffect], budget: int | None = None) -> None:
+        """Hook: D_TICK/read_overdue for READs past their deadline, earliest first, at
+        most ``budget`` (default ``config.max_tick_work``) heap entries; the rest stay
+        reading and due (failed late, never early). See lifecycle/quarantine.py."""
+        rids, _ = self._rg.overdue(now, budget or self.config.max_tick_work)
+        for rid in rids:
+            self._count("read_timeout")
+            self._step(self.reqs[rid], D_TICK, "read_overdue", out)
+
+    @property
+    def stuck_reads(self) -> int:
+        """Overdue READs whose transfer has not ended (their local blocks quarantined)."""
+        return len(self._rg.quarantined)
+
+    def quarantined(self, rid: str) -> bool:
+        return rid in self._rg.quarantined
+
     def tick(self, now: int) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
         fail requests whose lease can no longer cover a READ (at most
@@ -897,6 +944,9 @@ class Consumer:
         heap = self._lease_heap
         if heap and heap[0][0] - ms.max_read_time - ms.clock_drift < now:
             self.sweep_leases(now, out)
+        due = self._rg.next_due()
+        if due is not None and due < now:
+            self.sweep_reads(now, out)
         silent_before = now - ms.peer_timeout
         for engine, peer in self.peers.items():
             # Silent: nothing heard for peer_timeout, and a heartbeat P had that long

@@ -17,7 +17,10 @@ Effects and what they become:
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent (releases batched per step, held
   while their P engine's handshake runs: one handle per request, for a bounded time;
   heartbeats chunked by the machine so that each fits ``max_message_bytes``);
-* ``Finished``       -> a ``Completion`` for the engine;
+* ``Finished``       -> a ``Completion`` for the engine; for a request whose overdue
+  READ is ``Quarantined`` the Completion (failed, ``read_timeout``) is held, and its local
+  blocks with it, until ``Unquarantined`` (the transfer ended): the engine never gets
+  back blocks a transfer may still write;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed;
 * ``DRejected``      -> counted and logged (bad bytes ``kvproto.port.d_receive`` refused).
@@ -59,11 +62,13 @@ from kvproto.lifecycle import (
     DropPeer,
     Finished,
     PostRead,
+    Quarantined,
     SendDone,
     SendHeartbeat,
     SendRelease,
     StartHandshake,
     TransferParams,
+    Unquarantined,
     to_ms,
 )
 from kvproto.nixl.channel import parse_refusal
@@ -267,6 +272,9 @@ class DDriver:
         self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
         self._out: list[Completion] = []
         self._done_info: dict[str, tuple[int, float]] = {}
+        # rid -> its held Completion (None until Finished): quarantined by the machine.
+        # Size: Consumer.stuck_reads.
+        self._quarantine: dict[str, Completion | None] = {}
         self.counters: dict[str, int] = {}
         self._rng = random.Random(hash(name) & 0xFFFF)
         self._closed = False
@@ -274,6 +282,8 @@ class DDriver:
         if self.metrics is not None:
             reads = self.reads
             self.metrics.track_in_flight(lambda: len(reads))
+            machine = self.machine
+            self.metrics.track_stuck_reads(lambda: machine.stuck_reads)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -435,12 +445,30 @@ class DDriver:
             m.read_finished(f"{f.state}:{f.reason}", nbytes)
             if f.state != D_DONE and f.reason != "aborted" and p is not None:
                 m.recomputed(len(p.blocks))  # the engine must prefill these again
-        if f.state == D_DONE:
+        if rid in self._quarantine:  # held, blocks too, until the transfer ends
+            self._quarantine[rid] = Completion(rid, f.state, f.reason, None, nbytes, secs)
+        elif f.state == D_DONE:
             local = tuple(self._held_local.get(rid, ()))
             self._out.append(Completion(rid, f.state, f.reason, local, nbytes, secs))
         else:
             self.free_local(rid)
             self._out.append(Completion(rid, f.state, f.reason, None, nbytes, secs))
+
+    def _x_quarantined(self, eff: Quarantined, now: int) -> None:
+        self._count("quarantined")
+        log.warning("%s: READ of %s overdue (max_read_time + read_grace): request failed, "
+                    "its local blocks quarantined until the transfer ends",
+                    self.name, eff.request_id)
+        self._quarantine[eff.request_id] = None
+
+    def _x_unquarantined(self, eff: Unquarantined, now: int) -> None:
+        rid = eff.request_id
+        held = self._quarantine.pop(rid, None)
+        self._done_info.pop(rid, None)
+        self._count("unquarantined")
+        self.free_local(rid)
+        if held is not None:
+            self._out.append(held)
 
     def _send(self, kind: str, engine: str, buf: bytes) -> bool:
         bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
@@ -884,4 +912,6 @@ DDriver._run = {
     Finished: DDriver._finished,
     DropPeer: DDriver._x_drop_peer,
     DRejected: DDriver._x_rejected,
+    Quarantined: DDriver._x_quarantined,
+    Unquarantined: DDriver._x_unquarantined,
 }
