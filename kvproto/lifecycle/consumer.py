@@ -928,6 +928,9 @@ class Consumer:
     def quarantined(self, rid: str) -> bool:
         return rid in self._rg.quarantined
 
+    def read_deadline(self, rid: str) -> int | None:
+        return self._rg.deadline(rid)
+
     def tick(self, now: int) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
         fail requests whose lease can no longer cover a READ (at most
