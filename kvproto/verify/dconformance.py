@@ -56,7 +56,16 @@ from kvproto.lifecycle import (
 from kvproto.verify.conformance import read_dot
 from kvproto.verify.models import UNIT_MS
 from kvproto.verify.replay import replay
-from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
+from kvproto.verify.tlc import (
+    Fn,
+    TlcResult,
+    Value,
+    mk_fn,
+    render,
+    require_ok,
+    run_tlc,
+    spec_dir,
+)
 
 
 @dataclass
@@ -452,6 +461,18 @@ def explore_tlc_d(m: DModel, workdir: Path | None = None) -> nx.MultiDiGraph:
     finally:
         if workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
+
+
+# KVConsumer's DBug mutants and the invariant TLC must find broken for each.
+D_BUGS: Final[dict[str, str]] = {"early_release": "NoQuarantinedReuse",
+                                 "second_pull": "NoSecondPull"}
+
+
+def check_d_bug(m: DModel, bug: str) -> TlcResult:
+    """TLC on the model with KVConsumer's mutant ``bug`` (``D_BUGS``; "none": the spec)."""
+    return run_tlc(f"{m.module_name()}.cfg", module=m.module_name(),
+                   cfg_text=m.tla_cfg(bug), extra_modules={m.module_name(): m.tla_module()},
+                   name=f"{m.name}-{bug}")
 
 
 @dataclass
