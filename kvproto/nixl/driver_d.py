@@ -17,10 +17,12 @@ Effects and what they become:
 * ``SendRelease``/``SendHeartbeat`` -> encoded and sent (releases batched per step, held
   while their P engine's handshake runs: one handle per request, for a bounded time;
   heartbeats chunked by the machine so that each fits ``max_message_bytes``);
-* ``Finished``       -> a ``Completion`` for the engine; for a request whose overdue
-  READ is ``Quarantined`` the Completion (failed, ``read_timeout``) is held, and its local
-  blocks with it, until ``Unquarantined`` (the transfer ended): the engine never gets
-  back blocks a transfer may still write;
+* ``Finished``       -> a ``Completion`` for the engine;
+* ``Quarantined``    -> the request's overdue READ still runs: its Completion (failed,
+  ``read_timeout``) goes out as usual, but its local blocks stay held (``free_local`` is
+  a no-op for it) until ``Unquarantined`` (the transfer ended), which frees them and
+  lists the request in ``take_unquarantined``: the engine never gets back blocks a
+  transfer may still write;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed;
 * ``DRejected``      -> counted and logged (bad bytes ``kvproto.port.d_receive`` refused).
@@ -272,9 +274,11 @@ class DDriver:
         self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
         self._out: list[Completion] = []
         self._done_info: dict[str, tuple[int, float]] = {}
-        # rid -> its held Completion (None until Finished): quarantined by the machine.
-        # Size: Consumer.stuck_reads.
-        self._quarantine: dict[str, Completion | None] = {}
+        # Requests whose local blocks the machine quarantined; and those whose quarantine
+        # ended since the last take_unquarantined. Size: Consumer.stuck_reads (and the
+        # quarantines ended between two engine steps).
+        self._quarantine: set[str] = set()
+        self._unquarantined: list[str] = []
         self.counters: dict[str, int] = {}
         self._rng = random.Random(hash(name) & 0xFFFF)
         self._closed = False
@@ -327,7 +331,10 @@ class DDriver:
         self._apply(self.machine.abort(rid, now), now)
 
     def free_local(self, rid: str) -> None:
-        """The engine is done with a completed request's local blocks."""
+        """The engine is done with a completed request's local blocks. A no-op while
+        they are quarantined (they are freed when the transfer ends)."""
+        if rid in self._quarantine:
+            return
         if self._plans.pop(rid, None) is not None:
             self._held_local.pop(rid, None)  # the engine's blocks, not this free list
             return
@@ -445,9 +452,7 @@ class DDriver:
             m.read_finished(f"{f.state}:{f.reason}", nbytes)
             if f.state != D_DONE and f.reason != "aborted" and p is not None:
                 m.recomputed(len(p.blocks))  # the engine must prefill these again
-        if rid in self._quarantine:  # held, blocks too, until the transfer ends
-            self._quarantine[rid] = Completion(rid, f.state, f.reason, None, nbytes, secs)
-        elif f.state == D_DONE:
+        if f.state == D_DONE:
             local = tuple(self._held_local.get(rid, ()))
             self._out.append(Completion(rid, f.state, f.reason, local, nbytes, secs))
         else:
@@ -459,16 +464,30 @@ class DDriver:
         log.warning("%s: READ of %s overdue (max_read_time + read_grace): request failed, "
                     "its local blocks quarantined until the transfer ends",
                     self.name, eff.request_id)
-        self._quarantine[eff.request_id] = None
+        self._quarantine.add(eff.request_id)
 
     def _x_unquarantined(self, eff: Unquarantined, now: int) -> None:
         rid = eff.request_id
-        held = self._quarantine.pop(rid, None)
+        self._quarantine.discard(rid)
         self._done_info.pop(rid, None)
         self._count("unquarantined")
         self.free_local(rid)
-        if held is not None:
-            self._out.append(held)
+        self._unquarantined.append(rid)
+
+    def quarantined(self, rid: str) -> bool:
+        """Whether ``rid``'s local blocks are quarantined (its overdue READ still runs)."""
+        return rid in self._quarantine
+
+    @property
+    def local_blocks_free(self) -> int:
+        """Local blocks this driver may allocate (for READs without engine-chosen ones)."""
+        return len(self._free_local)
+
+    def take_unquarantined(self) -> list[str]:
+        """The requests whose quarantine ended since the last call (their local blocks
+        are free again)."""
+        out, self._unquarantined = self._unquarantined, []
+        return out
 
     def _send(self, kind: str, engine: str, buf: bytes) -> bool:
         bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]

@@ -66,6 +66,8 @@ EXTRA_KEYS: dict[str, str] = {
                          "the stamp READ (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
                          "allocated its blocks (0)",
+    "test_hold_read_s": "TEST ONLY. D: each data READ reports in progress for this many "
+                        "seconds after its post, a READ that does not complete (0)",
 }
 
 
@@ -89,6 +91,7 @@ class ConnectorOptions:
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
+    test_hold_read_s: float = 0.0
 
     @property
     def producer(self) -> bool:
@@ -153,7 +156,8 @@ class ConnectorOptions:
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
-                   test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600))
+                   test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600),
+                   test_hold_read_s=num("test_hold_read_s", 0.0, 0.0, 3600))
 
     def for_dp_rank(self, rank: int) -> ConnectorOptions:
         """The options of data-parallel rank ``rank``: every rank is its own engine with
