@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from kvproto.lifecycle import Config  # noqa: E402
-from kvproto.nixl.consumer import Completion, ConsumerAdapter  # noqa: E402
-from kvproto.nixl.producer import ProducerAdapter  # noqa: E402
-from tests.test_nixl import BB, CFG, FakeClock, prefill, pump, uniq  # noqa: E402
+from kvproto.lifecycle import Config
+from kvproto.nixl.consumer import Completion, ConsumerAdapter
+from kvproto.nixl.producer import ProducerAdapter
+from tests.test_nixl import BB, CFG, FakeClock, prefill, pump, uniq
 
 pytestmark = pytest.mark.nixl
 
@@ -46,8 +46,12 @@ def test_an_overdue_read_fails_and_its_blocks_stay_quarantined_until_the_transfe
         assert d.local_blocks_free == 32 - 4
         assert p.pool.held_count == 4  # nothing told P: it still holds r1 (lease)
         ended: list[str] = []
-        pump(p, [d], lambda: bool(ended.extend(d.take_unquarantined()) or ended),
-             timeout=10.0)
+
+        def unquarantined() -> bool:
+            ended.extend(d.take_unquarantined())
+            return bool(ended)
+
+        pump(p, [d], unquarantined, timeout=10.0)
         assert ended == ["r1"]
         assert d.machine.stuck_reads == 0 and not d.quarantined("r1")
         assert d.local_blocks_free == 32
