@@ -372,7 +372,8 @@ class Consumer:
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
 
     Documented hooks (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
-    lease check of ``tick`` and its work budget), ``sweep_reads`` (the READ deadlines).
+    lease check of ``tick`` and its work budget), ``sweep_reads`` (the READ deadlines),
+    ``refuses_load`` (the no-second-pull check).
     """
 
     TABLE: ClassVar[Table] = D_TABLE
@@ -692,7 +693,7 @@ class Consumer:
         if self._clock(now) is None:
             return []
         out: list[DEffect] = []
-        if rid not in self.reqs and self._rg.refuses((params.engine, params.epoch, params.handle)):
+        if rid not in self.reqs and self.refuses_load(params):
             # No second pull: refused before the table, like peer_table_full.
             self._count("second_pull")
             key = f"{D_FAILED}:second_pull"
@@ -919,6 +920,10 @@ class Consumer:
         for rid in rids:
             self._count("read_timeout")
             self._step(self.reqs[rid], D_TICK, "read_overdue", out)
+
+    def refuses_load(self, params: TransferParams) -> bool:
+        """Hook: whether an admit of ``params`` is a second pull (its load ended here)."""
+        return self._rg.refuses((params.engine, params.epoch, params.handle))
 
     @property
     def stuck_reads(self) -> int:

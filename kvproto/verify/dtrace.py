@@ -246,7 +246,8 @@ class _DTraceBuilder:
             r = names.handle(ev.params.handle)
             f.update(type='"readmit"', r=_s(r))
             fx = f'[k |-> "finish", r |-> {_s(r)}, why |-> "second_pull"]'
-            f.update(eff="{" + fx + "}", fin=f"{{[r |-> {_s(r)}, st |-> \"failed\"]}}", hb="{}")
+            # fin stays empty: the second load fails, the request it names keeps its state.
+            f.update(eff="{" + fx + "}", fin="{}", hb="{}")
             return "[" + ", ".join(f"{k} |-> {v}" for k, v in f.items()) + "]", [r]
         if isinstance(ev, Admit):
             r = names.admit(c, ev, self.engine)
