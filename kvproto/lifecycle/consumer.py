@@ -391,8 +391,6 @@ class Consumer:
         remembered to refuse a second pull (``quarantine.MAX_ENDED``)."""
         if max_landed_groups < 1:
             raise ConfigError(f"max_landed_groups must be >= 1, got {max_landed_groups}")
-        if max_ended < 1:
-            raise ConfigError(f"max_ended must be >= 1, got {max_ended}")
         # READ deadlines, the quarantine of overdue READs, ended loads (quarantine.py).
         self._rg = ReadGuard(max_ended)
         self.max_landed_groups = max_landed_groups

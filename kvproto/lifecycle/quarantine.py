@@ -28,6 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
+from kvproto.lifecycle.config import ConfigError
+
 # Ended loads one D rank remembers (``ReadGuard.ended``) by default. At the cap the oldest
 # is forgotten (counted ended_memory_evicted). A second load of a forgotten handle is
 # admitted and may READ: P freed that handle when the first load reported done, failed or
@@ -71,6 +73,8 @@ class ReadGuard:
     __slots__ = ("_due", "_heap", "ended", "max_ended", "quarantined")
 
     def __init__(self, max_ended: int = MAX_ENDED) -> None:
+        if max_ended < 1:
+            raise ConfigError(f"max_ended must be >= 1, got {max_ended}")
         self.max_ended = max_ended
         # Invariant: rid -> the deadline of its READ, exactly the requests in reading.
         # Size: READs in flight.

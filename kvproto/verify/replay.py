@@ -142,13 +142,13 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
                 quarantined.add(eff.request_id)
             elif isinstance(eff, PostRead):
                 in_flight.add(eff.request_id)
-                key = key_of.get(eff.request_id)
-                if key is not None and key in pulled \
+                load = key_of.get(eff.request_id)
+                if load is not None and load in pulled \
                         and not machine.counters.get("ended_memory_evicted"):
                     res.violations.append(f"line {lineno}: NoSecondPull: a second READ of "
-                                          f"{key} ({eff.request_id})")
-                if key is not None:
-                    pulled.add(key)
+                                          f"{load} ({eff.request_id})")
+                if load is not None:
+                    pulled.add(load)
         for eff in recorded:
             if isinstance(eff, Finished) and eff.request_id in in_flight \
                     and eff.request_id not in quarantined:
