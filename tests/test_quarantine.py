@@ -178,3 +178,24 @@ def test_the_ended_memory_is_capped(tmp_path: Path) -> None:
     assert c.state("again1") == "waiting", out
     out = c.admit("again3", TransferParams("P0", 7, 3, (3,), 30_000, 1, None, (0,)), 1)
     assert [f.reason for f in out if isinstance(f, Finished)] == ["second_pull"]
+
+
+def test_the_d_invariants_are_named_alike_in_the_three_mirrors() -> None:
+    """NoQuarantinedReuse and NoSecondPull: defined in KVConsumer.tla, checked by the D
+    graph models' cfg, listed in PROTOCOL.md §9 and TLA.md §3; the row, its effect and
+    the finish reasons are the Python table's."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    tla = (root / "tla" / "KVConsumer.tla").read_text(encoding="utf-8")
+    cfg = dc.D_MODELS["solo"].tla_cfg()
+    for name in dc.D_BUGS.values():
+        assert re.search(rf"^{name} ==", tla, re.M), name
+        assert name in cfg, name
+        for doc in ("PROTOCOL.md", "TLA.md"):
+            text = (root / "spec" / doc).read_text(encoding="utf-8")
+            assert re.search(rf"^\| `{name}` \|", text, re.M), (doc, name)
+    row = D_TABLE[OVERDUE]
+    assert {f.kind for f in row.effects} == {"disown", "quarantine", "finish"}
+    for word in ('"read_timeout"', '"quarantine"', '"second_pull"', '"unquarantine"'):
+        assert word in tla, word
