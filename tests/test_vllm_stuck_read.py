@@ -29,8 +29,13 @@ PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(2, seed=21, lengths=[
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[h.PD]:
-    wd: Path = tmp_path_factory.mktemp("stuck_read")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("stuck_read")
+
+
+@pytest.fixture(scope="module")
+def pd(workdir: Path) -> Iterator[h.PD]:
+    wd = workdir
     model = str(h.build_tiny_model(wd / "model").path)
     # A lease long enough that a first handshake on a loaded machine still fits it.
     kw = sc.kvproto_extras(str(wd), LEASE, tag="s")
@@ -50,7 +55,8 @@ def _stat(e: h.Engine, key: str) -> float:
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
-def test_a_read_that_does_not_complete_is_quarantined_then_recomputed(pd: h.PD) -> None:
+def test_a_read_that_does_not_complete_is_quarantined_then_recomputed(pd: h.PD,
+                                                                      workdir: Path) -> None:
     ref = pd.d.generate({f"{k}-local": v for k, v in PROMPTS.items()}, max_tokens=MAX_TOKENS)
     baseline = int(pd.p.stats()["free_blocks"])
     rid = "s0"
@@ -76,3 +82,14 @@ def test_a_read_that_does_not_complete_is_quarantined_then_recomputed(pd: h.PD) 
     again = pd.d.wait(["s0-again"], 120)["s0-again"]
     assert again.error is None and again.token_ids[0] == ref[f"{rid}-local"].tokens
     assert _stat(pd.d, "second_pulls") == 1, pd.d.connector_stats()
+
+    # D's journal (read_timeout, quarantine, second_pull) and P's validate under TLC.
+    pd.close()
+    from kvproto.verify import validate as va
+    from kvproto.verify.tlc import MissingDependency
+
+    try:
+        verdicts = va.validate([workdir / "Ds.consumer.jsonl", workdir / "Ps.jsonl"])
+    except MissingDependency as e:  # pragma: no cover - CI has Java
+        pytest.skip(str(e))
+    assert verdicts and all(v.allowed for v in verdicts), [v.describe() for v in verdicts]
