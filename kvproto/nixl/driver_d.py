@@ -816,6 +816,14 @@ class DDriver:
         bb = self.transport.block_bytes
         hook = self.phase_hook
         rds = b.reads
+        if self._quarantine:
+            # A quarantined request failed already: its transfer ended, no stamp READ.
+            for rd in [rd for rd in rds if rd.rid in self._quarantine]:
+                self.reads.pop(rd.rid, None)
+                self._apply(self.machine.read_result(rd.rid, False, now), now)
+            rds = [rd for rd in rds if rd.rid not in self._quarantine]
+            if not rds:
+                return
         for rd in rds:
             rd.nbytes += len(rd.local) * bb
             if hook is not None:
