@@ -818,10 +818,11 @@ class DDriver:
         rds = b.reads
         if self._quarantine:
             # A quarantined request failed already: its transfer ended, no stamp READ.
-            for rd in [rd for rd in rds if rd.rid in self._quarantine]:
-                self.reads.pop(rd.rid, None)
-                self._apply(self.machine.read_result(rd.rid, False, now), now)
-            rds = [rd for rd in rds if rd.rid not in self._quarantine]
+            gone = [rd.rid for rd in rds if rd.rid in self._quarantine]
+            for rid in gone:
+                self.reads.pop(rid, None)
+                self._apply(self.machine.read_result(rid, False, now), now)
+            rds = [rd for rd in rds if rd.rid not in gone]
             if not rds:
                 return
         for rd in rds:
