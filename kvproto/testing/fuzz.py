@@ -104,6 +104,9 @@ CONFIGS: Final[dict[str, Config]] = {
                              abort_grace=10.0, max_delay=0.5, max_read_time=2.0,
                              clock_drift=0.1, max_staged=1, max_staged_age=2.0,
                              max_tombstones=2, max_groups_remembered=1).validate(),
+    # D waits long for a READ (no read_timeout before P's lease can lapse under it): a
+    # late READ lands on freed and reused blocks, and the stamp fence alone keeps it out.
+    "patient_d": Config(read_grace=120.0).validate(),
 }
 
 INVARIANTS: Final = ORACLE_INVARIANTS - {"SpecStep"}
