@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvproto.verify.replay", "replay an event journal through a fresh machine"),
     "check": ("kvproto.verify.check", "model-check the TLA+ spec (TLC), or a user's lease config"),
     "validate": ("kvproto.verify.validate", "check that a journal is a behaviour the TLA+ spec allows"),
-    "fuzz": ("kvproto.testing.fuzz", "long stateful fuzzing run (hypothesis) of P, D and the network"),
+    "fuzz": ("kvproto.testing.fuzzcli", "long stateful fuzzing run (hypothesis) of P, D and the network"),
     "chaos": ("kvproto.testing.chaos", "seeded fault campaign on a real vLLM P/D pair, every "
               "output checked"),
     "demo": ("kvproto.nixl.demo", "multi-process NIXL demo with real transfers and faults"),

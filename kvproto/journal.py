@@ -60,6 +60,7 @@ from kvproto.lifecycle import (
     Heartbeat,
     PeerLost,
     PostRead,
+    Quarantined,
     ReadFailed,
     ReadOk,
     Register,
@@ -73,6 +74,7 @@ from kvproto.lifecycle import (
     StartHandshake,
     Tick,
     TransferParams,
+    Unquarantined,
     is_whole_ms,
     to_ms,
 )
@@ -102,7 +104,8 @@ _D_EVENT_TYPES: Final[dict[str, type]] = {
 _D_EFFECT_TYPES: Final[dict[str, type]] = {
     "start_handshake": StartHandshake, "post_read": PostRead, "send_done": SendDone,
     "send_release": SendRelease, "send_heartbeat": SendHeartbeat, "finished": Finished,
-    "drop_peer": DropPeer, "rejected": DRejected,
+    "drop_peer": DropPeer, "rejected": DRejected, "quarantined": Quarantined,
+    "unquarantined": Unquarantined,
 }
 _TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPES,
                                       _D_EFFECT_TYPES) for k, v in table.items()}

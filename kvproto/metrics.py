@@ -156,6 +156,8 @@ class Metrics:
         self._held_blocks = gauge("held_blocks", "blocks P holds now")
         self._held_requests = gauge("held_requests", "requests P holds now")
         self._in_flight = gauge("reads_in_flight", "D READs not finished yet")
+        self._stuck = gauge("d_stuck_reads", "D READs past max_read_time + read_grace whose "
+                            "transfer has not ended (their local blocks quarantined)")
 
     # -- P --------------------------------------------------------------------------------
     def p_effect(self, e: Effect, now: int, registered_at: int | None = None) -> None:
@@ -218,6 +220,9 @@ class Metrics:
 
     def track_in_flight(self, reads: Callable[[], float]) -> None:
         self._in_flight.set_function(reads)
+
+    def track_stuck_reads(self, stuck: Callable[[], float]) -> None:
+        self._stuck.set_function(stuck)
 
 
 class Exporter:

@@ -235,7 +235,8 @@ def test_default_config_is_valid(cfg: Config) -> None:
 
 
 def test_config_durations_are_whole_milliseconds_for_the_machines(cfg: Config) -> None:
-    assert cfg.ms == (30_000, 20_000, 5000, 30_000, 1000, 5000, 500, 30_000, 20_000, 30_000)
+    assert cfg.ms == (30_000, 20_000, 5000, 30_000, 1000, 5000, 500, 30_000, 20_000, 30_000,
+                      5000)
     assert cfg.ms.lease_horizon == 30_000
     # Decimal seconds carry float noise; the conversion removes it (0.1 + 0.2 s is 300 ms).
     assert replace(cfg, clock_drift=0.1 + 0.2).validate().ms.clock_drift == 300

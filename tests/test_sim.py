@@ -8,13 +8,14 @@ safety violations, crashes and liveness failures exit with distinct codes.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import pytest
 
 from kvproto.cli import main
-from kvproto.lifecycle import FREE_REASONS, Effect, Free, Ledger, TransferParams
+from kvproto.lifecycle import FREE_REASONS, Config, Effect, Free, Ledger, TransferParams
 from kvproto.nixl.driver_d import DDriver
 from kvproto.nixl.driver_p import PDriver
 from kvproto.testing import sim as sim_module
@@ -208,13 +209,28 @@ def test_the_simulator_catches_a_driver_that_skips_stamp_fencing() -> None:
     """The drivers are really exercised: a D driver that never compares the stamps
     serves a late READ of reused blocks (ServedIntact); the real driver, under the same
     seed and faults, fences such READs and serves nothing stale."""
-    bad = Simulator(1, faults=LATE, driver_cls=NoFencingDriver)
+    # read_grace past the latest late READ: D never gives up on one (no read_timeout, no
+    # quarantine), so the stamp fence is the only defence left to exercise.
+    cfg = Config(read_grace=60.0)
+    bad = Simulator(1, config=cfg, faults=LATE, driver_cls=NoFencingDriver)
     bad.run(60.0)
     assert any(v.invariant == "ServedIntact" for v in bad.violations), bad.stats.violations
-    good = Simulator(1, faults=LATE)
+    good = Simulator(1, config=cfg, faults=LATE)
     good.run(60.0)
     assert good.stats.violations == []
     assert good.summary()["fenced_reads"] > 0  # the same READs, fenced
+
+
+def test_late_reads_past_their_deadline_are_failed_and_quarantined() -> None:
+    """With the default read_grace most late READs outlive D's deadline: D fails them
+    (read_timeout) and keeps their local blocks until they land; nothing stale is served."""
+    sim = Simulator(1, faults=LATE)
+    sim.run(60.0)
+    assert sim.stats.violations == []
+    ranks = [*sim.drivers.values(), *sim.dead.values()]
+    timeouts = sum(d.machine.counters.get("read_timeout", 0) for d in ranks)
+    ended = sum(d.machine.counters.get("quarantine_ended", 0) for d in ranks)
+    assert timeouts > 0 and ended > 0, (timeouts, ended)
 
 
 def test_swarm_seeds_draw_their_own_fault_mix() -> None:
@@ -254,6 +270,8 @@ def test_simulate_exits_1_on_a_safety_violation(capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(DDriver, "_fenced", NoFencingDriver._fenced)
     monkeypatch.setattr(sim_module, "seed_faults", lambda profile, seed: Faults(
         late_read=0.1, reuse=0.5))
+    # D never gives up on a late READ (see the fencing test above): the fence is all.
+    monkeypatch.setattr(sim_module, "Config", functools.partial(Config, read_grace=60.0))
     rc, out, _ = run_cli(capsys, "--seeds", "1", "--duration", "60", "--json")
     summary = json.loads(out)
     assert rc == EXIT_SAFETY == 1

@@ -68,6 +68,11 @@ D_SCRIPTS: dict[int, list[tuple[str, tuple[Any, ...]]]] = {
          ("read_result", ("r5", True, True, True))],  # fenced
     -4: [("handshake_result", ("P0", True)), ("admit", (5, 12_000)), ("time", (6000,)),
          ("schedule", ("r5",))],  # lease too short to start the READ
+    -5: [("handshake_result", ("P0", True)), ("admit", (4, 12_000)), ("schedule", ("r4",)),
+         ("peer_lost", ("P0",))],  # P lost while the READ is in flight
+    -6: [("handshake_result", ("P0", True)), ("admit", (1, 30_000)), ("admit", (2, 30_000)),
+         ("schedule", ("r1",)), ("tick", (9000,)), ("schedule", ("r2",)),
+         ("read_result", ("r1", True, False, True))],  # overdue READ: group given up
 }
 SEEDS = [*P_SCRIPTS, *range(60)]
 D_SEEDS = [*D_SCRIPTS, *range(60)]

@@ -53,10 +53,21 @@
 EXTENDS Integers, FiniteSets
 
 CONSTANTS Requests, GroupOf, NoGroup, TermOf, ExpOf,
-          MaxDelay, MaxReadTime, ClockDrift, HeartbeatInterval, LeaseExtension, PeerTimeout
+          MaxDelay, MaxReadTime, ClockDrift, HeartbeatInterval, LeaseExtension, PeerTimeout,
+          ReadGrace,  \* Config.read_grace: a READ is overdue MaxReadTime + ReadGrace after its post
+          DBug        \* "none"; a mutant's name (MC_dbug_*.cfg): see DBug below
 
-VARIABLES dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff
-vars == <<dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff>>
+(* BOUNDED READS and NO SECOND PULL (spec/PROTOCOL.md, "Bounded reads", "No second pull";
+   kvproto/lifecycle/quarantine.py). rdl[r]: while reading, the READ's deadline - now
+   (it is overdue once rdl[r] < 0; 0 otherwise). quar: requests that left D read_timeout
+   whose READ the transport has not reported ended: their local blocks are quarantined.
+   inflight (ghost): READs the transport has not reported ended; pulls (ghost): READs
+   posted per request. The ended-load memory is dst[r] \in {"done", "failed"} (ASSUME
+   quarantine.MAX_ENDED >= number of requests: never evicted in these models). *)
+VARIABLES dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff,
+          rdl, quar, inflight, pulls
+vars == <<dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff,
+          rdl, quar, inflight, pulls>>
 
 Groups == {GroupOf[r] : r \in Requests} \ {NoGroup}
 DStates == {"new", "handshaking", "waiting", "reading", "done", "failed"}
@@ -78,14 +89,18 @@ DropPeer == E("drop_peer", "", "")
 
 (* The machine's state as one record, and an action that makes a record the state. *)
 Cur == [dst |-> dst, dlease |-> dlease, abortPending |-> abortPending, owner |-> owner,
-        peer |-> peer, hbs |-> hbs, hbWait |-> hbWait, heard |-> heard, eff |-> eff]
+        peer |-> peer, hbs |-> hbs, hbWait |-> hbWait, heard |-> heard, eff |-> eff,
+        rdl |-> rdl, quar |-> quar, inflight |-> inflight, pulls |-> pulls]
 Become(C) == /\ dst' = C.dst /\ dlease' = C.dlease /\ abortPending' = C.abortPending
              /\ owner' = C.owner /\ peer' = C.peer /\ hbs' = C.hbs /\ hbWait' = C.hbWait
              /\ heard' = C.heard /\ eff' = C.eff
+             /\ rdl' = C.rdl /\ quar' = C.quar /\ inflight' = C.inflight /\ pulls' = C.pulls
 
 InitC == [dst |-> [r \in Requests |-> "new"], dlease |-> [r \in Requests |-> 0],
           abortPending |-> [r \in Requests |-> FALSE], owner |-> [g \in Groups |-> "none"],
-          peer |-> "unknown", hbs |-> {}, hbWait |-> 0, heard |-> 0, eff |-> {}]
+          peer |-> "unknown", hbs |-> {}, hbWait |-> 0, heard |-> 0, eff |-> {},
+          rdl |-> [r \in Requests |-> 0], quar |-> {}, inflight |-> {},
+          pulls |-> [r \in Requests |-> 0]]
 
 (* An event that changes nothing (Python counts it: duplicate admit, schedule of a
    request not waiting, a READ result for one not reading, abort of an unknown one). *)
@@ -96,6 +111,7 @@ NoOp(C) == [C EXCEPT !.eff = {}]
 Leave(C, S, d, why, rel) ==
     [C EXCEPT !.dst = [q \in Requests |-> IF q \in S THEN d ELSE C.dst[q]],
               !.dlease = [q \in Requests |-> IF q \in S THEN 0 ELSE C.dlease[q]],
+              !.rdl = [q \in Requests |-> IF q \in S THEN 0 ELSE C.rdl[q]],
               !.abortPending = [q \in Requests |-> IF q \in S THEN FALSE ELSE C.abortPending[q]],
               !.owner = IF rel THEN [g \in Groups |-> IF C.owner[g] \in S THEN "none"
                                                      ELSE C.owner[g]]
@@ -107,6 +123,8 @@ Leave(C, S, d, why, rel) ==
 Shift(C, k) ==
     [C EXCEPT !.dlease = [q \in Requests |-> IF C.dst[q] \in Idle THEN C.dlease[q] - k
                                              ELSE C.dlease[q]],
+              !.rdl = [q \in Requests |-> IF C.dst[q] = "reading" THEN C.rdl[q] - k
+                                          ELSE C.rdl[q]],
               !.hbs = {[h EXCEPT !.age = h.age + k] : h \in C.hbs},
               !.hbWait = Max(0, C.hbWait - k),
               !.heard = IF C.peer = "ready" THEN Min(C.heard + k, PeerTimeout + 1) ELSE 0]
@@ -151,24 +169,45 @@ ScheduleOp(C, r) ==
              ELSE IF ~ReadFits(C.dlease[r])
              THEN Leave(C, {r}, "failed", "lease_short", TRUE)
              ELSE [C EXCEPT !.dst[r] = "reading", !.dlease[r] = 0,
+                            !.rdl[r] = MaxReadTime + ReadGrace,
+                            !.inflight = @ \cup {r}, !.pulls[r] = @ + 1,
                             !.owner = IF g # NoGroup THEN [C.owner EXCEPT ![g] = r]
                                       ELSE C.owner,
                             !.eff = {E("read", r, "")}]
 
+(* A READ result for a request no longer reading: the transport reported the end of a
+   quarantined READ (effect unquarantine: its local blocks may go back), else nothing. *)
+ReadEndOp(C, r) ==
+    IF r \in C.quar
+    THEN [C EXCEPT !.quar = @ \ {r}, !.inflight = @ \ {r}, !.eff = {E("unquarantine", r, "")}]
+    ELSE NoOp(C)
+
 (* event read_ok: rows READ_OK/ok, abort_pending (done sent unless it rode on the
    READ; no disown: P heard done) *)
 ReadOkOp(C, r, attached) ==
-    IF C.dst[r] # "reading" THEN NoOp(C)
+    IF C.dst[r] # "reading" THEN ReadEndOp(C, r)
     ELSE LET L == Leave(C, {r}, IF C.abortPending[r] THEN "failed" ELSE "done",
                         IF C.abortPending[r] THEN "aborted" ELSE "pulled", FALSE)
-         IN  [L EXCEPT !.eff = @ \cup (IF attached THEN {} ELSE {E("done", r, "")})]
+         IN  [L EXCEPT !.eff = @ \cup (IF attached THEN {} ELSE {E("done", r, "")}),
+                       !.inflight = @ \ {r}]
 
 (* event read_failed: rows READ_FAILED/fenced, error. fenced is also the outcome of a  *)
 (* READ whose stamps matched but a block checksum did not (Config.checksums; Python     *)
 (* read_result(corrupt=TRUE)): the data is not modelled, so no action of its own.      *)
 ReadFailedOp(C, r, fenced) ==
-    IF C.dst[r] # "reading" THEN NoOp(C)
-    ELSE Leave(C, {r}, "failed", IF fenced THEN "fenced" ELSE "transfer_error", TRUE)
+    IF C.dst[r] # "reading" THEN ReadEndOp(C, r)
+    ELSE [Leave(C, {r}, "failed", IF fenced THEN "fenced" ELSE "transfer_error", TRUE)
+             EXCEPT !.inflight = @ \ {r}]
+
+(* A second load of a request that finished on D (same engine, epoch and handle): refused
+   before the table (second_pull, recomputed locally; nothing changes). DBug
+   "second_pull" is the mutant that forgets ended loads: it admits the load again. *)
+ReadmitOp(C, r) ==
+    IF C.dst[r] \notin {"done", "failed"} THEN NoOp(C)
+    ELSE IF DBug = "second_pull"
+    THEN [C EXCEPT !.dst[r] = "waiting", !.dlease[r] = TermOf[r] - MaxDelay,
+                   !.abortPending[r] = FALSE, !.eff = {}]
+    ELSE [C EXCEPT !.eff = {Finish(r, "second_pull")}]
 
 (* event abort (D): rows D_ABORT/idle, in_flight *)
 DAbortOp(C, r) ==
@@ -219,6 +258,17 @@ HbBatchesOK(C, B) ==
 (* The idle requests whose lease can no longer cover a READ: the ones a tick fails. *)
 LeaseLost(C) == {q \in Requests : C.dst[q] \in Idle /\ ~ReadFits(C.dlease[q])}
 
+(* The READs past their deadline: row D_TICK/read_overdue (disown, quarantine, finish:
+   read_timeout; no release: the READ may still touch P's blocks). DBug "early_release"
+   is the mutant that returns the local blocks at once (no quarantine). *)
+Overdue(C) == {q \in Requests : C.dst[q] = "reading" /\ C.rdl[q] < 0}
+TimeoutOp(C, S) ==
+    [Leave(C, S, "failed", "read_timeout", FALSE)
+        EXCEPT !.owner = [g \in Groups |-> IF C.owner[g] \in S THEN "none" ELSE C.owner[g]],
+               !.quar = IF DBug = "early_release" THEN @ ELSE @ \cup S,
+               !.eff = @ \cup (IF DBug = "early_release" THEN {}
+                               ELSE {E("quarantine", q, "") : q \in S})]
+
 (* event tick, first part: rows D_TICK/lease_lost (release, disown) for every request of
    LeaseLost(C) except those in Late: a tick that ran out of its work budget
    (Config.max_tick_work, Consumer.sweep_leases) leaves them for a later tick. A late
@@ -228,7 +278,9 @@ LeaseLost(C) == {q \in Requests : C.dst[q] \in Idle /\ ~ReadFits(C.dlease[q])}
    PeerTimeout ago, with a heartbeat older than that still unanswered, is lost (PEER_LOST
    rows, effect drop_peer; late requests included). *)
 TickLossLagOp(C, Late) ==
-    LET C1 == Leave(C, LeaseLost(C) \ Late, "failed", "lease_lost", TRUE)
+    LET C0 == Leave(C, LeaseLost(C) \ Late, "failed", "lease_lost", TRUE)
+        TO == TimeoutOp(C0, Overdue(C) \ Late)
+        C1 == [TO EXCEPT !.eff = C0.eff \cup TO.eff]
         silent == /\ C.peer = "ready" /\ C.heard > PeerTimeout
                   /\ \E h \in C.hbs : h.age > PeerTimeout
         C2 == PeerLostOp(C1)
@@ -258,6 +310,8 @@ DTickOp(C, B) == DTickLagOp(C, {}, B)
 Init == /\ dst = InitC.dst /\ dlease = InitC.dlease /\ abortPending = InitC.abortPending
         /\ owner = InitC.owner /\ peer = InitC.peer /\ hbs = InitC.hbs
         /\ hbWait = InitC.hbWait /\ heard = InitC.heard /\ eff = InitC.eff
+        /\ rdl = InitC.rdl /\ quar = InitC.quar /\ inflight = InitC.inflight
+        /\ pulls = InitC.pulls
 
 Admit(r) == dst[r] = "new" /\ Become(AdmitOp(Cur, r, 0))
 
@@ -286,9 +340,15 @@ PeerLost == peer # "unknown" /\ Become(PeerLostOp(Cur))
    validation takes each tick's late set from the journal: DTickLagOp) *)
 DTick == LET C == TickLossOp(Shift(Cur, 1)) IN Become(TickHbOp(C, HbCanon(C)))
 
+(* The transport reports the end of a quarantined READ (landed or failed). *)
+ReadEnd(r, b) == r \in quar /\ Become(IF b THEN ReadOkOp(Cur, r, TRUE) ELSE ReadFailedOp(Cur, r, FALSE))
+
+(* Another load of a request that finished (a retry, a recompute asking again). *)
+Readmit(r) == dst[r] \in {"done", "failed"} /\ Become(ReadmitOp(Cur, r))
+
 Next ==
-    \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r)
-                           \/ \E b \in BOOLEAN : ReadOk(r, b) \/ ReadFailed(r, b)
+    \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r) \/ Readmit(r)
+                           \/ \E b \in BOOLEAN : ReadOk(r, b) \/ ReadFailed(r, b) \/ ReadEnd(r, b)
     \/ \E h \in hbs, R \in SUBSET Requests : DAck(h, R)
     \/ DAckUnknown \/ HandshakeOk \/ HandshakeFailed \/ PeerLost \/ DTick
 
@@ -301,6 +361,9 @@ TypeOK ==
     /\ \A h \in hbs : h.rs \subseteq Requests /\ h.age \in Nat
     /\ hbWait \in 0..HeartbeatInterval
     /\ heard \in 0..(PeerTimeout + 1)
+    /\ rdl \in [Requests -> Int]
+    /\ quar \subseteq Requests /\ inflight \subseteq Requests
+    /\ pulls \in [Requests -> Nat]
 
 (* D's promises: one member of a group read (at most one owner, and only an owner
    reads); release is never an effect of a step that leaves a READ in flight; only a
@@ -309,4 +372,11 @@ OneReadPerGroup == \A r \in Requests : dst[r] = "reading" /\ GroupOf[r] # NoGrou
                                        => owner[GroupOf[r]] = r
 NoReleaseUnderRead == \A r \in Requests : dst[r] = "reading" => Release(r) \notin eff
 HbOnlyWhenReady == hbs # {} => peer = "ready"
+
+(* Bounded reads: a READ the transport has not reported ended belongs to a request that
+   is reading or quarantined: its local blocks never went back to the engine (no
+   quarantined block is reused). *)
+NoQuarantinedReuse == \A r \in inflight : dst[r] = "reading" \/ r \in quar
+(* No second pull: each request (engine, epoch, handle) is read at most once on D. *)
+NoSecondPull == \A r \in Requests : pulls[r] <= 1
 =============================================================================

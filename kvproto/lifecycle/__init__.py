@@ -92,6 +92,7 @@ from kvproto.lifecycle.producer import (
     StagedView,
     Tick,
 )
+from kvproto.lifecycle.quarantine import MAX_ENDED, Quarantined, Unquarantined
 from kvproto.lifecycle.table import (
     ABORT,
     ABORTED,
@@ -184,6 +185,7 @@ __all__ = [
     "LEASED",
     "MAX_CAP",
     "MAX_DURATION",
+    "MAX_ENDED",
     "MAX_LANDED_GROUPS",
     "MAX_LEDGER_CLASSES",
     "MAX_MESSAGE_BYTES",
@@ -255,6 +257,7 @@ __all__ = [
     "PeerLost",
     "PeerView",
     "PostRead",
+    "Quarantined",
     "ReadFailed",
     "ReadOk",
     "Register",
@@ -273,6 +276,7 @@ __all__ = [
     "Tick",
     "TransferParams",
     "Transition",
+    "Unquarantined",
     "is_whole_ms",
     "make_table",
     "to_ms",

@@ -33,7 +33,7 @@ MIN_MESSAGE_BYTES: Final = 64  # room for the largest header and prefix plus one
 MAX_MESSAGE_BYTES: Final = 1 << 20
 _DURATIONS: Final = ("initial_lease", "lease_extension", "heartbeat_interval", "abort_grace",
                      "max_delay", "max_read_time", "clock_drift", "max_staged_age",
-                     "peer_timeout")
+                     "peer_timeout", "read_grace")
 
 
 def to_ms(seconds: float) -> int:
@@ -69,6 +69,7 @@ class Millis(NamedTuple):
     max_staged_age: int
     peer_timeout: int
     lease_horizon: int
+    read_grace: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class Config:
     # Block checksums (opt-in): P checksums every block at register, D verifies every
     # block it read against them, and a READ with a mismatch is fenced (never served).
     checksums: bool = False
+    # D: a READ still in flight max_read_time + read_grace after it was posted is overdue:
+    # its request fails (recomputed or an error, per the engine's policy) and its local
+    # blocks stay quarantined until the transfer ends (spec/PROTOCOL.md, "Bounded reads").
+    read_grace: float = 5.0
 
     @property
     def lease_horizon(self) -> float:
@@ -111,7 +116,8 @@ class Config:
                       to_ms(self.heartbeat_interval), to_ms(self.abort_grace),
                       to_ms(self.max_delay), to_ms(self.max_read_time),
                       to_ms(self.clock_drift), to_ms(self.max_staged_age),
-                      to_ms(self.peer_timeout), to_ms(self.lease_horizon))
+                      to_ms(self.peer_timeout), to_ms(self.lease_horizon),
+                      to_ms(self.read_grace))
 
     def timing_rules(self) -> list[tuple[bool, str]]:
         """The timing argument's rules (spec/PROTOCOL.md §5), in order: (holds, why it
@@ -168,7 +174,7 @@ class Config:
                      "max_staged_age", "peer_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_delay", "clock_drift", "abort_grace"):
+        for name in ("max_delay", "clock_drift", "abort_grace", "read_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in _DURATIONS:

@@ -8,18 +8,43 @@ import copy
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import ClassVar, Final, NamedTuple
 
 from kvproto.lifecycle.config import (
     Config,
     ConfigError,
 )
+from kvproto.lifecycle.dvocab import (  # re-exported: D's vocabulary
+    Admit,
+    DAbort,
+    DAck,
+    DEffect,
+    DEvent,
+    DReject,
+    DRejected,
+    DropPeer,
+    DTick,
+    Finished,
+    HandshakeFailed,
+    HandshakeOk,
+    PeerLost,
+    PostRead,
+    ReadFailed,
+    ReadOk,
+    Schedule,
+    SendDone,
+    SendHeartbeat,
+    SendRelease,
+    StartHandshake,
+    TransferParams,
+)
 from kvproto.lifecycle.producer import (
     CLOCK_START,
     HEAP_SLACK,
 )
+from kvproto.lifecycle.quarantine import MAX_ENDED, ReadGuard
 from kvproto.lifecycle.table import (
     ACK,
     ADMIT,
@@ -46,204 +71,38 @@ from kvproto.lifecycle.table import (
 )
 from kvproto.wire import chunk_handles
 
+__all__ = [
+    "MAX_LANDED_GROUPS",
+    "MAX_OUTSTANDING_HEARTBEATS",
+    "MAX_PEERS",
+    "Admit",
+    "Consumer",
+    "DAbort",
+    "DAck",
+    "DEffect",
+    "DEvent",
+    "DReject",
+    "DRejected",
+    "DRequestView",
+    "DTick",
+    "DropPeer",
+    "Finished",
+    "HandshakeFailed",
+    "HandshakeOk",
+    "HeartbeatView",
+    "PeerLost",
+    "PeerView",
+    "PostRead",
+    "ReadFailed",
+    "ReadOk",
+    "Schedule",
+    "SendDone",
+    "SendHeartbeat",
+    "SendRelease",
+    "StartHandshake",
+    "TransferParams",
+]
 
-def _ms(v: Any) -> int:
-    """A duration read from JSON: an int of milliseconds (a float or bool is refused)."""
-    if type(v) is not int:
-        raise ValueError(f"a duration must be an int of milliseconds, got {v!r}")
-    return v
-
-
-@dataclass(frozen=True)
-class TransferParams:
-    """What P hands D (through the router) for one request."""
-
-    engine: str  # P engine/rank name (NIXL agent name)
-    epoch: int  # P incarnation; messages carry it so a restarted P rejects old ones
-    handle: int
-    blocks: tuple[int, ...]
-    initial_term: int  # a duration in milliseconds, never a timestamp
-    expected: int = 1  # readers that will pull this request from this P rank
-    group: str | None = None
-    generations: tuple[int, ...] = ()  # fail-closed reads (see the NIXL adapter)
-    capability: str = ""  # P's capability for the handle (lifecycle.gate); "" = none
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["blocks"] = list(self.blocks)
-        d["generations"] = list(self.generations)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TransferParams:
-        return cls(engine=str(d["engine"]), epoch=int(d["epoch"]), handle=int(d["handle"]),
-                   blocks=tuple(int(b) for b in d["blocks"]),
-                   initial_term=_ms(d["initial_term"]), expected=int(d.get("expected", 1)),
-                   group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())),
-                   capability=str(d.get("capability", "")))
-
-
-# D effects. Values: compared and hashed by their fields, and never changed once built
-# (nothing in kvproto assigns to one). Not ``frozen``: a frozen dataclass costs about 4x
-# as much to build (0.66 us vs 0.16 us for PostRead, measured), and D builds three of
-# these per request on its hot path.
-@dataclass(slots=True, unsafe_hash=True)
-class StartHandshake:
-    engine: str
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class PostRead:
-    request_id: str
-    engine: str
-    handle: int
-    blocks: tuple[int, ...]
-    expected: int
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class SendDone:
-    request_id: str
-    engine: str
-    handle: int
-    expected: int
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class SendRelease:
-    request_id: str
-    engine: str
-    handle: int
-    expected: int
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class SendHeartbeat:
-    engine: str
-    seq: int
-    handles: tuple[int, ...]
-    expected: int
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class Finished:
-    """The request left the machine: ``state`` is done or failed, with a reason."""
-
-    request_id: str
-    state: str
-    reason: str
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class DropPeer:
-    """Effect: the machine declared ``engine`` lost (no ack for ``peer_timeout`` while
-    heartbeats were outstanding): close its connection; its requests were failed."""
-
-    engine: str
-    reason: str
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class DRejected:
-    """Effect: counted, logged rejection of bad remote input (see ``DReject``)."""
-
-    reason: str
-    peer: str
-    detail: str
-
-
-DEffect = (StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
-           | DropPeer | DRejected)
-
-
-# D events (inputs of ``Consumer.apply``; the journal of a D rank records them).
-@dataclass(frozen=True, slots=True)
-class Admit:
-    request_id: str
-    params: TransferParams
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeOk:
-    engine: str
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeFailed:
-    engine: str
-    reason: str
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    request_id: str
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadOk:
-    request_id: str
-    now: int
-    notif_attached: bool = True  # the done notification travelled with the READ
-
-
-@dataclass(frozen=True, slots=True)
-class ReadFailed:
-    request_id: str
-    now: int
-    fenced: bool = False  # the data landed but its generation stamps changed
-
-
-@dataclass(frozen=True, slots=True)
-class DAbort:
-    """Client abort on D."""
-
-    request_id: str
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class DAck:
-    """P's ack of heartbeat ``seq`` arrived (see the P effect ``Ack``)."""
-
-    engine: str
-    seq: int
-    term: int  # milliseconds
-    refused: tuple[int, ...]
-    now: int
-    pending: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PeerLost:
-    """The adapter lost P engine ``engine`` (disconnect, channel closed)."""
-
-    engine: str
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class DTick:
-    now: int
-
-
-@dataclass(frozen=True, slots=True)
-class DReject:
-    """Bad input the port rejected before it became an event (bytes that do not decode,
-    a message for another epoch, an oversized one, an unknown peer, a kind D does not
-    take). Journaled and counted, changes nothing but the clock."""
-
-    reason: str
-    peer: str
-    detail: str
-    now: int
-
-
-DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed | DAbort
-          | DAck | PeerLost | DTick | DReject)
 
 
 class _DReq:
@@ -336,7 +195,7 @@ class PeerView(NamedTuple):
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _CONSUMER_SHARED: Final = frozenset({
     "reader", "config", "sink", "max_landed_groups", "reqs", "peers", "_group_owner",
-    "_groups_landed", "_lease_heap", "_next_hb",
+    "_groups_landed", "_lease_heap", "_next_hb", "_rg",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -372,8 +231,9 @@ class Consumer:
     keeps it (the earlier arrival gives the shorter, safe lease estimate), every other
     event uses the rank's clock (a READ must fit the lease at the latest time seen).
 
-    Documented hook (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
-    lease check of ``tick`` and its work budget).
+    Documented hooks (overridden by ``kvproto.testing.mutants``): ``sweep_leases`` (the
+    lease check of ``tick`` and its work budget), ``sweep_reads`` (the READ deadlines),
+    ``refuses_load`` (the no-second-pull check).
     """
 
     TABLE: ClassVar[Table] = D_TABLE
@@ -381,14 +241,18 @@ class Consumer:
     def __init__(self, reader: str, config: Config, *,
                  heartbeat_chunk: int | None = None,
                  max_landed_groups: int = MAX_LANDED_GROUPS,
+                 max_ended: int = MAX_ENDED,
                  sink: Callable[[DEvent, list[DEffect]], None] | None = None) -> None:
         """``heartbeat_chunk`` optionally caps the handles per heartbeat further; every
         SendHeartbeat always fits one wire message of ``config.max_message_bytes``, so
         that one ack answers exactly the handles of one message. ``sink`` (the journal)
         is called with every event and its effects. ``max_landed_groups``: the landed
-        sibling groups remembered (``MAX_LANDED_GROUPS``)."""
+        sibling groups remembered (``MAX_LANDED_GROUPS``); ``max_ended``: the ended loads
+        remembered to refuse a second pull (``quarantine.MAX_ENDED``)."""
         if max_landed_groups < 1:
             raise ConfigError(f"max_landed_groups must be >= 1, got {max_landed_groups}")
+        # READ deadlines, the quarantine of overdue READs, ended loads (quarantine.py).
+        self._rg = ReadGuard(max_ended)
         self.max_landed_groups = max_landed_groups
         self.reader = reader
         self.config = config.validate()
@@ -531,6 +395,7 @@ class Consumer:
         n._group_owner = dict(self._group_owner)
         n._groups_landed = OrderedDict(self._groups_landed)
         n._lease_heap = list(self._lease_heap)
+        n._rg = self._rg.copy()
         n.counters = dict(self.counters)
         n.finished = dict(self.finished)
         return n
@@ -548,6 +413,9 @@ class Consumer:
         if heap:
             ms = self.config.ms
             t = min(t, heap[0][0] - ms.max_read_time - ms.clock_drift)
+        due = self._rg.next_due()
+        if due is not None:
+            t = min(t, due + 1)
         pt = self.config.ms.peer_timeout
         for peer in self.peers.values():
             if peer.state == PEER_READY and peer.outstanding:
@@ -573,6 +441,8 @@ class Consumer:
                 hs_peer.state = PEER_HANDSHAKING
                 out.append(StartHandshake(p.engine))
         if row.read:
+            ms = self.config.ms
+            self._rg.posted(r.rid, self.now + ms.max_read_time + ms.read_grace)
             if p.group is not None:
                 self._group_owner[(p.engine, p.group)] = r.rid
             out.append(PostRead(r.rid, p.engine, p.handle, p.blocks, p.expected))
@@ -587,9 +457,14 @@ class Consumer:
         if row.disown and p.group is not None \
                 and self._group_owner.get((p.engine, p.group)) == r.rid:
             del self._group_owner[(p.engine, p.group)]
+        if row.quarantine:
+            out.append(self._rg.quarantine(r.rid, p.engine, p.handle))
         if row.finish is not None:
             why = row.finish or reason
             del self.reqs[r.rid]
+            self._rg.ended_read(r.rid)
+            if self._rg.finished((p.engine, p.epoch, p.handle)):
+                self._count("ended_memory_evicted")
             n = len(self._lease_heap)
             if n > 2 * len(self.reqs) and n > HEAP_SLACK:
                 # Compact in place (tick may be iterating this very list).
@@ -676,6 +551,13 @@ class Consumer:
         if self._clock(now) is None:
             return []
         out: list[DEffect] = []
+        if rid not in self.reqs and self.refuses_load(params):
+            # No second pull: refused before the table, like peer_table_full.
+            self._count("second_pull")
+            key = f"{D_FAILED}:second_pull"
+            self.finished[key] = self.finished.get(key, 0) + 1
+            out.append(Finished(rid, D_FAILED, "second_pull"))
+            return self._emit(Admit(rid, params, now), out)
         peer = self.peers.get(params.engine)
         if peer is None:  # not setdefault: that would build a _Peer on every admit
             if rid in self.reqs:
@@ -783,7 +665,12 @@ class Consumer:
         landed = ok and not fenced
         r = self.reqs.get(rid)
         if r is None or r.state != READING:
-            self._count("read_result_not_reading")
+            q = self._rg.release(rid) if r is None else None
+            if q is None:
+                self._count("read_result_not_reading")
+            else:  # the transfer of an overdue READ ended: its blocks may go back
+                self._count("quarantine_ended")
+                out.append(q)
         elif landed:
             self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
                        notif_attached=notif_attached)
@@ -891,6 +778,30 @@ class Consumer:
                 continue
             self._step(r, D_TICK, "lease_lost", out)
 
+    def sweep_reads(self, now: int, out: list[DEffect], budget: int | None = None) -> None:
+        """Hook: D_TICK/read_overdue for READs past their deadline, earliest first, at
+        most ``budget`` (default ``config.max_tick_work``) heap entries; the rest stay
+        reading and due (failed late, never early). See lifecycle/quarantine.py."""
+        rids, _ = self._rg.overdue(now, budget or self.config.max_tick_work)
+        for rid in rids:
+            self._count("read_timeout")
+            self._step(self.reqs[rid], D_TICK, "read_overdue", out)
+
+    def refuses_load(self, params: TransferParams) -> bool:
+        """Hook: whether an admit of ``params`` is a second pull (its load ended here)."""
+        return self._rg.refuses((params.engine, params.epoch, params.handle))
+
+    @property
+    def stuck_reads(self) -> int:
+        """Overdue READs whose transfer has not ended (their local blocks quarantined)."""
+        return len(self._rg.quarantined)
+
+    def quarantined(self, rid: str) -> bool:
+        return rid in self._rg.quarantined
+
+    def read_deadline(self, rid: str) -> int | None:
+        return self._rg.deadline(rid)
+
     def tick(self, now: int) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine;
         fail requests whose lease can no longer cover a READ (at most
@@ -907,6 +818,9 @@ class Consumer:
         heap = self._lease_heap
         if heap and heap[0][0] - ms.max_read_time - ms.clock_drift < now:
             self.sweep_leases(now, out)
+        due = self._rg.next_due()
+        if due is not None and due < now:
+            self.sweep_reads(now, out)
         silent_before = now - ms.peer_timeout
         for engine, peer in self.peers.items():
             # Silent: nothing heard for peer_timeout, and a heartbeat P had that long

@@ -59,7 +59,9 @@ class Fx(NamedTuple):
     max(lease end, heartbeat send time + term - drift)), ``abort_pending`` (remember a
     client abort until the READ ends), ``send_done`` (tell P done, unless the notification
     rode on the READ), ``send_release``, ``disown`` (give up the group's ownership),
-    ``finish`` (arg: the reason, empty = the event's own reason; the request leaves D).
+    ``quarantine`` (the READ is overdue and still in flight: its local blocks stay out of
+    the engine's hands until the transfer ends), ``finish`` (arg: the reason, empty = the
+    event's own reason; the request leaves D).
     """
 
     kind: str
@@ -72,7 +74,7 @@ class Fx(NamedTuple):
 P_FX_KINDS: Final = frozenset({"hold", "free", "cascade", "stage", "renew", "refuse", "grace",
                                "count", "reject"})
 D_FX_KINDS: Final = frozenset({"track", "handshake", "read", "renew", "abort_pending",
-                               "send_done", "send_release", "disown", "finish"})
+                               "send_done", "send_release", "disown", "quarantine", "finish"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,7 @@ class Transition:
     send_done: bool = field(init=False, default=False)
     send_release: bool = field(init=False, default=False)
     disown: bool = field(init=False, default=False)
+    quarantine: bool = field(init=False, default=False)
     # "dst:finish" (the machine's finished-counter key) when the row names the finish.
     finish_key: str | None = field(init=False, default=None)
 
@@ -138,7 +141,7 @@ class Transition:
 _FX_FIELD: Final[dict[str, str]] = {
     **{k: k for k in ("hold", "free", "cascade", "stage", "renew", "refuse", "grace", "reject",
                       "finish", "track", "handshake", "read", "abort_pending", "send_done",
-                      "send_release", "disown")},
+                      "send_release", "disown", "quarantine")},
     "count": "counter",
 }
 _FX_WITH_ARG: Final = frozenset({"free", "counter", "reject", "finish"})
@@ -385,6 +388,7 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(READING, PEER_LOST, "in_flight", READING, "", "the READ will report its own failure"),
     _T(WAITING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
     _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
+    _T(READING, D_TICK, "read_overdue", D_FAILED, _fx("disown", "quarantine", "finish:read_timeout"), "READ in flight past max_read_time + read_grace: fail it, quarantine its local blocks until the transfer ends; no release (the READ may still touch P's blocks)"),
 )
 
 D_TABLE: Final[Table] = make_table(D_TRANSITIONS, machine="D")

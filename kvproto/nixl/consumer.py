@@ -19,9 +19,8 @@ import torch
 
 from kvproto.lifecycle import Config, DEffect, DEvent
 from kvproto.nixl.channel import secret_from_env
+from kvproto.nixl.dreads import MAX_READ_DESCS, MAX_STAMP_DESCS
 from kvproto.nixl.driver_d import (
-    MAX_READ_DESCS,
-    MAX_STAMP_DESCS,
     Clock,
     Completion,
     DDriver,

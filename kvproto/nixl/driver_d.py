@@ -20,6 +20,11 @@ Effects and what they become:
   while their P engine's handshake runs: one handle per request, for a bounded time;
   heartbeats chunked by the machine so that each fits ``max_message_bytes``);
 * ``Finished``       -> a ``Completion`` for the engine;
+* ``Quarantined``    -> the request's overdue READ still runs: its Completion (failed,
+  ``read_timeout``) goes out as usual, but its local blocks stay held (``free_local`` is
+  a no-op for it) until ``Unquarantined`` (the transfer ended), which frees them and
+  lists the request in ``take_unquarantined``: the engine never gets back blocks a
+  transfer may still write;
 * ``DropPeer``       -> the machine declared the P engine lost (ack silence for
   ``Config.peer_timeout``): its connection is closed;
 * ``DRejected``      -> counted and logged (bad bytes ``kvproto.port.d_receive`` refused).
@@ -61,15 +66,23 @@ from kvproto.lifecycle import (
     DropPeer,
     Finished,
     PostRead,
+    Quarantined,
     SendDone,
     SendHeartbeat,
     SendRelease,
     StartHandshake,
     TransferParams,
+    Unquarantined,
     to_ms,
 )
 from kvproto.nixl.channel import parse_refusal
 from kvproto.nixl.checksum import CHECKSUMS_KEY, mismatches
+from kvproto.nixl.dreads import MAX_READ_DESCS, MAX_STAMP_DESCS
+from kvproto.nixl.dreads import Read as _Read
+from kvproto.nixl.dreads import ReadBatch as _ReadBatch
+from kvproto.nixl.dreads import StampBatch as _StampBatch
+from kvproto.nixl.dreads import batch_blocks as _blocks
+from kvproto.nixl.dreads import chunks as _chunks
 from kvproto.nixl.driver import DISCONNECT, DONE, NOT_FOUND, PROC, DTransport, PeerError
 from kvproto.port import d_receive, now_ms
 from kvproto.wire import (
@@ -94,13 +107,6 @@ Clock = Callable[[], float]  # seconds (time.monotonic); the machine sees it as 
 OutHook = Callable[[str, str, bytes], list[bytes]]
 # Test hook called with the request id at a READ phase ("before_post", "before_gen").
 PhaseHook = Callable[[str, str], None]
-
-# Stamps fetched by one stamp READ at most (a request with more blocks gets its own READ).
-# Bounds the descriptor list of one READ; the queue itself is bounded by the local blocks.
-MAX_STAMP_DESCS = 4096
-# Descriptors of one coalesced data READ at most: READs queued for one P engine are posted
-# as transfers of up to this many descriptors (a request with more gets its own).
-MAX_READ_DESCS = 4096
 
 _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
 # Machine states in which a schedule intent is kept and retried by ``poll``.
@@ -156,73 +162,6 @@ class _Engine:
         self.num_blocks = 0  # P's blocks (from its handshake's layout)
 
 
-class _Read:
-    __slots__ = ("engine", "gens", "local", "nbytes", "params", "remote", "rid", "started",
-                 "warned")
-
-    def __init__(self, rid: str, params: TransferParams, local: list[int], started: int,
-                 remote: Sequence[int] | None = None, gens: Sequence[int] | None = None) -> None:
-        self.rid = rid
-        self.params = params
-        self.engine = params.engine
-        self.local = local
-        # The remote blocks read and the stamps they must carry (all of the params' by
-        # default; a suffix when the engine already holds a prefix locally).
-        self.remote: Sequence[int] = params.blocks if remote is None else remote
-        self.gens: Sequence[int] = params.generations if gens is None else gens
-        self.started = started
-        self.nbytes = 0
-        self.warned = False
-
-
-def _chunks(rds: list[_Read], cap: int) -> list[list[_Read]]:
-    """``rds`` in order, cut into runs of at most ``cap`` blocks (a READ larger than
-    ``cap`` alone makes a run of its own)."""
-    if len(rds) == 1:
-        return [rds]
-    out: list[list[_Read]] = []
-    run: list[_Read] = []
-    n = 0
-    for rd in rds:
-        k = len(rd.local)
-        if run and n + k > cap:
-            out.append(run)
-            run, n = [], 0
-        run.append(rd)
-        n += k
-    if run:
-        out.append(run)
-    return out
-
-
-def _blocks(rds: list[_Read]) -> tuple[list[int], Sequence[int]]:
-    """The local and the remote blocks of ``rds``, in order (one transfer's pairs)."""
-    if len(rds) == 1:
-        return rds[0].local, rds[0].remote
-    return [b for rd in rds for b in rd.local], [b for rd in rds for b in rd.remote]
-
-
-class _ReadBatch:
-    """One data READ (one transfer) of several requests' blocks (same P engine)."""
-
-    __slots__ = ("reads", "xfer")
-
-    def __init__(self, reads: list[_Read], xfer: Any) -> None:
-        self.reads = reads
-        self.xfer = xfer
-
-
-class _StampBatch:
-    """One READ of the generation stamps of several requests (same P engine)."""
-
-    __slots__ = ("local", "reads", "xfer")
-
-    def __init__(self, reads: list[_Read], local: list[int], xfer: Any) -> None:
-        self.reads = reads
-        self.local = local  # the local stamp slots, in the order of ``reads``
-        self.xfer = xfer
-
-
 class DDriver:
     """One D rank over a transport. Call ``poll`` from the step loop; it never blocks."""
 
@@ -276,6 +215,11 @@ class DDriver:
         self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
         self._out: list[Completion] = []
         self._done_info: dict[str, tuple[int, float]] = {}
+        # Requests whose local blocks the machine quarantined; and those whose quarantine
+        # ended since the last take_unquarantined. Size: Consumer.stuck_reads (and the
+        # quarantines ended between two engine steps).
+        self._quarantine: set[str] = set()
+        self._unquarantined: list[str] = []
         self.counters: dict[str, int] = {}
         self._rng = random.Random(hash(name) & 0xFFFF)
         self._closed = False
@@ -283,6 +227,8 @@ class DDriver:
         if self.metrics is not None:
             reads = self.reads
             self.metrics.track_in_flight(lambda: len(reads))
+            machine = self.machine
+            self.metrics.track_stuck_reads(lambda: machine.stuck_reads)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -331,8 +277,11 @@ class DDriver:
         self._apply(self.machine.abort(rid, now), now)
 
     def free_local(self, rid: str) -> None:
-        """The engine is done with a completed request's local blocks."""
+        """The engine is done with a completed request's local blocks. A no-op while
+        they are quarantined (they are freed when the transfer ends)."""
         self._plan_index.pop(rid, None)
+        if rid in self._quarantine:
+            return
         if self._plans.pop(rid, None) is not None:
             self._held_local.pop(rid, None)  # the engine's blocks, not this free list
             return
@@ -457,6 +406,36 @@ class DDriver:
         else:
             self.free_local(rid)
             self._out.append(Completion(rid, f.state, f.reason, None, nbytes, secs))
+
+    def _x_quarantined(self, eff: Quarantined, now: int) -> None:
+        self._count("quarantined")
+        log.warning("%s: READ of %s overdue (max_read_time + read_grace): request failed, "
+                    "its local blocks quarantined until the transfer ends",
+                    self.name, eff.request_id)
+        self._quarantine.add(eff.request_id)
+
+    def _x_unquarantined(self, eff: Unquarantined, now: int) -> None:
+        rid = eff.request_id
+        self._quarantine.discard(rid)
+        self._done_info.pop(rid, None)
+        self._count("unquarantined")
+        self.free_local(rid)
+        self._unquarantined.append(rid)
+
+    def quarantined(self, rid: str) -> bool:
+        """Whether ``rid``'s local blocks are quarantined (its overdue READ still runs)."""
+        return rid in self._quarantine
+
+    @property
+    def local_blocks_free(self) -> int:
+        """Local blocks this driver may allocate (for READs without engine-chosen ones)."""
+        return len(self._free_local)
+
+    def take_unquarantined(self) -> list[str]:
+        """The requests whose quarantine ended since the last call (their local blocks
+        are free again)."""
+        out, self._unquarantined = self._unquarantined, []
+        return out
 
     def _send(self, kind: str, engine: str, buf: bytes) -> bool:
         bufs = self.fault_hook(kind, engine, buf) if self.fault_hook else [buf]
@@ -818,6 +797,15 @@ class DDriver:
         bb = self.transport.block_bytes
         hook = self.phase_hook
         rds = b.reads
+        if self._quarantine:
+            # A quarantined request failed already: its transfer ended, no stamp READ.
+            gone = [rd.rid for rd in rds if rd.rid in self._quarantine]
+            for rid in gone:
+                self.reads.pop(rid, None)
+                self._apply(self.machine.read_result(rid, False, now), now)
+            rds = [rd for rd in rds if rd.rid not in gone]
+            if not rds:
+                return
         for rd in rds:
             rd.nbytes += len(rd.local) * bb
             if hook is not None:
@@ -950,4 +938,6 @@ DDriver._run = {
     Finished: DDriver._finished,
     DropPeer: DDriver._x_drop_peer,
     DRejected: DDriver._x_rejected,
+    Quarantined: DDriver._x_quarantined,
+    Unquarantined: DDriver._x_unquarantined,
 }

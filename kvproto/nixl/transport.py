@@ -15,6 +15,7 @@ raises typed exceptions; they become error tokens (``agent.error_name``) or
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from kvproto.nixl.agent import (
     prep_blocks,
 )
 from kvproto.nixl.channel import ST_OK, Client, Server, frame, refusal
-from kvproto.nixl.driver import Accept, HandshakeHandler, PeerError, Refuse
+from kvproto.nixl.driver import PROC, Accept, HandshakeHandler, PeerError, Refuse
 from kvproto.wire import Handshake, Layout
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,11 @@ class NixlDTransport:
         self.remotes: dict[str, _Remote] = {}
         self.zombies: list[Xfer] = []  # transfers whose release failed: kept, retried
         self._stale = False
+        # TEST ONLY (connector option test_hold_read_s): a data READ reports in progress
+        # for this many seconds after its post, whatever NIXL says: a READ that does not
+        # complete, for the bounded-read tests. id(xfer) -> (xfer, time it may report).
+        self.hold_reads_s = 0.0
+        self._held: dict[int, tuple[Any, float]] = {}
 
     def layout(self) -> Layout:
         return self.region.layout(self.tp_rank, self.tp_size)
@@ -321,10 +327,19 @@ class NixlDTransport:
                                len(local) * self.region.block_bytes)
         if isinstance(x, str):
             return None, x
-        return x, x.post()
+        st: str = x.post()
+        if self.hold_reads_s > 0 and not stamps:
+            self._held[id(x)] = (x, time.monotonic() + self.hold_reads_s)
+            return x, PROC
+        return x, st
 
     def poll(self, xfer: Any) -> str:
         st: str = xfer.poll()
+        held = self._held.get(id(xfer)) if self._held else None
+        if held is not None:
+            if time.monotonic() < held[1]:
+                return PROC
+            del self._held[id(xfer)]
         return st
 
     def release(self, xfer: Any) -> None:

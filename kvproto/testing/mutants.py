@@ -21,13 +21,22 @@ one of them within the CI budget, with the invariant named in ``Mutant.caught_by
   at the first one whose lease has not run out, so a renewed lease hides expired ones
   behind it (ExpiredFreed).
 
-One D mutant (``D_MUTANTS``, a ``Consumer`` subclass overriding its documented hook
-``sweep_leases``), caught by D journal validation (``kvproto validate D_JOURNAL``):
+D mutants (``D_MUTANTS``, ``Consumer`` subclasses that replace table rows or override a
+documented hook: ``sweep_leases``, ``refuses_load``), caught by D journal validation
+(``kvproto validate D_JOURNAL``):
 
 * ``unbounded_tick`` -- D's lease check ignores its work budget (``max_tick_work``) and
   fails every lost lease in one tick: 10^5 requests losing their lease at once stall the
   rank for one long step. Caught by the replay's ``TickBounded`` check and by TLC's trace
   validation (TraceConsumer: a tick failed more leases than its work budget).
+* ``early_release`` -- the read_overdue row without ``quarantine``: an overdue READ's
+  request leaves and its local blocks go back to the engine while the transfer may still
+  write them. Caught by the replay's ``NoQuarantinedReuse``, by TLC's trace validation
+  (an effect the spec does not have) and by graph equality (tests/test_quarantine.py);
+  KVConsumer's ``DBug = "early_release"`` breaks ``NoQuarantinedReuse`` under TLC.
+* ``second_pull`` -- ``refuses_load`` never refuses: a load of a request that ended on D
+  is read again. Caught by the replay's ``NoSecondPull``; KVConsumer's
+  ``DBug = "second_pull"`` breaks ``NoSecondPull`` under TLC.
 
 One coverage mutant (``COVERAGE_MUTANTS``, a ``Coverage`` subclass overriding its
 documented hook ``part_guard``): ``drop_region`` -- a part whose READ missed one of its
@@ -56,11 +65,14 @@ from dataclasses import dataclass, replace
 
 from kvproto.lifecycle import (
     ABORT,
+    D_TABLE,
+    D_TICK,
     DONE,
     FREED,
     HEARTBEAT,
     MAX_CAP,
     P_TABLE,
+    READING,
     RELEASE,
     UNREGISTERED,
     Consumer,
@@ -68,6 +80,7 @@ from kvproto.lifecycle import (
     Effect,
     Fx,
     Ledger,
+    TransferParams,
 )
 from kvproto.lifecycle.coverage import Coverage, Region
 from kvproto.nixl.driver_d import DDriver
@@ -159,6 +172,20 @@ class UnboundedTickConsumer(Consumer):
         super().sweep_leases(now, out, budget=MAX_CAP)  # BUG: ignores max_tick_work
 
 
+_OVERDUE = D_TABLE[(READING, D_TICK, "read_overdue")]
+# D mutant: an overdue READ's request leaves without quarantine, so its local blocks go
+# back to the engine while the transfer may still write them (row change only).
+EarlyReleaseConsumer = Consumer.with_rows(
+    replace(_OVERDUE, effects=tuple(f for f in _OVERDUE.effects if f.kind != "quarantine")))
+
+
+class ForgetsEndedConsumer(Consumer):
+    """D mutant: the no-second-pull check (hook ``refuses_load``) never refuses."""
+
+    def refuses_load(self, params: TransferParams) -> bool:
+        return False  # BUG: a load that ended here is pulled again
+
+
 @dataclass(frozen=True)
 class DMutant:
     name: str
@@ -171,6 +198,12 @@ D_MUTANTS: dict[str, DMutant] = {m.name: m for m in (
     DMutant("unbounded_tick", UnboundedTickConsumer,
             "D's tick fails every lost lease at once, ignoring max_tick_work",
             frozenset({"TickBounded"})),
+    DMutant("early_release", EarlyReleaseConsumer,
+            "an overdue READ's local blocks go back to the engine at once (no quarantine)",
+            frozenset({"NoQuarantinedReuse"})),
+    DMutant("second_pull", ForgetsEndedConsumer,
+            "a load of a request that already ended on D is pulled again",
+            frozenset({"NoSecondPull"})),
 )}
 
 

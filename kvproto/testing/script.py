@@ -62,12 +62,14 @@ from kvproto.lifecycle import (
     Free,
     Ledger,
     PostRead,
+    Quarantined,
     Rejected,
     SendDone,
     SendHeartbeat,
     SendRelease,
     StartHandshake,
     TransferParams,
+    Unquarantined,
 )
 
 # ---------------------------------------------------------------------------
@@ -163,6 +165,10 @@ def describe(x: object, known: Iterable[Any] = ()) -> str:
         return f"finished {x.request_id} {x.state} {x.reason}"
     if isinstance(x, DropPeer):
         return f"drop_peer {x.engine} reason={_quote(x.reason)}"
+    if isinstance(x, Quarantined):
+        return f"quarantined {x.request_id} {x.engine} h{x.handle}"
+    if isinstance(x, Unquarantined):
+        return f"unquarantined {x.request_id} {x.engine} h{x.handle}"
     if isinstance(x, Ledger):
         return "\n".join(_ledger_state(x, known))
     if isinstance(x, Consumer):

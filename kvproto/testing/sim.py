@@ -348,6 +348,10 @@ class Simulator:
             if key in self._read_seen:
                 continue
             self._read_seen.add(key)
+            if d.quarantined(rid):
+                # First seen only after D gave up on it (posted long before, overdue,
+                # never served): its start was not observed here, so nothing to judge.
+                continue
             want = self.freed_at.get(rid)
             if want is not None and tuple(rd.remote) == rd.params.blocks and \
                     tuple(self.freed[b] for b in rd.remote) != want:

@@ -45,16 +45,27 @@ from kvproto.lifecycle import (
     DropPeer,
     Finished,
     PostRead,
+    Quarantined,
     SendDone,
     SendHeartbeat,
     SendRelease,
     StartHandshake,
     TransferParams,
+    Unquarantined,
 )
 from kvproto.verify.conformance import read_dot
 from kvproto.verify.models import UNIT_MS
 from kvproto.verify.replay import replay
-from kvproto.verify.tlc import Fn, Value, mk_fn, render, require_ok, run_tlc, spec_dir
+from kvproto.verify.tlc import (
+    Fn,
+    TlcResult,
+    Value,
+    mk_fn,
+    render,
+    require_ok,
+    run_tlc,
+    spec_dir,
+)
 
 
 @dataclass
@@ -102,6 +113,7 @@ def check_d_journal(path: str | Path) -> DVerdict:
 # ---------------------------------------------------------------------------
 
 ENGINE: Final = "P0"
+READMIT: Final = "+"  # the request id of a model's second load of request r is r + READMIT
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,7 @@ class DModel:
     clock_drift: int = 0
     lease_extension: int = 2  # what P's acks grant; heartbeats older than this are forgotten
     peer_timeout: int = 2  # ack silence after which the peer is lost
+    read_grace: int = 1  # a READ is overdue max_read_time + read_grace after its post
     acks: bool = True  # ack actions: of every outstanding heartbeat, with each refused set
     refusals: tuple[tuple[str, ...], ...] | None = None  # None: every subset of requests
     doc: str = ""
@@ -138,7 +151,8 @@ class DModel:
                       abort_grace=float(longest), heartbeat_interval=1.0,
                       max_delay=float(self.max_delay), max_read_time=float(self.max_read_time),
                       clock_drift=float(self.clock_drift),
-                      peer_timeout=float(self.peer_timeout)).validate()
+                      peer_timeout=float(self.peer_timeout),
+                      read_grace=float(self.read_grace)).validate()
 
     def params(self, r: str) -> TransferParams:
         return TransferParams(ENGINE, 1, self.handle(r), (self.handle(r),),
@@ -158,10 +172,11 @@ class DModel:
         acts: list[DAction] = []
         for r in self.requests:
             acts += [DAction(f"Admit_{r}", "admit", r), DAction(f"Schedule_{r}", "schedule", r),
-                     DAction(f"DAbort_{r}", "abort", r)]
+                     DAction(f"DAbort_{r}", "abort", r), DAction(f"Readmit_{r}", "readmit", r)]
             for b in (True, False):
                 acts.append(DAction(f"ReadOk_{r}_{str(b).upper()}", "read_ok", r, b))
                 acts.append(DAction(f"ReadFailed_{r}_{str(b).upper()}", "read_failed", r, b))
+                acts.append(DAction(f"ReadEnd_{r}_{str(b).upper()}", "read_end", r, b))
         if self.acks:
             # an ack of the heartbeat sent `age` units ago, refusing `refused`
             for age in range(self.lease_extension + 1):
@@ -189,11 +204,13 @@ class DModel:
                  f"CTermOf == {tfun(self.term_of, str)}",
                  "CExpOf == [r \\in Requests |-> 1]"]
         for a in self.actions():
-            if a.kind in ("admit", "schedule", "abort"):
-                op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort"}[a.kind]
+            if a.kind in ("admit", "schedule", "abort", "readmit"):
+                op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort",
+                      "readmit": "Readmit"}[a.kind]
                 lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
-            elif a.kind in ("read_ok", "read_failed"):
-                op = "ReadOk" if a.kind == "read_ok" else "ReadFailed"
+            elif a.kind in ("read_ok", "read_failed", "read_end"):
+                op = {"read_ok": "ReadOk", "read_failed": "ReadFailed",
+                      "read_end": "ReadEnd"}[a.kind]
                 lines.append(f'{a.label} == {op}("{a.request}", {str(a.flag).upper()}) /\\ TRUE')
             elif a.kind == "ack":
                 ref = "{" + ", ".join(render(r) for r in a.refused) + "}"
@@ -207,7 +224,7 @@ class DModel:
         lines.append("====")
         return "\n".join(lines) + "\n"
 
-    def tla_cfg(self) -> str:
+    def tla_cfg(self, bug: str = "none") -> str:
         return "\n".join([
             "CONSTANTS",
             f"    Requests = {{{', '.join(render(r) for r in self.requests)}}}",
@@ -221,9 +238,12 @@ class DModel:
             f"    MaxDelay = {self.max_delay}",
             f"    MaxReadTime = {self.max_read_time}",
             f"    ClockDrift = {self.clock_drift}",
+            f"    ReadGrace = {self.read_grace}",
+            f'    DBug = "{bug}"',
             "INIT Init",
             "NEXT ConfNext",
             "INVARIANT TypeOK OneReadPerGroup NoReleaseUnderRead HbOnlyWhenReady",
+            "INVARIANT NoQuarantinedReuse NoSecondPull",
             "",
         ])
 
@@ -248,6 +268,7 @@ class _DNode:
     c: Consumer
     now: int
     gone: dict[str, tuple[str, ...]]  # rid -> (state,) once it left the machine
+    pulls: dict[str, int] = field(default_factory=dict)  # rid -> READs posted
 
 
 def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
@@ -257,12 +278,17 @@ def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
             recs.append(mk_fn({"k": "handshake", "r": "", "why": ""}))
         elif isinstance(e, PostRead):
             recs.append(mk_fn({"k": "read", "r": e.request_id, "why": ""}))
+        elif isinstance(e, Quarantined):
+            recs.append(mk_fn({"k": "quarantine", "r": e.request_id, "why": ""}))
+        elif isinstance(e, Unquarantined):
+            recs.append(mk_fn({"k": "unquarantine", "r": e.request_id, "why": ""}))
         elif isinstance(e, SendDone):
             recs.append(mk_fn({"k": "done", "r": e.request_id, "why": ""}))
         elif isinstance(e, SendRelease):
             recs.append(mk_fn({"k": "release", "r": e.request_id, "why": ""}))
-        elif isinstance(e, Finished):
-            recs.append(mk_fn({"k": "finish", "r": e.request_id, "why": e.reason}))
+        elif isinstance(e, Finished):  # a second load's id is its first one's + READMIT
+            recs.append(mk_fn({"k": "finish", "r": e.request_id.removesuffix(READMIT),
+                               "why": e.reason}))
         elif isinstance(e, DropPeer):
             recs.append(mk_fn({"k": "drop_peer", "r": "", "why": ""}))
         elif isinstance(e, SendHeartbeat):
@@ -277,6 +303,10 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
     dst: dict[str, Value] = {}
     lease: dict[str, Value] = {}
     pend: dict[str, Value] = {}
+    rdl: dict[str, Value] = {}
+    pulls: dict[str, Value] = {}
+    quar: set[str] = set()
+    inflight: set[str] = set()
     for r in m.requests:
         st = n.gone[r][0] if r in n.gone else c.state(r)
         dst[r] = st
@@ -284,6 +314,13 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
         lease[r] = (le - now) // UNIT_MS if le is not None and st in ("waiting", "handshaking") \
             else 0
         pend[r] = c.abort_pending(r)
+        rd = c.read_deadline(r)
+        rdl[r] = (rd - now) // UNIT_MS if rd is not None else 0
+        pulls[r] = n.pulls.get(r, 0)
+        if c.quarantined(r):
+            quar.add(r)
+        if st == "reading" or c.quarantined(r):
+            inflight.add(r)
     groups = sorted({g for g in m.group_of.values() if g is not None})
     owner = {g: c.group_owner(ENGINE, g) or "none" for g in groups}
     peer = c.peer(ENGINE)
@@ -297,7 +334,9 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
     hb_wait = max(0, c.next_heartbeat_at - now) // UNIT_MS
     state = mk_fn({"dst": mk_fn(dst), "dlease": mk_fn(lease), "abortPending": mk_fn(pend),
                    "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "hbs": hbs,
-                   "hbWait": int(hb_wait), "heard": int(heard), "eff": eff})
+                   "hbWait": int(hb_wait), "heard": int(heard), "eff": eff,
+                   "rdl": mk_fn(rdl), "quar": frozenset(quar), "inflight": frozenset(inflight),
+                   "pulls": mk_fn(pulls)})
     assert isinstance(state, Fn)
     return state
 
@@ -317,6 +356,12 @@ def _enabled(m: DModel, s: Fn, a: DAction) -> bool:
         return dst[a.request] in ("handshaking", "waiting", "reading") and not pend[a.request]
     if a.kind in ("read_ok", "read_failed"):
         return dst[a.request] == "reading"
+    if a.kind == "read_end":
+        quar = s["quar"]
+        assert isinstance(quar, frozenset)
+        return a.request in quar
+    if a.kind == "readmit":
+        return dst[a.request] in ("done", "failed")
     if a.kind in ("handshake_ok", "handshake_failed"):
         return peer == "handshaking"
     if a.kind == "peer_lost":
@@ -343,6 +388,10 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
         out = c.read_result(r, True, now, notif_attached=a.flag)
     elif a.kind == "read_failed":
         out = c.read_result(r, a.flag, now, fenced=a.flag)
+    elif a.kind == "read_end":
+        out = c.read_result(r, a.flag, now)
+    elif a.kind == "readmit":
+        out = c.admit(r + READMIT, m.params(r), now)
     elif a.kind == "handshake_ok":
         out = c.handshake_result(ENGINE, True, now)
     elif a.kind == "handshake_failed":
@@ -361,8 +410,10 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
     else:
         out = c.tick(now)
     for e in out:
-        if isinstance(e, Finished):
+        if isinstance(e, Finished) and not e.request_id.endswith(READMIT):
             n.gone[e.request_id] = (e.state,)
+        elif isinstance(e, PostRead):
+            n.pulls[e.request_id] = n.pulls.get(e.request_id, 0) + 1
     return out
 
 
@@ -382,7 +433,7 @@ def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
         for a in acts:
             if not _enabled(m, s, a):
                 continue
-            n = _DNode(base.c.clone(), base.now, dict(base.gone))
+            n = _DNode(base.c.clone(), base.now, dict(base.gone), dict(base.pulls))
             t = _abstract(m, n, _effects(_apply(m, n, a)))
             if t not in g:
                 if g.number_of_nodes() >= max_states:
@@ -410,6 +461,18 @@ def explore_tlc_d(m: DModel, workdir: Path | None = None) -> nx.MultiDiGraph:
     finally:
         if workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
+
+
+# KVConsumer's DBug mutants and the invariant TLC must find broken for each.
+D_BUGS: Final[dict[str, str]] = {"early_release": "NoQuarantinedReuse",
+                                 "second_pull": "NoSecondPull"}
+
+
+def check_d_bug(m: DModel, bug: str) -> TlcResult:
+    """TLC on the model with KVConsumer's mutant ``bug`` (``D_BUGS``; "none": the spec)."""
+    return run_tlc(f"{m.module_name()}.cfg", module=m.module_name(),
+                   cfg_text=m.tla_cfg(bug), extra_modules={m.module_name(): m.tla_module()},
+                   name=f"{m.name}-{bug}")
 
 
 @dataclass

@@ -44,6 +44,7 @@ from kvproto.lifecycle import (
     HandshakeOk,
     PeerLost,
     PostRead,
+    Quarantined,
     ReadFailed,
     ReadOk,
     Schedule,
@@ -51,6 +52,7 @@ from kvproto.lifecycle import (
     SendHeartbeat,
     SendRelease,
     StartHandshake,
+    Unquarantined,
 )
 from kvproto.verify.tlc import render
 from kvproto.verify.trace import (
@@ -62,7 +64,7 @@ from kvproto.verify.trace import (
 
 # KVConsumer's variables (the trace module works on a record of them).
 D_VARS: Final = ("dst", "dlease", "abortPending", "owner", "peer", "hbs", "hbWait", "heard",
-                 "eff")
+                 "eff", "rdl", "quar", "inflight", "pulls")
 NOBODY: Final = "-"  # a request never admitted: what an unknown id or handle names
 
 
@@ -101,6 +103,7 @@ class _Names:
         self.by_rid: dict[str, str] = {}  # rid -> latest name
         self.by_handle: dict[int, str] = {}  # handle -> latest name
         self.final: dict[str, str] = {}  # name -> state of its Finished effect
+        self.pulls: dict[str, int] = {}  # name -> READs posted
 
     def live(self, c: Consumer, rid: str) -> str:
         n = self.by_rid.get(rid)
@@ -164,16 +167,21 @@ class _DTraceBuilder:
 
     # -- the abstraction function of KVConsumer.tla's header ---------------------------
     def record(self, c: Consumer, names: _Names, reqs: Sequence[str],
-               final: dict[str, str]) -> str:
+               final: dict[str, str], pulls_of: dict[str, int]) -> str:
         now = c.now
         cfg = self.cfg
         dst: list[tuple[str, str]] = []
         dlease: list[tuple[str, str]] = []
         pend: list[tuple[str, str]] = []
+        rdl: list[tuple[str, str]] = []
+        pulls: list[tuple[str, str]] = []
+        quar: list[str] = []
+        inflight: list[str] = []
         for n in reqs:
             a = names.adm.get(n)
             st = "new"
             le = 0
+            rd = 0
             ap = False
             if a is not None:
                 if n in final:
@@ -184,9 +192,17 @@ class _DTraceBuilder:
                     if st in ("waiting", "handshaking") and end is not None:
                         le = end - now
                     ap = c.abort_pending(a.rid)
+                    due = c.read_deadline(a.rid)
+                    rd = due - now if due is not None else 0
+                if c.quarantined(a.rid) and names.by_rid.get(a.rid) == n:
+                    quar.append(_s(n))
+                if st == "reading" or _s(n) in quar:
+                    inflight.append(_s(n))
             dst.append((_s(n), _s(st)))
             dlease.append((_s(n), str(le)))
             pend.append((_s(n), "TRUE" if ap else "FALSE"))
+            rdl.append((_s(n), str(rd)))
+            pulls.append((_s(n), str(pulls_of.get(n, 0))))
         owners = []
         for g in sorted({a.group for n in reqs if (a := names.adm.get(n)) is not None
                          and a.group is not None}):
@@ -211,7 +227,8 @@ class _DTraceBuilder:
             "owner": _fn(owners) if owners else "[x \\in {} |-> \"none\"]",
             "peer": _s(c.peer_state(self.engine)),
             "hbs": "{" + ", ".join(hbs) + "}", "hbWait": str(hb_wait), "heard": str(heard),
-            "eff": "{}",
+            "eff": "{}", "rdl": _fn(rdl), "quar": _set(quar), "inflight": _set(inflight),
+            "pulls": _fn(pulls),
         }
         return "[" + ", ".join(f"{k} |-> {fields[k]}" for k in D_VARS) + "]"
 
@@ -223,6 +240,15 @@ class _DTraceBuilder:
                              "flag": "FALSE", "why": '""', "seq": "0", "term": "0",
                              "ref": "{}", "pen": "{}"}
         touched: list[str] = []
+        if isinstance(ev, Admit) and any(isinstance(e, Finished) and e.reason == "second_pull"
+                                         and e.request_id == ev.request_id for e in effs):
+            # A second load of a request that ended: the spec's Readmit of that request.
+            r = names.handle(ev.params.handle)
+            f.update(type='"readmit"', r=_s(r))
+            fx = f'[k |-> "finish", r |-> {_s(r)}, why |-> "second_pull"]'
+            # fin stays empty: the second load fails, the request it names keeps its state.
+            f.update(eff="{" + fx + "}", fin="{}", hb="{}")
+            return "[" + ", ".join(f"{k} |-> {v}" for k, v in f.items()) + "]", [r]
         if isinstance(ev, Admit):
             r = names.admit(c, ev, self.engine)
             f.update(type='"admit"', r=_s(r))
@@ -235,6 +261,8 @@ class _DTraceBuilder:
             typ = {Schedule: "schedule", ReadOk: "read_ok", ReadFailed: "read_failed",
                    DAbort: "abort"}[type(ev)]
             r = names.live(c, ev.request_id)
+            if r == NOBODY and c.quarantined(ev.request_id):  # its transfer's end
+                r = names.by_rid.get(ev.request_id, NOBODY)
             flag = ev.notif_attached if isinstance(ev, ReadOk) else \
                 ev.fenced if isinstance(ev, ReadFailed) else False
             f.update(type=_s(typ), r=_s(r), flag="TRUE" if flag else "FALSE")
@@ -280,6 +308,11 @@ class _DTraceBuilder:
                 hb.append(f"[seq |-> {e.seq}, rs |-> {rs}, e |-> {e.expected}]")
             elif isinstance(e, DropPeer):
                 eff.append('[k |-> "drop_peer", r |-> "", why |-> ""]')
+            elif isinstance(e, Quarantined):
+                eff.append(f'[k |-> "quarantine", r |-> {_s(who(e.request_id))}, why |-> ""]')
+            elif isinstance(e, Unquarantined):
+                q = names.by_rid.get(e.request_id, NOBODY)
+                eff.append(f'[k |-> "unquarantine", r |-> {_s(q)}, why |-> ""]')
         f["eff"] = "{" + ", ".join(sorted(set(eff))) + "}"
         f["fin"] = "{" + ", ".join(sorted(set(fin))) + "}"
         f["hb"] = "{" + ", ".join(sorted(set(hb))) + "}"
@@ -302,6 +335,8 @@ class _DTraceBuilder:
             "HeartbeatInterval": str(self.cfg.ms.heartbeat_interval),
             "LeaseExtension": str(self.cfg.ms.lease_extension),
             "PeerTimeout": str(self.cfg.ms.peer_timeout),
+            "ReadGrace": str(self.cfg.ms.read_grace),
+            "DBug": '"none"',
             "TickWork": str(self.cfg.max_tick_work),
         }
         for lo in range(0, max(n, 1), seg):
@@ -312,6 +347,7 @@ class _DTraceBuilder:
             # after the fact (admissions are named as the segment runs): keep a copy.
             snapshot = c.clone()
             final_at_start = dict(names.final)
+            pulls_at_start = dict(names.pulls)
             steps: list[str] = []
             lines: list[int] = []
             admitted: list[str] = []
@@ -335,6 +371,9 @@ class _DTraceBuilder:
                 lines.append(lineno)
                 admitted += [t_ for t_ in touched if t_ not in start_names]
                 for e in c.apply(ev):
+                    if isinstance(e, PostRead) and e.request_id in names.by_rid:
+                        pn = names.by_rid[e.request_id]
+                        names.pulls[pn] = names.pulls.get(pn, 0) + 1
                     if isinstance(e, Finished):
                         gone = names.by_rid.get(e.request_id)
                         if gone is not None:
@@ -345,8 +384,8 @@ class _DTraceBuilder:
             reqs |= {nm for nm, a in names.adm.items() if a.group in groups}
             reqs.add(NOBODY)
             order = sorted(reqs, key=lambda x: (len(x), x))
-            start = self.record(snapshot, names, order, final_at_start)
-            end = self.record(c, names, order, names.final)
+            start = self.record(snapshot, names, order, final_at_start, pulls_at_start)
+            end = self.record(c, names, order, names.final, names.pulls)
             constants = {
                 **fixed,
                 "Requests": _set(_s(x) for x in order),

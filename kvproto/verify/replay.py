@@ -23,6 +23,7 @@ from kvproto.journal import (
 from kvproto.lifecycle import (
     R_ABORTED,
     R_EXPIRED,
+    Admit,
     BlockPool,
     Config,
     Consumer,
@@ -30,6 +31,8 @@ from kvproto.lifecycle import (
     Finished,
     Free,
     Ledger,
+    PostRead,
+    Quarantined,
     ReadFailed,
     ReadOk,
     SendRelease,
@@ -121,7 +124,37 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
     machine = Consumer(str(header["reader"]), config)
     res = ReplayResult()
     res.side = "D"
+    # NoQuarantinedReuse: READs posted whose transport has not reported their end, and
+    # the quarantined ones among them. NoSecondPull: (engine, epoch, handle) of every READ
+    # posted, and the rid -> key of admitted loads. Bounded by the journal's requests.
+    in_flight: set[str] = set()
+    quarantined: set[str] = set()
+    pulled: set[tuple[str, int, int]] = set()
+    key_of: dict[str, tuple[str, int, int]] = {}
     for lineno, ev, recorded in body:
+        if isinstance(ev, Admit):
+            key_of[ev.request_id] = (ev.params.engine, ev.params.epoch, ev.params.handle)
+        if isinstance(ev, (ReadOk, ReadFailed)):
+            in_flight.discard(ev.request_id)
+            quarantined.discard(ev.request_id)
+        for eff in recorded:
+            if isinstance(eff, Quarantined):
+                quarantined.add(eff.request_id)
+            elif isinstance(eff, PostRead):
+                in_flight.add(eff.request_id)
+                load = key_of.get(eff.request_id)
+                if load is not None and load in pulled \
+                        and not machine.counters.get("ended_memory_evicted"):
+                    res.violations.append(f"line {lineno}: NoSecondPull: a second READ of "
+                                          f"{load} ({eff.request_id})")
+                if load is not None:
+                    pulled.add(load)
+        for eff in recorded:
+            if isinstance(eff, Finished) and eff.request_id in in_flight \
+                    and eff.request_id not in quarantined:
+                res.violations.append(f"line {lineno}: NoQuarantinedReuse: {eff.request_id} "
+                                      "finished while its READ runs, blocks not quarantined")
+                in_flight.discard(eff.request_id)
         if isinstance(ev, DTick):
             lost = sum(1 for e in recorded
                        if isinstance(e, Finished) and e.reason == "lease_lost")

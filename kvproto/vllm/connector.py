@@ -89,6 +89,10 @@ D (decode engine)
     ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
     recomputes it, with "fail" (vLLM 0.32's default) the request fails with an error.
     The bad data is never computed on.
+  * A READ past ``max_read_time + read_grace`` (the machine's ``read_timeout``, its local
+    blocks quarantined): the blocks are load errors at once, the request joins
+    ``finished_recving``/``failed_recving`` only when the transfer ended, so vLLM never
+    lends them while the transfer may write them (spec/VLLM.md, "Quarantine").
   * Requests whose KV cannot be loaded before any load order (params rejected, P's
     tokens not the prompt's, or ended by the machine: lease lost while queued, handshake
     failed, P lost; the worker reports those as metadata) follow the same policy: under

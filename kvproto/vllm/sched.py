@@ -74,6 +74,8 @@ EXTRA_KEYS: dict[str, str] = {
                          "allocated its blocks (0)",
     "test_faults": "TEST ONLY. D: a seeded fault shim on D's notifications to P, "
                    "{seed, drop, dup, delay} (probabilities; default off)",
+    "test_hold_read_s": "TEST ONLY. D: each data READ reports in progress for this many "
+                        "seconds after its post, a READ that does not complete (0)",
 }
 
 
@@ -98,6 +100,7 @@ class ConnectorOptions:
     test_read_stall_s: float = 0.0
     test_delay_load_s: float = 0.0
     test_faults: Mapping[str, Any] | None = None
+    test_hold_read_s: float = 0.0
 
     @property
     def producer(self) -> bool:
@@ -176,7 +179,8 @@ class ConnectorOptions:
                    model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600),
-                   test_faults=dict(faults) if faults else None)
+                   test_faults=dict(faults) if faults else None,
+                   test_hold_read_s=num("test_hold_read_s", 0.0, 0.0, 3600))
 
     def for_dp_rank(self, rank: int) -> ConnectorOptions:
         """The options of data-parallel rank ``rank``: every rank is its own engine with

@@ -204,8 +204,13 @@ class DWorker:
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
             identity=identity, fault_hook=self.faults)
+        self.adapter.transport.hold_reads_s = opts.test_hold_read_s
         self.rank = (0, 1, 1)  # (TP rank, TP size, the model's KV heads)
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
+        # Loads whose READ went overdue while its transfer runs: rid -> local blocks, kept
+        # out of finished_recving (vLLM holds the blocks) until the transfer ends.
+        # Size: the adapter's quarantined requests (Consumer.stuck_reads).
+        self.quarantined: dict[str, tuple[int, ...]] = {}
         # Admitted and not finished: request id -> (P engine, epoch, handle), and those
         # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
         self.admitted: dict[str, tuple[str, int, int]] = {}
@@ -272,8 +277,8 @@ class DWorker:
 
     @property
     def busy(self) -> bool:
-        """Requests admitted, loading or delayed: D's worker must poll every step."""
-        return bool(self.admitted or self.loads or self.delayed)
+        """Requests admitted, loading, delayed or quarantined: poll every step."""
+        return bool(self.admitted or self.loads or self.delayed or self.quarantined)
 
     def _ended(self, rid: str) -> None:
         self.ended_before_load += 1
@@ -283,6 +288,11 @@ class DWorker:
             self.ended.popitem(last=False)
 
     def _drain(self, completions: Iterable[Completion]) -> None:
+        for rid in self.adapter.take_unquarantined():
+            local = self.quarantined.pop(rid, None)
+            if local is not None:  # its blocks were reported invalid at the deadline
+                self.finished_recving.add(rid)
+                self.failed.add(rid)
         for c in completions:
             key = self.admitted.pop(c.request_id, None)
             if key is not None:
@@ -295,6 +305,9 @@ class DWorker:
                                 c.request_id, c.state, c.reason, self.outcome)
                 self._ended(c.request_id)
                 continue
+            if self.adapter.quarantined(c.request_id):
+                self._quarantine(c.request_id, local)
+                continue
             ok = c.state == D_DONE and c.reason == "pulled"
             # A client abort (vLLM already ended the request) is no failed read: its
             # blocks are still named, so nothing computes on them, but it is not counted
@@ -305,6 +318,20 @@ class DWorker:
                 log.warning("kvproto: remote KV of %s not served (%s: %s); %d blocks "
                             "reported for recompute", c.request_id, c.state, c.reason,
                             len(local))
+
+    def _quarantine(self, rid: str, local: tuple[int, ...]) -> None:
+        """The load's READ is overdue and its transfer still runs. Its blocks are
+        reported as load errors now (vLLM fails the request under "fail", or marks it
+        for recompute under "recompute") but the request is kept out of
+        ``finished_recving`` until the transfer ends: while a request waits for remote
+        KV, or was finished before its receive finished, vLLM neither frees nor reuses
+        its blocks."""
+        self.quarantined[rid] = local
+        self.invalid.update(local)
+        self.stats["reads_failed"] += 1
+        self.stats["recomputed_blocks"] += len(local)
+        log.warning("kvproto: READ of %s overdue; %d local blocks quarantined until the "
+                    "transfer ends; %s", rid, len(local), self.outcome)
 
     def _complete(self, rid: str, local: tuple[int, ...], ok: bool,
                   counted: bool = True) -> None:
@@ -339,6 +366,9 @@ class DWorker:
         c["ended_before_load"] = float(self.ended_before_load)
         c["read_refused"] = float(ac.get("read_refused", 0))
         c["peer_lost"] = float(ac.get("peer_lost", 0))
+        c["stuck_reads"] = float(len(self.quarantined))
+        c["read_timeouts"] = float(ac.get("quarantined", 0))
+        c["second_pulls"] = float(self.adapter.machine.counters.get("second_pull", 0))
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
         c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))

@@ -44,7 +44,7 @@ CONSTANTS
     TickWork   \* Config.max_tick_work: lease-heap entries one tick may process
 
 (* A step:
-   [type |-> "admit"|"handshake_ok"|"handshake_failed"|"schedule"|"read_ok"|"read_failed"
+   [type |-> "admit"|"readmit"|"handshake_ok"|"handshake_failed"|"schedule"|"read_ok"|"read_failed"
              |"abort"|"ack"|"peer_lost"|"tick"|"reject",
     dt   |-> time units since the previous event, late |-> (admit) units behind the clock,
     r    |-> request, flag |-> notification attached (read_ok) / fenced (read_failed),
@@ -64,10 +64,16 @@ Batches(ev) == {[seq |-> b.seq, rs |-> b.rs] : b \in ev.hb}
 (* The requests a recorded tick failed for their lease. *)
 LostRs(ev) == {f.r : f \in {f \in ev.eff : f.k = "finish" /\ f.why = "lease_lost"}}
 
-(* The lost leases a tick left for later (its work budget ran out): those of the spec's
-   LeaseLost the journal does not fail at this tick. A lease_lost finish of a request
-   whose lease still covers a READ is an effect the spec does not have (never early). *)
-Late(ev, C0) == IF ev.type = "tick" THEN LeaseLost(C0) \ LostRs(ev) ELSE {}
+(* The requests a recorded tick failed for an overdue READ. *)
+TimedOutRs(ev) == {f.r : f \in {f \in ev.eff : f.k = "finish" /\ f.why = "read_timeout"}}
+
+(* The lost leases and overdue READs a tick left for later (its work budget ran out):
+   those of the spec's LeaseLost and Overdue the journal does not fail at this tick. A
+   lease_lost finish of a request whose lease still covers a READ, or a read_timeout of a
+   READ not yet overdue, is an effect the spec does not have (never early). *)
+Late(ev, C0) == IF ev.type = "tick"
+                THEN (LeaseLost(C0) \ LostRs(ev)) \cup (Overdue(C0) \ TimedOutRs(ev))
+                ELSE {}
 
 (* The spec's machine after the event (the clock already moved to the event's time). *)
 Successor(ev, C0) ==
@@ -82,6 +88,7 @@ Successor(ev, C0) ==
       [] ev.type = "peer_lost" -> PeerLostOp(C0)
       [] ev.type = "tick" -> DTickLagOp(C0, Late(ev, C0), Batches(ev))
       [] ev.type = "reject" -> NoOp(C0)
+      [] ev.type = "readmit" -> ReadmitOp(C0, ev.r)
 
 (* "" when the recorded effects are the spec's, else why not. *)
 Check(ev, C0, C1) ==
