@@ -47,7 +47,7 @@ def make_llm(model: str, journal: str | None) -> Any:
 
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
                kv_cache_memory_bytes=128 << 20, block_size=32, max_model_len=1024,
-               enable_prefix_caching=False, seed=0,
+               enable_prefix_caching=True, seed=0,
                kv_transfer_config=kv_transfer_config(journal))
 
 
