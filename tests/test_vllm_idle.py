@@ -30,6 +30,11 @@ def test_idle_p_waits_instead_of_spinning_and_still_frees(tmp_path: Path) -> Non
         prompts = {f"held-{i}": pr for i, pr in enumerate(h.make_prompts(2, seed=5))}
         pd.submit_prefills(prompts)
         p.wait(prompts, 120.0)
+        # The worker registers a finished prefill at its next step, which a loaded
+        # machine may run after the output reached us: wait for it (a hang bound).
+        deadline = time.monotonic() + 60.0
+        while p.connector_stats().get("held_requests", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         s0 = p.connector_stats()
         assert s0["held_requests"] == 2
         time.sleep(1.0)  # nothing is due: no D, lease far off
