@@ -3,7 +3,8 @@
 ``NotificationFaults`` is a ``DDriver`` out-hook: every notification D sends to a P engine
 (done, release, heartbeat) passes through it and is sent once (the common case),
 dropped, duplicated, or held back and sent after a later notification to the same
-engine (delayed and reordered). It only changes what the network would do anyway: the
+engine (delayed and reordered; a held notification that no later one follows is never
+sent, a loss counted as ``delay``). It only changes what the network would do anyway: the
 protocol assumes notifications can be lost, duplicated and reordered, and the
 lifecycle machines on both sides stay the only deciders of blocks.
 
@@ -13,8 +14,7 @@ is never meant for production traffic.
 Cost and caps: O(1) per notification; at most ``MAX_HELD`` notifications are held back
 per P engine, and at most ``MAX_ENGINES`` engines are tracked. When a cap is reached the
 notification that would be held is sent at once instead (a fault not injected, counted
-as ``held_cap``), so the shim never grows without bound and never loses more than it
-says it drops.
+as ``held_cap``), so the shim never grows without bound.
 """
 
 from __future__ import annotations
