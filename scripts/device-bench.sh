@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no package index (the lent GPU machine): NIXL wheels carried in
 # .whl/ (nixl, nixl-cu13 for its Python), torch/numpy/pytest/hypothesis already there.
-# Runs the NIXL tests (the VRAM variants included) and `kvproto bench transfer` on DRAM and
-# on VRAM; results go to $OUT (or ./device-out).
+# Runs the NIXL and checksum tests (the VRAM variants included), `kvproto bench transfer`
+# on DRAM and on VRAM, and `bench transfer --checksum` on both; results go to $OUT (or
+# ./device-out): machine.txt, tests.txt, bench-<dev>.json, checksum-<dev>.json, log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -16,11 +17,17 @@ else
 fi
 export PYTHONUNBUFFERED=1
 run() { python3 -c 'import sys; from kvproto.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
-{ nvidia-smi -L; nproc; python3 -c 'import torch, nixl; print(torch.__version__, torch.cuda.get_device_name(0))'; } \
+{ nvidia-smi -L; nproc; uptime; python3 -c 'import torch, nixl; print(torch.__version__, torch.cuda.get_device_name(0))'; } \
   2>&1 | tee "$OUT/machine.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_nixl.py tests/test_wire.py 2>&1 \
-  | grep -v '^[EWI][0-9]\{4\} ' | tail -15 | tee "$OUT/tests.txt"
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m "not tlc" \
+  tests/test_nixl.py tests/test_wire.py tests/test_checksum.py 2>&1 \
+  | grep -v '^[EWI][0-9]\{4\} ' | tail -40 | tee "$OUT/tests.txt"
 for dev in ${DEVICES:-cpu cuda}; do
-  run bench transfer --json --device "$dev" > "$OUT/bench-$dev.json" 2> "$OUT/bench-$dev.err"
-  echo "bench $dev rc=$?"; tail -c 600 "$OUT/bench-$dev.json"; echo
+  timeout "${BENCH_TIMEOUT:-90}" run bench transfer --json --device "$dev" \
+    > "$OUT/bench-$dev.json" 2>> "$OUT/log.txt"
+  echo "bench $dev rc=$?"; tail -c 400 "$OUT/bench-$dev.json"; echo
+  timeout "${BENCH_TIMEOUT:-90}" run bench transfer --checksum --json --device "$dev" \
+    > "$OUT/checksum-$dev.json" 2>> "$OUT/log.txt"
+  echo "checksum $dev rc=$?"; tail -c 400 "$OUT/checksum-$dev.json"; echo
 done
+uptime | tee -a "$OUT/machine.txt"

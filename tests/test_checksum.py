@@ -55,6 +55,69 @@ def test_block_sum_is_crc32_chained_over_the_segments_in_place() -> None:
     assert checksum.block_sum([(addr, 3000)]) != whole
 
 
+def test_wsum32_is_the_weighted_word_sum_chained_over_segments() -> None:
+    import torch
+
+    nb, bb = 6, 96
+    kv = torch.randint(0, 256, (nb, bb), dtype=torch.uint8)
+    addr = kv.data_ptr()
+    want = [checksum.wsum32_reference(bytes(kv[b].tolist())) for b in range(nb)]
+    assert checksum.region_sums(addr, bb, [], range(nb), "wsum32") == want
+    assert checksum.region_sums(addr, bb, [], [4, 1], "wsum32") == [want[4], want[1]]
+    # The same bytes as two segments of each block (40 + 56 bytes): the word positions
+    # continue across them, so the sum is the whole block's.
+    segs = [(addr, bb, 40), (addr + 40, bb, 56)]
+    assert checksum.region_sums(addr, bb, segs, range(nb), "wsum32") == want
+
+
+def test_wsum32_pads_a_short_segment_and_sees_every_single_byte_change() -> None:
+    import torch
+
+    kv = torch.randint(0, 256, (2, 30), dtype=torch.uint8)  # 30: not whole words
+    before = checksum.region_sums(kv.data_ptr(), 30, [], [0, 1], "wsum32")
+    assert before[0] == checksum.wsum32_reference(bytes(kv[0].tolist()))
+    for i in range(30):  # every position, the worst change of each byte: still seen
+        kv[0, i] ^= 0xFF
+        assert checksum.region_sums(kv.data_ptr(), 30, [], [0], "wsum32") != [before[0]]
+        kv[0, i] ^= 0xFF
+    swapped = kv[1].clone()
+    swapped[0:4], swapped[4:8] = kv[1][4:8].clone(), kv[1][0:4].clone()
+    if not torch.equal(swapped, kv[1]):  # two different words swapped: a plain sum is blind
+        got = checksum.region_sums(swapped.data_ptr(), 30, [], [0], "wsum32")
+        assert got != [before[1]]
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs CUDA")
+def test_wsum32_on_the_device_is_the_definition() -> None:
+    import torch
+
+    nb, bb = 5, 4096 + 12
+    kv = torch.randint(0, 256, (nb, bb), dtype=torch.uint8, device="cuda")
+    host = kv.cpu()
+    want = [checksum.wsum32_reference(bytes(host[b].tolist())) for b in range(nb)]
+    got = checksum.region_sums(kv.data_ptr(), bb, [], [3, 0, 4], "wsum32", kv.device)
+    assert got == [want[3], want[0], want[4]]
+    # Split in two segments (1,000 + the rest): the same sums as the host computes.
+    segs = [(kv.data_ptr(), bb, 1000), (kv.data_ptr() + 1000, bb, bb - 1000)]
+    hsegs = [(host.data_ptr(), bb, 1000), (host.data_ptr() + 1000, bb, bb - 1000)]
+    on_host = checksum.region_sums(host.data_ptr(), bb, hsegs, range(nb), "wsum32")
+    assert on_host == want
+    assert checksum.region_sums(kv.data_ptr(), bb, segs, range(nb), "wsum32", kv.device) == want
+    kv[2, 77] ^= 0x10
+    assert checksum.region_sums(kv.data_ptr(), bb, [], [2], "wsum32", kv.device) != [want[2]]
+
+
+def test_the_function_follows_the_memory_and_d_refuses_what_it_cannot_compute() -> None:
+    assert checksum.algorithm_for("DRAM") == "crc32" == checksum.ALGORITHM
+    assert checksum.algorithm_for("VRAM") == "wsum32"
+    assert checksum.can_verify("crc32", "DRAM") and checksum.can_verify("wsum32", "DRAM")
+    assert checksum.can_verify("wsum32", "VRAM")
+    assert not checksum.can_verify("crc32", "VRAM")  # no CRC kernel on the device
+    assert not checksum.can_verify("md5", "DRAM") and not checksum.can_verify(True, "DRAM")
+    with pytest.raises(ValueError, match="unknown checksum function"):
+        checksum.region_sums(0, 8, [], [0], "md5")
+
+
 def test_block_parts_contiguous_and_segmented() -> None:
     assert checksum.block_parts(1000, 64, [], 3) == [(1000 + 3 * 64, 64)]
     segs = [(10_000, 128, 32), (50_000, 128, 32)]
@@ -191,14 +254,14 @@ _ids = itertools.count()
 class _P:
     """``kvproto.nixl.procs.producer_main`` in a process of its own."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, device: str = "cpu") -> None:
         from kvproto.nixl.procs import mp_context, producer_main
 
         ctx = mp_context()
         self.name = f"P-{os.getpid()}-{next(_ids)}"
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=producer_main, daemon=True,
-                                args=(child, self.name, cfg.to_dict(), 8, BB, {"device": "cpu"}))
+                                args=(child, self.name, cfg.to_dict(), 8, BB, {"device": device}))
         self.proc.start()
         child.close()
         _, self.host, self.port, _ = self.recv("ready")
@@ -233,10 +296,12 @@ class _P:
             self.proc.join(5)
 
 
-def _pull(p: _P, cfg: Config, reqs: list[tuple[str, TransferParams]]) -> tuple[Any, list[Any]]:
+def _pull(p: _P, cfg: Config, reqs: list[tuple[str, TransferParams]],
+          device: str = "cpu") -> tuple[Any, list[Any]]:
     from kvproto.nixl.consumer import ConsumerAdapter
 
-    d = ConsumerAdapter(f"D-{os.getpid()}-{next(_ids)}", cfg, num_blocks=8, block_bytes=BB)
+    d = ConsumerAdapter(f"D-{os.getpid()}-{next(_ids)}", cfg, num_blocks=8, block_bytes=BB,
+                        device=device)
     d.add_engine(p.name, p.host, p.port)
     for rid, params in reqs:
         d.admit(rid, params)
@@ -254,7 +319,8 @@ def _served_intact(d: Any, c: Any, key: str) -> bool:
 
     from kvproto.nixl.agent import fill_pattern
 
-    return all(torch.equal(d.region.kv[lb], fill_pattern(key, i, BB, "cpu"))
+    dev = d.region.kv.device
+    return all(torch.equal(d.region.kv[lb], fill_pattern(key, i, BB, dev))
                for i, lb in enumerate(c.local_blocks))
 
 
@@ -263,17 +329,33 @@ def nixl() -> None:
     pytest.importorskip("nixl._api")
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch comes with the nixl extra
+        return False
+    return bool(torch.cuda.is_available())
+
+
+NEEDS_CUDA = pytest.mark.skipif(not _cuda(), reason="VRAM variant needs CUDA")
+# (P's memory, D's memory): the function is P's (crc32 in DRAM, wsum32 in VRAM).
+PAIRS = [("cpu", "cpu"), pytest.param("cuda", "cuda", marks=NEEDS_CUDA),
+         pytest.param("cuda", "cpu", marks=NEEDS_CUDA)]
+
+
 @pytest.mark.nixl
 @pytest.mark.usefixtures("nixl")
-def test_nixl_a_byte_changed_in_p_memory_after_register_is_fenced_never_served() -> None:
+@pytest.mark.parametrize(("p_dev", "d_dev"), PAIRS)
+def test_nixl_a_byte_changed_in_p_memory_after_register_is_fenced_never_served(
+        p_dev: str, d_dev: str) -> None:
     cfg = replace(NIXL_CFG, checksums=True)
-    p = _P(cfg)
+    p = _P(cfg, p_dev)
     d = None
     try:
         good = p.register("good", 2)
         bad = p.register("bad", 3)
         p.conn.send(("flip", bad.blocks[1], 4321))  # a NIC/backend fault: stamps unchanged
-        d, comps = _pull(p, cfg, [("good", good), ("bad", bad)])
+        d, comps = _pull(p, cfg, [("good", good), ("bad", bad)], d_dev)
         got = {c.request_id: c for c in comps}
         assert (got["good"].state, got["good"].reason) == ("done", "pulled")
         assert _served_intact(d, got["good"], "good")
@@ -295,14 +377,15 @@ def test_nixl_a_byte_changed_in_p_memory_after_register_is_fenced_never_served()
 
 @pytest.mark.nixl
 @pytest.mark.usefixtures("nixl")
-def test_nixl_without_checksums_the_same_byte_is_served() -> None:
+@pytest.mark.parametrize(("p_dev", "d_dev"), PAIRS[:2])
+def test_nixl_without_checksums_the_same_byte_is_served(p_dev: str, d_dev: str) -> None:
     """The fault is real: the stamps alone cannot see it."""
-    p = _P(NIXL_CFG)
+    p = _P(NIXL_CFG, p_dev)
     d = None
     try:
         bad = p.register("bad", 3)
         p.conn.send(("flip", bad.blocks[1], 4321))
-        d, comps = _pull(p, NIXL_CFG, [("bad", bad)])
+        d, comps = _pull(p, NIXL_CFG, [("bad", bad)], d_dev)
         assert [(c.state, c.reason) for c in comps] == [("done", "pulled")]
         assert not _served_intact(d, comps[0], "bad")
     finally:
@@ -321,6 +404,26 @@ def test_nixl_a_verifying_d_refuses_a_p_without_checksums() -> None:
         d, comps = _pull(p, replace(NIXL_CFG, checksums=True), [("r", params)])
         assert [(c.state, c.reason) for c in comps] == [("failed", "checksums_unsupported")]
         assert d.counters.get("handshake_failed:checksums_unsupported", 0) >= 1
+    finally:
+        if d is not None:
+            d.close(1.0)
+        p.stop()
+
+
+@pytest.mark.nixl
+@pytest.mark.usefixtures("nixl")
+@NEEDS_CUDA
+def test_nixl_a_d_in_vram_refuses_a_p_sealing_crc32_in_dram() -> None:
+    """CRC-32 has no device kernel here: such a D cannot verify, so it never reads."""
+    cfg = replace(NIXL_CFG, checksums=True)
+    p = _P(cfg, "cpu")
+    d = None
+    try:
+        params = p.register("r", 1)
+        d, comps = _pull(p, cfg, [("r", params)], "cuda")
+        assert [(c.state, c.reason) for c in comps] == [("failed", "checksums_unsupported")]
+        assert d.counters.get("handshake_failed:checksums_unsupported", 0) >= 1
+        assert not d.counters.get("checksum_verified")
     finally:
         if d is not None:
             d.close(1.0)

@@ -395,7 +395,7 @@ def checksum_cost(block_bytes: int, k: int, nreq: int, rounds: int, tag: str
             name = f"bench-{tag}-{'on' if on else 'off'}-{os.getpid()}"
             p = _P("P" + name, nblocks + 1, block_bytes, config=cfg)
             d = ConsumerAdapter("D" + name, cfg, num_blocks=nblocks, block_bytes=block_bytes,
-                                device="cpu")
+                                device=DEVICE["name"])
             sides[on] = (p, d)
             d.add_engine(p.name, p.host, p.port)
             _handshake(d, p)
@@ -434,14 +434,15 @@ def checksum_cost(block_bytes: int, k: int, nreq: int, rounds: int, tag: str
 
 
 def run_checksum(args: Any) -> dict[str, Any]:
-    from kvproto.nixl.checksum import ALGORITHM, speeds
+    from kvproto.nixl.checksum import algorithm_for, speeds
 
     t0 = time.monotonic()
     sp = speeds()
     big = checksum_cost(args.block_kib * 1024, args.blocks_per_request, args.requests, args.rounds,
                   "big")
     small = checksum_cost(4096, 1, args.small_requests, args.rounds, "small")
-    return {"algorithm": ALGORITHM, "cpu_gbps": {k: round(v, 3) for k, v in sp.items()},
+    algo = algorithm_for("VRAM" if DEVICE["name"] == "cuda" else "DRAM")
+    return {"algorithm": algo, "device": DEVICE["name"], "cpu_gbps": {k: round(v, 3) for k, v in sp.items()},
             "big": big, "small": small, "ratio": round(big["ratio"], 4),
             "ratio_4k": round(small["ratio"], 4),
             "register_ratio": round(big["register_ratio"], 4),
@@ -451,7 +452,8 @@ def run_checksum(args: Any) -> dict[str, Any]:
 
 def print_checksum(res: dict[str, Any]) -> None:
     big, small = res["big"], res["small"]
-    print("kvproto bench transfer --checksum (P in its own process, D here; DRAM; "
+    where = "VRAM" if res.get("device") == "cuda" else "DRAM"
+    print(f"kvproto bench transfer --checksum (P in its own process, D here; {where}; "
           "paired rounds, same run)")
     print("  checksum candidates, CPU GB/s here: " + ", ".join(
         f"{k} {v:.2f}" for k, v in res["cpu_gbps"].items()) + f"  (used: {res['algorithm']})")
@@ -483,10 +485,6 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     quiet_nixl_logging()
     if getattr(args, "checksum", False):  # callers building a Namespace may omit it
-        if args.device != "cpu":
-            print("kvproto bench transfer: --checksum runs in DRAM only (--device cpu)",
-                  file=sys.stderr)
-            return 2
         cres = run_checksum(args)
         if args.json:
             print(json.dumps(cres, sort_keys=True))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvproto.nixl.checksum import region_sums
+from kvproto.nixl.checksum import ALGO_KEY, algorithm_for, region_sums
 from kvproto.wire import Layout
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,7 @@ class KVRegion:
         self.gen = self.slots[:num_blocks]
         self.sums = self.slots[num_blocks:]
         self.mem = "VRAM" if self.kv.is_cuda else "DRAM"
+        self.sum_algo = algorithm_for(self.mem)  # the checksum function P seals with
         self.dev_id = self.kv.get_device() if self.kv.is_cuda else 0
         if tensors:
             uniq = list({int(t.data_ptr()): t for t in tensors}.values())
@@ -242,7 +243,8 @@ class KVRegion:
         """Plain numbers a peer needs to address this region (goes in the handshake)."""
         e: dict[str, Any] = {"kv_addr": int(self.kv.data_ptr()),
                              "gen_addr": int(self.gen.data_ptr()),
-                             "dev_id": int(self.dev_id), "mem": self.mem}
+                             "dev_id": int(self.dev_id), "mem": self.mem,
+                             ALGO_KEY: self.sum_algo}
         if self.segments:
             e["segments"] = [list(s) for s in self.segments]
         return e
@@ -252,10 +254,12 @@ class KVRegion:
         return RemoteRegion(e["kv_addr"], e["gen_addr"], e["dev_id"], e["mem"],
                             self.num_blocks, self.block_bytes, tuple(self.segments))
 
-    def block_sums(self, blocks: Sequence[int]) -> list[int]:
-        """The checksum of each of ``blocks`` as it holds now (``kvproto.nixl.checksum``;
-        DRAM only: the bytes are read in place)."""
-        return region_sums(int(self.kv.data_ptr()), self.block_bytes, self.segments, blocks)
+    def block_sums(self, blocks: Sequence[int], algo: str | None = None) -> list[int]:
+        """The checksum of each of ``blocks`` as it holds now under ``algo`` (default:
+        this region's own function; ``kvproto.nixl.checksum``), computed where the bytes
+        live: in place in DRAM, by the device in VRAM."""
+        return region_sums(int(self.kv.data_ptr()), self.block_bytes, self.segments, blocks,
+                           algo or self.sum_algo, self.kv.device)
 
     def block_index(self, blocks: Sequence[int]) -> list[int]:
         """Descriptor indices of ``blocks`` in ``local_dlists()[0]``."""

@@ -190,8 +190,9 @@ class DTransport(Protocol):
         """The checksums a finished stamp READ with ``sums`` left in the local checksum
         slots ``local`` (what P computed at register)."""
 
-    def block_sums(self, local: Sequence[int]) -> list[int]:
-        """The checksums of what the local blocks ``local`` hold now (the landed data)."""
+    def block_sums(self, local: Sequence[int], engine: str = "") -> list[int]:
+        """The checksums of what the local blocks ``local`` hold now (the landed data),
+        with the function the P engine ``engine`` seals with."""
 
     def stale(self) -> bool:
         """Whether ``reap`` has anything to do (cheap: called every poll)."""

@@ -848,7 +848,8 @@ class DDriver:
         effects: list[DEffect] = []  # every request's, executed once the loop is done
         verify = self.config.checksums
         if verify:  # the whole batch at once: the sums fetched, and the landed data's
-            sums_want, sums_got = t.landed_sums(b.local), t.block_sums(b.local)
+            sums_want = t.landed_sums(b.local)
+            sums_got = t.block_sums(b.local, rds[0].params.engine)
             self._count("checksum_verified", len(b.local))
         off = 0
         for rd in rds:

@@ -82,6 +82,8 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
     """A P engine. Commands: register, register_group, abort, overwrite, flip, stats,
     pause, stop."""
     _setup_logging(int(opts.get("log_level", logging.WARNING)))
+    import torch
+
     from kvproto.nixl.agent import default_device, fill_pattern
     from kvproto.nixl.producer import ProducerAdapter
 
@@ -171,6 +173,8 @@ def producer_main(conn: Connection, name: str, config: dict[str, Any], num_block
                 elif op == "flip":  # tests: invert one byte of a block, stamps unchanged
                     _, b, i = cmd
                     p.region.kv[b, i] = p.region.kv[b, i] ^ 0xFF
+                    if p.region.kv.is_cuda:  # landed before any READ that follows
+                        torch.cuda.synchronize(p.region.kv.device)
                 elif op == "stats":
                     conn.send(("stats", {
                         "held": p.pool.held_count, "free": p.free_blocks,

@@ -31,12 +31,12 @@ from kvproto.nixl.agent import (
     prep_blocks,
 )
 from kvproto.nixl.channel import ST_OK, Client, Server, frame, refusal
+from kvproto.nixl.checksum import ALGO_KEY, ALGORITHM, can_verify
 from kvproto.nixl.driver import PROC, Accept, HandshakeHandler, PeerError, Refuse
 from kvproto.wire import Handshake, Layout
 
 log = logging.getLogger(__name__)
 
-_NO_VRAM = "block checksums are computed in DRAM only (see kvproto.nixl.checksum)"
 
 
 def _notifs(agent: Any) -> list[tuple[str, bytes]]:
@@ -57,12 +57,6 @@ def _send(agent: Any, peer: str, buf: bytes) -> str | None:
     return None
 
 
-def _check_dram(checksums: bool, device: str, tensors: Sequence[torch.Tensor] | None) -> None:
-    on_gpu = tensors[0].is_cuda if tensors else device != "cpu"
-    if checksums and on_gpu:
-        raise ValueError(_NO_VRAM)
-
-
 class NixlPTransport:
     """P's side of NIXL: agent, KV cache with stamps, handshake listener."""
 
@@ -73,8 +67,8 @@ class NixlPTransport:
                  handshake_secret: bytes | None = None, threaded: bool = False,
                  checksums: bool = False) -> None:
         """``threaded``: serve the handshake listener from a thread of its own (see
-        ``PTransport.threaded``). ``checksums``: ``seal`` will be called (DRAM only)."""
-        _check_dram(checksums, device, kv_tensors)
+        ``PTransport.threaded``). ``checksums``: ``seal`` will be called (computed where
+        the blocks live: CRC-32 in DRAM, ``wsum32`` on the GPU; ``kvproto.nixl.checksum``)."""
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
@@ -169,10 +163,13 @@ class NixlPTransport:
 
     def seal(self, blocks: Sequence[int]) -> None:
         sv = self._sum_view
-        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
-            raise NotImplementedError(_NO_VRAM)
         sums = self.region.block_sums(blocks)
-        if len(blocks) <= 8:
+        if sv is None:  # VRAM: the sums were computed on the device; one small copy back
+            dev = self.region.sums.device
+            idx = torch.tensor(list(blocks), dtype=torch.int64, device=dev)
+            self.region.sums[idx] = torch.tensor(sums, dtype=torch.int64, device=dev)
+            torch.cuda.synchronize(dev)  # sealed before any READ can be told of them
+        elif len(blocks) <= 8:
             for b, c in zip(blocks, sums, strict=True):
                 sv[b] = c
         else:
@@ -190,7 +187,7 @@ class _Remote:
     """One P engine as the transport knows it: its handshake connection and, once
     loaded, its region and prepared descriptor lists."""
 
-    __slots__ = ("client", "region", "remote_gen", "remote_kv", "stale_handles")
+    __slots__ = ("client", "region", "remote_gen", "remote_kv", "stale_handles", "sum_algo")
 
     def __init__(self) -> None:
         self.client: Client | None = None
@@ -198,6 +195,7 @@ class _Remote:
         self.remote_kv: Any = None
         self.remote_gen: Any = None
         self.stale_handles: list[Any] = []  # dlists to release once no READ uses them
+        self.sum_algo: str | None = None  # the checksum function P seals with
 
 
 class NixlDTransport:
@@ -208,8 +206,10 @@ class NixlDTransport:
                  tp_rank: int = 0, tp_size: int = 1, progress_thread: bool = False,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
                  handshake_secret: bytes | None = None, checksums: bool = False) -> None:
-        """``checksums``: READs will verify block checksums (DRAM only)."""
-        _check_dram(checksums, device, kv_tensors)
+        """``checksums``: READs will verify block checksums, with the function each P
+        seals with (a P whose function this memory cannot compute is refused at the
+        handshake, ``checksums_unsupported``)."""
+        self.checksums = checksums
         self.agent = make_agent(name, progress_thread=progress_thread)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
@@ -275,11 +275,18 @@ class NixlDTransport:
             region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
         except ValueError as e:
             raise PeerError("handshake_malformed", str(e), final=True) from None
+        algo = (hs.extra or {}).get(ALGO_KEY, ALGORITHM)
+        if self.checksums and not can_verify(algo, self.region.mem):
+            raise PeerError("checksums_unsupported",
+                            f"P seals {str(algo)[:32]!r} checksums, which this D cannot "
+                            f"compute over {self.region.mem} (kvproto.nixl.checksum)",
+                            final=True)
         md_name = metadata_agent_name(hs.agent_metadata)
         if md_name != engine:  # checked before loading: never replace another agent's
             raise PeerError("handshake_wrong_peer", f"metadata of {str(md_name)[:64]!r}",
                             final=True)
         r = self._remote(engine)
+        r.sum_algo = str(algo)
         try:
             name = self.agent.add_remote_agent(hs.agent_metadata)
             name_s = name.decode() if isinstance(name, bytes) else str(name)
@@ -349,12 +356,15 @@ class NixlDTransport:
 
     def landed_sums(self, local: Sequence[int]) -> list[int]:
         sv = self._sum_view
-        if sv is None:  # pragma: no cover - VRAM: refused at construction (checksums)
-            raise NotImplementedError(_NO_VRAM)
+        if sv is None:  # VRAM
+            got: list[int] = self.region.sums[torch.tensor(
+                list(local), dtype=torch.int64, device=self.region.sums.device)].tolist()
+            return got
         return [int(sv[i]) for i in local] if len(local) <= 8 else sv[list(local)].tolist()
 
-    def block_sums(self, local: Sequence[int]) -> list[int]:
-        return self.region.block_sums(local)
+    def block_sums(self, local: Sequence[int], engine: str = "") -> list[int]:
+        r = self.remotes.get(engine)
+        return self.region.block_sums(local, r.sum_algo if r is not None else None)
 
     def landed_stamps(self, local: Sequence[int]) -> list[int]:
         gv = self._gen_view

@@ -578,7 +578,7 @@ class SimDTransport:
         sums = self.world.local_sums[self.name]
         return [sums[i] for i in local]
 
-    def block_sums(self, local: Sequence[int]) -> list[int]:
+    def block_sums(self, local: Sequence[int], engine: str = "") -> list[int]:
         held = self.world.local[self.name]
         return [content_sum(held[i]) for i in local]
 
