@@ -43,7 +43,8 @@ EXTRA_KEYS: dict[str, str] = {
     "role": "producer | consumer | both (default: from kv_role)",
     "lease": "lifecycle Config fields (initial_lease, lease_extension, heartbeat_interval, "
              "abort_grace, max_delay, max_read_time, clock_drift, ...), seconds",
-    "checksums": "block checksums: P computes a CRC-32 per block at register, D verifies "
+    "checksums": "block checksums: P computes one per block at register (CRC-32 in DRAM, "
+                 "wsum32 on the GPU), D verifies "
                  "each block it read before vLLM sees it; a mismatch fails the load "
                  "(recompute or error per kv_load_failure_policy). Both sides must agree "
                  "(false; same as lease.checksums)",
