@@ -92,7 +92,8 @@ def test_verdict_flags_each_violation() -> None:
         assert "VIOLATION" in format_summary(c.summary())
     assert "CLEAN" in format_summary(ok.summary())
     replayed = Campaign(seed=0, minutes=1.0, requests=5, finished=5, all_reclaimed=True,
-                        journals={"P1.jsonl": "valid", "D1.consumer.jsonl": "replayed"})
+                        journals={"P1.jsonl": "valid", "D1.consumer.jsonl": "replayed",
+                                  "D2.consumer.jsonl": "traced"})
     assert replayed.clean
 
 
