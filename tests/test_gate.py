@@ -155,7 +155,7 @@ def test_every_row_is_reached() -> None:
 
 
 def ops_of(names: tuple[str, ...]) -> st.SearchStrategy[list[Op]]:
-    return st.lists(st.tuples(st.sampled_from(names), st.integers(0, 1), st.integers(0, 2)),
+    return st.lists(st.tuples(st.sampled_from(names), st.integers(0, 1), st.integers(0, 3)),
                     max_size=24)
 
 
@@ -165,7 +165,7 @@ OPS = ops_of(OP_NAMES)
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=OPS)
 def test_the_real_gate_keeps_every_property(ops: list[Op]) -> None:
-    assert run_ops(ops, requests=2, consumers=3) is None
+    assert run_ops(ops, requests=2, consumers=3, forgers=1) is None
 
 
 @pytest.mark.parametrize("mutant", GATE_MUTANTS, ids=lambda m: m.name)
@@ -176,7 +176,8 @@ def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
               suppress_health_check=list(HealthCheck))
     @given(ops=ops_of(mutant.ops))
     def prop(ops: list[Op]) -> None:
-        bad = run_ops(ops, mutant.cls, requests=1, consumers=2)
+        bad = run_ops(ops, mutant.cls, requests=1, consumers=2 + mutant.forgers,
+                      forgers=mutant.forgers)
         if bad is not None:
             found.append(bad)
         assert bad is None
@@ -188,14 +189,18 @@ def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
 
 GATE_CFG = """CONSTANTS
     Requests = {"r0"}
-    Consumers = {"c0", "c1", "c2"}
+    Consumers = {"c0", "c1", "c2", "c3"}
     Chunks = 2
     BugSkipBinding = FALSE
     BugRegisterUnready = FALSE
     BugNoNeverNotice = FALSE
+    Forgers = {"c3"}
+    MayBeFull = TRUE
+    BugSkipCapability = FALSE
 INIT Init
 NEXT Next
 INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed
+    OnlyHoldersBind
 """
 
 
@@ -233,7 +238,7 @@ def test_the_gate_and_kvgate_reach_the_same_states(tmp_path: Path) -> None:
     """State-set equality: the Python gate (over the ledger, in the fuzz world) and
     tla/KVGate.tla reach exactly the same abstract states."""
     tlc = _tlc_states(tmp_path)
-    py = explore(requests=1, consumers=3)
+    py = explore(requests=1, consumers=4, forgers=1)
     assert len(py) > 100
     assert py == tlc, (sorted(map(repr, py - tlc))[:3], sorted(map(repr, tlc - py))[:3])
 
