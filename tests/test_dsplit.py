@@ -321,3 +321,17 @@ def test_cli_validates_a_restart_journal(tmp_path: Path) -> None:
             pytest.skip(proc.stderr)
         assert proc.returncode == rc, proc.stdout + proc.stderr
         assert text in proc.stdout, proc.stdout
+
+
+def test_chaos_reports_each_verdict_status() -> None:
+    from kvproto.testing.chaos import JOURNAL_OK, _status
+
+    ok = Verdict("D1.jsonl", True, 10)
+    traced = Verdict("D1.jsonl", True, 30, engines=3)
+    replayed = Verdict("D1.jsonl", True, 10, replayed="line 4: a cap shared by all P engines")
+    bad = Verdict("D1.jsonl", False, 3, line=5, why="an effect the spec does not have")
+    assert [_status(v) for v in (ok, traced, replayed)] == ["valid", "traced", "replayed"]
+    assert all(_status(v) in JOURNAL_OK for v in (ok, traced, replayed))
+    assert _status(bad).startswith("invalid: D1.jsonl: NOT ALLOWED at line 5")
+    assert _status(bad) not in JOURNAL_OK
+    assert "not traced by TLC: line 4" in replayed.describe()
