@@ -335,3 +335,27 @@ def test_chaos_reports_each_verdict_status() -> None:
     assert _status(bad).startswith("invalid: D1.jsonl: NOT ALLOWED at line 5")
     assert _status(bad) not in JOURNAL_OK
     assert "not traced by TLC: line 4" in replayed.describe()
+
+
+@pytest.mark.tlc
+def test_each_part_runs_on_ds_clock(tmp_path: Path) -> None:
+    """Pa's last step is at 0; Pb's admit moves D's clock to 1000; Pa's admit then arrives
+    stamped 400 (Consumer keeps its own, earlier time for the lease). Pa's part must put
+    that admit at D's clock (1000) with late 600, not at its own time 400 (then its lease
+    would end 600 ms early in the spec, and the part's end state would not be the
+    Consumer's)."""
+    path = tmp_path / "clock.jsonl"
+    cfg = Config()
+    with JournalWriter(path, cfg, None, {"source": "clock"}, reader="d0") as w:
+        c = Consumer("d0", cfg, sink=w.sink)
+        c.handshake_result("Pa", True, 0)
+        c.handshake_result("Pb", True, 0)
+        c.admit("b1", TransferParams("Pb", 8, 1, (1,), 30_000), 1_000)
+        c.admit("a1", TransferParams("Pa", 7, 1, (1,), 30_000), 400)
+        c.tick(5_000)
+        c.tick(23_500)  # a1's lease (400 + 29_000) still covers a READ (from 1000: not)
+    rows = rows_of(path)
+    assert rows[4]["event"]["now"] == 400
+    assert not [e for r in rows[1:] for e in r["effects"] if e["type"] == "finished"]
+    (v,) = _validate([path])
+    assert v.allowed and v.status == "traced", v.describe()
