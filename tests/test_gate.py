@@ -253,3 +253,24 @@ def test_the_gate_model_passes(name: str) -> None:
         pytest.skip(o.summary)
     assert o.result.result == "ok", o.summary
     assert o.result.distinct is not None and o.result.distinct > 1000
+
+
+def test_every_gate_row_is_named_in_kvgate_and_the_docs() -> None:
+    """Name for name: every row of GATE_TRANSITIONS is taken somewhere in tla/KVGate.tla
+    (its ``event/guard`` named where the spec takes it), listed in spec/TLA.md §7, and is
+    a row of spec/PROTOCOL.md §11's table (its state, event and guard)."""
+    from kvproto.verify.tlc import spec_dir
+
+    root = Path(__file__).resolve().parent.parent
+    tla = (spec_dir() / "KVGate.tla").read_text()
+    tla_md = (root / "spec" / "TLA.md").read_text()
+    gate_md = tla_md[tla_md.index("## 7. P's gate"):tla_md.index("## 8.")]
+    proto = (root / "spec" / "PROTOCOL.md").read_text()
+    table = next(b for b in proto[proto.index("## 11. P's gate"):].split("\n\n")
+                 if b.startswith("| state |")).splitlines()
+    for row in GATE_TRANSITIONS:
+        name = f"{row.event}/{row.guard}"
+        assert name in tla, name
+        assert f"`{name}`" in gate_md, name
+        assert any(f"| {row.event} | {row.guard} |" in ln
+                   and row.src in ln.split("|")[1] for ln in table), name

@@ -148,7 +148,9 @@ Heartbeat(r, c) ==
     /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
 
 (* mirrors Gate.abandon: rows abandon/claimed (tell the bound consumer),
-   abandon/unclaimed (tell every peer). A told consumer fails at once. *)
+   abandon/unclaimed (tell every peer). A told consumer fails at once. Row abandon/again
+   (refused, counted: nothing changes) is the stutter of an abandoned request: Abandon
+   is not enabled twice (~aborted[r]). *)
 Abandon(r) ==
     /\ ~aborted[r] /\ pstate[r] = "unregistered"
     /\ LET claimed == gstate[r] = "bound"
