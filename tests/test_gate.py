@@ -155,7 +155,7 @@ def test_every_row_is_reached() -> None:
 
 
 def ops_of(names: tuple[str, ...]) -> st.SearchStrategy[list[Op]]:
-    return st.lists(st.tuples(st.sampled_from(names), st.integers(0, 1), st.integers(0, 2)),
+    return st.lists(st.tuples(st.sampled_from(names), st.integers(0, 1), st.integers(0, 3)),
                     max_size=24)
 
 
@@ -165,7 +165,7 @@ OPS = ops_of(OP_NAMES)
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=OPS)
 def test_the_real_gate_keeps_every_property(ops: list[Op]) -> None:
-    assert run_ops(ops, requests=2, consumers=3) is None
+    assert run_ops(ops, requests=2, consumers=3, forgers=1) is None
 
 
 @pytest.mark.parametrize("mutant", GATE_MUTANTS, ids=lambda m: m.name)
@@ -176,7 +176,8 @@ def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
               suppress_health_check=list(HealthCheck))
     @given(ops=ops_of(mutant.ops))
     def prop(ops: list[Op]) -> None:
-        bad = run_ops(ops, mutant.cls, requests=1, consumers=2)
+        bad = run_ops(ops, mutant.cls, requests=1, consumers=2 + mutant.forgers,
+                      forgers=mutant.forgers)
         if bad is not None:
             found.append(bad)
         assert bad is None
@@ -188,14 +189,18 @@ def test_hypothesis_catches_the_gate_mutant(mutant: GateMutant) -> None:
 
 GATE_CFG = """CONSTANTS
     Requests = {"r0"}
-    Consumers = {"c0", "c1", "c2"}
+    Consumers = {"c0", "c1", "c2", "c3"}
     Chunks = 2
     BugSkipBinding = FALSE
     BugRegisterUnready = FALSE
     BugNoNeverNotice = FALSE
+    Forgers = {"c3"}
+    MayBeFull = TRUE
+    BugSkipCapability = FALSE
 INIT Init
 NEXT Next
 INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed
+    OnlyHoldersBind
 """
 
 
@@ -233,7 +238,7 @@ def test_the_gate_and_kvgate_reach_the_same_states(tmp_path: Path) -> None:
     """State-set equality: the Python gate (over the ledger, in the fuzz world) and
     tla/KVGate.tla reach exactly the same abstract states."""
     tlc = _tlc_states(tmp_path)
-    py = explore(requests=1, consumers=3)
+    py = explore(requests=1, consumers=4, forgers=1)
     assert len(py) > 100
     assert py == tlc, (sorted(map(repr, py - tlc))[:3], sorted(map(repr, tlc - py))[:3])
 
@@ -248,3 +253,24 @@ def test_the_gate_model_passes(name: str) -> None:
         pytest.skip(o.summary)
     assert o.result.result == "ok", o.summary
     assert o.result.distinct is not None and o.result.distinct > 1000
+
+
+def test_every_gate_row_is_named_in_kvgate_and_the_docs() -> None:
+    """Name for name: every row of GATE_TRANSITIONS is taken somewhere in tla/KVGate.tla
+    (its ``event/guard`` named where the spec takes it), listed in spec/TLA.md §7, and is
+    a row of spec/PROTOCOL.md §11's table (its state, event and guard)."""
+    from kvproto.verify.tlc import spec_dir
+
+    root = Path(__file__).resolve().parent.parent
+    tla = (spec_dir() / "KVGate.tla").read_text()
+    tla_md = (root / "spec" / "TLA.md").read_text()
+    gate_md = tla_md[tla_md.index("## 7. P's gate"):tla_md.index("## 8.")]
+    proto = (root / "spec" / "PROTOCOL.md").read_text()
+    table = next(b for b in proto[proto.index("## 11. P's gate"):].split("\n\n")
+                 if b.startswith("| state |")).splitlines()
+    for row in GATE_TRANSITIONS:
+        name = f"{row.event}/{row.guard}"
+        assert name in tla, name
+        assert f"`{name}`" in gate_md, name
+        assert any(f"| {row.event} | {row.guard} |" in ln
+                   and row.src in ln.split("|")[1] for ln in table), name

@@ -19,6 +19,17 @@
 (*   untold      GHOST: pairs owed a notice that Abandon did not send      *)
 (* A consumer posts its READ only after the gate granted its claim, so     *)
 (* NoFreeUnderRead holds per claimant.                                     *)
+(*                                                                         *)
+(* REFUSALS, row for row: register/unready and register/never change       *)
+(* nothing (GateRegister's stuttering cases); present/bad_capability (a    *)
+(* consumer in Forgers never got the params: every capability it presents *)
+(* is wrong), present/foreign, present/never and present/full (the gate's  *)
+(* records may be full of other handles' bindings, outside the model,     *)
+(* when MayBeFull) fail the presenting consumer (it recomputes); a done,   *)
+(* release or heartbeat from another consumer than the bound one is        *)
+(* refused (present/foreign: Done, Release, Heartbeat). Not modelled: the  *)
+(* eviction of the oldest never mark at the cap (never_evicted, not a row; *)
+(* the handle is open again, and its request never registers).            *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets, TLC
 
@@ -28,7 +39,12 @@ CONSTANTS
     Chunks,             \* forward passes (chunked prefill) that fill a request's blocks
     BugSkipBinding,     \* BUG: a second consumer of a bound handle is let through
     BugRegisterUnready, \* BUG: a register after an earlier chunk reaches the ledger
-    BugNoNeverNotice    \* BUG: abandoning an unclaimed request tells nobody
+    BugNoNeverNotice,   \* BUG: abandoning an unclaimed request tells nobody
+    Forgers,            \* consumers that never got the params (wrong capability)
+    MayBeFull,          \* the gate's records may be full (other handles' bindings)
+    BugSkipCapability   \* BUG: a wrong capability binds like the right one
+
+ASSUME Forgers \subseteq Consumers /\ MayBeFull \in BOOLEAN
 
 VARIABLES written, aborted, gstate, bound, pstate, cstate, told, untold
 vars == <<written, aborted, gstate, bound, pstate, cstate, told, untold>>
@@ -42,23 +58,39 @@ Write(r) ==
     /\ UNCHANGED <<aborted, gstate, bound, pstate, cstate, told, untold>>
 
 (* mirrors Gate.register: rows register/ready (pass), register/unready (refused,
-   counted: no state changes), register/never (refused). The adapter may try after any
-   chunk; the readiness mark is written[r] = Chunks. *)
+   counted: nothing changes, the handle stays registrable), register/never (refused,
+   counted: D was told). The adapter may try after any chunk; the readiness mark is
+   written[r] = Chunks. *)
 GateRegister(r) ==
-    /\ ~aborted[r] /\ written[r] > 0 /\ pstate[r] = "unregistered" /\ gstate[r] # "never"
-    /\ written[r] = Chunks \/ BugRegisterUnready
-    /\ pstate' = [pstate EXCEPT ![r] = "held"]
-    /\ UNCHANGED <<written, aborted, gstate, bound, cstate, told, untold>>
+    /\ written[r] > 0 /\ pstate[r] = "unregistered"
+    /\ CASE gstate[r] = "never" -> UNCHANGED vars                        \* register/never
+         [] written[r] = Chunks \/ BugRegisterUnready ->                  \* register/ready
+              /\ pstate' = [pstate EXCEPT ![r] = "held"]
+              /\ UNCHANGED <<written, aborted, gstate, bound, cstate, told, untold>>
+         [] OTHER -> UNCHANGED vars                                      \* register/unready
 
-(* mirrors Gate.present for a claim: rows present/first (bind), present/same,
-   present/foreign (refused), present/never (refused, told again). *)
-Present(r, c) ==
-    /\ cstate[<<r, c>>] = "waiting"
-    /\ CASE gstate[r] = "open" ->
+(* mirrors Gate.present for a claim: rows present/first (bind), present/bad_capability
+   (a forger's capability is wrong: refused, binds nothing), present/full (no room for
+   another binding: refused, fail closed), present/same, present/foreign (refused),
+   present/never (refused, told again). A refused consumer recomputes ("failed").
+   full: with MayBeFull, any presentation that would bind may find the records full. *)
+PresentOpen(r, c, full) ==
+    CASE c \in Forgers /\ ~BugSkipCapability ->                       \* present/bad_capability
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
+              /\ UNCHANGED <<gstate, bound, told>>
+      [] full ->                                                       \* present/full
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
+              /\ UNCHANGED <<gstate, bound, told>>
+      [] OTHER ->                                                      \* present/first
               /\ gstate' = [gstate EXCEPT ![r] = "bound"]
               /\ bound' = [bound EXCEPT ![r] = c]
               /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "granted"]
               /\ UNCHANGED told
+
+Present(r, c) ==
+    /\ cstate[<<r, c>>] = "waiting"
+    /\ CASE gstate[r] = "open" ->
+              \E full \in (IF MayBeFull THEN BOOLEAN ELSE {FALSE}) : PresentOpen(r, c, full)
          [] gstate[r] = "bound" ->
               /\ cstate' = [cstate EXCEPT ![<<r, c>>] =
                               IF bound[r] = c \/ BugSkipBinding THEN "granted" ELSE "failed"]
@@ -75,9 +107,9 @@ Read(r, c) ==
     /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "reading"]
     /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
 
-(* The READ completed; its done notification presents the capability (present/same,
-   or present/foreign: refused). A done that passes frees r (one expected reader), and
-   the gate forgets r's binding (forget/freed). *)
+(* The READ completed; its done comes from the bound consumer (present/same), or from
+   another one (present/foreign: refused). A done that passes frees r (one expected
+   reader), and the gate forgets r's binding (forget/freed). *)
 Done(r, c) ==
     /\ cstate[<<r, c>>] = "reading"
     /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "done"]
@@ -88,8 +120,37 @@ Done(r, c) ==
        ELSE UNCHANGED <<pstate, gstate, bound>>
     /\ UNCHANGED <<written, aborted, told, untold>>
 
+(* mirrors Gate.release and Gate.heartbeat: a consumer that gave up (refused, told, or
+   failed on D) releases, or one that still waits heartbeats. From the bound consumer,
+   or about a handle no consumer claimed, the message goes to the ledger: a release
+   frees r (one expected reader; forget/freed), a heartbeat renews it (leases are
+   KVLifecycle's: no change here). From another consumer it is refused
+   (present/foreign), and so is a heartbeat about a never-registered handle
+   (present/never) or a freed one (the ledger's refusal): a refused heartbeat fails that
+   consumer (refused in its ack, D's ack/refused row). *)
+Release(r, c) ==
+    /\ cstate[<<r, c>>] \in {"waiting", "granted", "failed"}
+    /\ pstate[r] # "unregistered"  \* one before register is staged: KVLifecycle's business
+    /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
+    /\ IF (gstate[r] = "open" \/ bound[r] = c \/ BugSkipBinding) /\ pstate[r] = "held"
+       THEN /\ pstate' = [pstate EXCEPT ![r] = "freed"]
+            /\ gstate' = [gstate EXCEPT ![r] = IF @ = "bound" THEN "open" ELSE @]
+            /\ bound' = [bound EXCEPT ![r] = "none"]
+       ELSE UNCHANGED <<pstate, gstate, bound>>
+    /\ UNCHANGED <<written, aborted, told, untold>>
+
+Heartbeat(r, c) ==
+    /\ cstate[<<r, c>>] \in {"waiting", "granted"}
+    /\ \/ gstate[r] = "bound" /\ bound[r] # c /\ ~BugSkipBinding      \* present/foreign
+       \/ gstate[r] = "never"                                         \* present/never
+       \/ pstate[r] = "freed"                    \* the ledger refuses a freed request
+    /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
+    /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
+
 (* mirrors Gate.abandon: rows abandon/claimed (tell the bound consumer),
-   abandon/unclaimed (tell every peer). A told consumer fails at once. *)
+   abandon/unclaimed (tell every peer). A told consumer fails at once. Row abandon/again
+   (refused, counted: nothing changes) is the stutter of an abandoned request: Abandon
+   is not enabled twice (~aborted[r]). *)
 Abandon(r) ==
     /\ ~aborted[r] /\ pstate[r] = "unregistered"
     /\ LET claimed == gstate[r] = "bound"
@@ -124,10 +185,11 @@ Next ==
     \/ \E r \in Requests : Write(r) \/ GateRegister(r) \/ Abandon(r)
     \/ Quiet
     \/ \E r \in Requests, c \in Consumers : Present(r, c) \/ Read(r, c) \/ Done(r, c)
+                                           \/ Release(r, c) \/ Heartbeat(r, c)
 
 Spec == Init /\ [][Next]_vars
 
-ConsumerSymmetry == Permutations(Consumers)
+ConsumerSymmetry == Permutations(Consumers \ Forgers)
 
 GateTypeOK ==
     /\ written \in [Requests -> 0..Chunks]
@@ -147,6 +209,12 @@ ReadinessHolds == \A r \in Requests : pstate[r] # "unregistered" => written[r] =
 (* An abandoned request's bound consumer (or, when none was bound, every holder of its
    params) is told in the step that abandons it. *)
 NeverToldAtOnce == untold = {}
+
+(* Only a consumer that got the params (the right capability) binds a handle or is
+   served: a forger binds nothing, reads nothing. *)
+OnlyHoldersBind ==
+    /\ \A r \in Requests : bound[r] \notin Forgers
+    /\ \A r \in Requests, c \in Forgers : cstate[<<r, c>>] \notin {"granted", "reading", "done"}
 
 (* Only one consumer of a request is ever served from P's blocks. *)
 OneConsumerServed ==

@@ -18,7 +18,8 @@ The verdict is clean when: no output differs from the reference (a request may e
 error or be recomputed; it may never be served wrong KV), P has every block back within
 ``reclaim_timeout`` after the last fault, no engine died other than by an injected kill,
 and every journal the engines wrote is a behaviour of the TLA+ spec (``kvproto
-validate``; skipped, and said so, without Java/TLC).
+validate``: a D journal spanning P restarts is traced per P engine, ``traced``; skipped,
+and said so, without Java/TLC).
 
 Exit codes: 0 clean; 1 a violation (wrong output, stranded blocks, an engine crash, an
 invalid journal); 2 bad arguments; 3 vLLM (or TLC for the journals) missing; 4 an engine
@@ -50,9 +51,11 @@ FAULTS = ("kill_p", "kill_d", "stop_p", "stop_d", "late_d", "abort_p", "abort_d"
 NOTIFY_FAULTS = {"drop": 0.05, "dup": 0.05, "delay": 0.05}
 REQUEST_TIMEOUT_S = 90.0     # a request not finished by then counts as hung
 MAX_TIMELINE = 100_000       # samples kept for the plot (older ones are thinned)
-# Journal verdicts that are clean: allowed by TLC, replayed with every invariant (a D
-# journal spanning P restarts), or not checked on request (--no-validate).
-JOURNAL_OK = ("valid", "replayed", "skipped")
+# Journal verdicts that are clean (kvproto.verify.trace.Verdict.status): allowed by TLC,
+# traced by TLC per P engine (a D journal spanning P restarts) and replayed whole, replayed
+# with every invariant (a D journal that cannot be split per P engine), or not checked on
+# request (--no-validate).
+JOURNAL_OK = ("valid", "traced", "replayed", "skipped")
 
 
 @dataclass
@@ -535,32 +538,29 @@ def _validate(args: argparse.Namespace, camp: Campaign, workdir: Path) -> None:
             camp.journals[p.name] = _validate_one(u, workdir / f"tlc{i}")
         return
     for p, v in zip(paths, verdicts, strict=True):
-        camp.journals[p.name] = "valid" if v.allowed else f"invalid: {v.describe()}"[:300]
+        camp.journals[p.name] = _status(v)
+
+
+def _status(v: Any) -> str:
+    """A journal's verdict for the summary (``Verdict.status``; the reason when not
+    clean, or why TLC could not trace it)."""
+    if not v.allowed:
+        return f"invalid: {v.describe()}"[:300]
+    if v.status == "replayed":
+        log.warning("chaos: %s", v.describe())
+    return str(v.status)
 
 
 def _validate_one(path: Path, tlc_dir: Path) -> str:
-    """One journal's verdict: ``valid`` (TLC allows it), ``replayed`` (a D journal that
-    spans several P incarnations, which TLC's KVConsumer, one P engine per trace, cannot
-    take: replayed through D's table with every invariant checked instead), or
-    ``invalid: ...``."""
+    """One journal's verdict, when another journal of the campaign is bad input."""
     from kvproto.errors import KVProtoError
-    from kvproto.verify.replay import replay
-    from kvproto.verify.trace import TraceError
     from kvproto.verify.validate import validate
 
     try:
         v = validate([path], workdir=tlc_dir)[0]
-    except TraceError as e:
-        if "P engines" not in str(e):
-            return f"invalid: {e}"[:300]
-        with path.open("rb") as f:
-            res = replay(f)
-        if res.ok:
-            return "replayed"
-        return f"invalid: replay: {(res.divergences + res.violations)[:2]}"[:300]
     except KVProtoError as e:
         return f"invalid: {e}"[:300]
-    return "valid" if v.allowed else f"invalid: {v.describe()}"[:300]
+    return _status(v)
 
 
 def _plot(camp: Campaign, path: str) -> None:

@@ -11,7 +11,13 @@ prefill after the params left (``abandon``). After every step the oracle checks:
 * ``ReadinessHolds``: the ledger holds only requests whose every chunk was written;
 * ``NeverToldAtOnce``: in the step that abandoned a request, the consumer bound to it
   was told (a ``NeverNotice``), or, when none was bound, every holder of its params (a
-  notice to every peer); a consumer presenting later is told then, and refused.
+  notice to every peer); a consumer presenting later is told then, and refused;
+* ``OnlyHoldersBind``: a forger (a consumer that never got the params: its capability
+  is wrong) binds no handle and is never served.
+
+Besides claims, reads and dones, a consumer may claim while the gate's records are full
+of other handles' bindings (``claim_full``: fillers bound, the claim, fillers forgotten),
+release (after it gave up) and heartbeat; all go through the gate's refusal rows.
 
 ``GATE_MUTANTS`` re-introduce the three bugs the gate prevents; ``run_ops`` returns the
 first violation, and ``tests/test_gate.py`` shows hypothesis finding each.
@@ -22,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvproto.lifecycle import HELD_STATES, UNREGISTERED, BlockPool, Config, Free, Ledger
+from kvproto.lifecycle import HELD_STATES, UNREGISTERED, Ack, BlockPool, Config, Free, Ledger
 from kvproto.lifecycle.gate import (
     ABANDON,
     G_BOUND,
@@ -44,7 +50,10 @@ CFG = Config(initial_lease=10.0, lease_extension=10.0, heartbeat_interval=1.0,
 Op = tuple[str, int, int]
 # Leases are the main model's business (tla/KVLifecycle.tla): here time stands still, so
 # the ledger frees only on a done.
-OP_NAMES = ("write", "register", "claim", "read", "done", "abandon")
+OP_NAMES = ("write", "register", "claim", "read", "done", "abandon", "claim_full", "release",
+            "heartbeat")
+MAX_RECORDS = 8  # the world's gate cap; its own handles never fill it (fillers do)
+FILLER = 1 << 20  # handles of other requests that fill the gate's records
 
 
 @dataclass
@@ -55,11 +64,15 @@ class _Req:
 
 
 class World:
-    def __init__(self, gate_cls: type[Gate], requests: int, consumers: int) -> None:
+    def __init__(self, gate_cls: type[Gate], requests: int, consumers: int,
+                 forgers: int = 0) -> None:
+        """``consumers`` in all, the last ``forgers`` of them without the params."""
         self.ledger = Ledger(CFG, BlockPool(4 * requests))
-        self.gate = gate_cls(self.ledger, KEY, "P0", 7)
+        self.gate = gate_cls(self.ledger, KEY, "P0", 7, max_records=MAX_RECORDS)
         self.reqs = [_Req(handle=i + 1) for i in range(requests)]
         self.consumers = [f"c{i}" for i in range(consumers)]
+        self.forgers = set(range(consumers - forgers, consumers))
+        self.seq = 0
         # (request, consumer) -> "waiting" | "granted" | "reading" | "done" | "failed"
         self.cstate = {(r, c): "waiting" for r in range(requests) for c in range(consumers)}
         self.told: set[tuple[int, int]] = set()
@@ -98,12 +111,30 @@ class World:
             if not q.aborted and q.written > 0:
                 out = self.gate.register(h, f"r{r}", self._blocks(r), self.now,
                                          ready=q.written == CHUNKS, expected=1)
-        elif name == "claim":
+        elif name in ("claim", "claim_full"):
             if self.cstate[(r, c)] == "waiting":
-                if self.gate.present(cname, h, self.gate.capability(h), out):
-                    self.cstate[(r, c)] = "granted"
-                else:
-                    self.cstate[(r, c)] = "failed"
+                # A forger presents a capability of its own making (or stale params).
+                cap = "0" * 32 if c in self.forgers else self.gate.capability(h)
+                fill = [FILLER + k for k in range(MAX_RECORDS)] if name == "claim_full" else []
+                for f in fill:  # other requests' bindings, up to the cap
+                    if len(self.gate) < MAX_RECORDS:
+                        self.gate.present("filler", f, self.gate.capability(f), [])
+                ok = self.gate.present(cname, h, cap, out)
+                self.gate.forget(fill)
+                self.cstate[(r, c)] = "granted" if ok else "failed"
+        elif name == "release":
+            # A consumer that gave up releases (D's give-up rows); one before register
+            # is staged by the ledger (KVLifecycle's business: not drawn here).
+            if self.cstate[(r, c)] in ("waiting", "granted", "failed") and \
+                    self.ledger.state(h) != UNREGISTERED:
+                self.cstate[(r, c)] = "failed"
+                out = list(self.gate.release(cname, [h], 1, self.now, consumer=cname))
+        elif name == "heartbeat":
+            if self.cstate[(r, c)] in ("waiting", "granted"):
+                self.seq += 1
+                acks = self.gate.heartbeat(cname, self.seq, [h], 1, self.now, consumer=cname)
+                if any(isinstance(a, Ack) and h in a.refused for a in acks):
+                    self.cstate[(r, c)] = "failed"  # D's ack/refused row: recompute
         elif name == "read":
             if self.cstate[(r, c)] == "granted" and \
                     self.ledger.state(h) in HELD_STATES:
@@ -131,6 +162,10 @@ class World:
 
     def check(self) -> str | None:
         for (r, c), s in self.cstate.items():
+            if c in self.forgers and (s in ("granted", "reading", "done")
+                                      or self.gate.consumer(self.reqs[r].handle)
+                                      == self.consumers[c]):
+                return f"OnlyHoldersBind: forger c{c} bound or served r{r} ({s})"
             st = self.ledger.state(self.reqs[r].handle)
             if s == "reading" and st not in HELD_STATES:
                 return f"NoFreeUnderRead: c{c} reads r{r} in ledger state {st}"
@@ -141,9 +176,9 @@ class World:
 
 
 def run_ops(ops: Sequence[Op], gate_cls: type[Gate] = Gate, *, requests: int = 1,
-            consumers: int = 2) -> str | None:
+            consumers: int = 2, forgers: int = 0) -> str | None:
     """Run ``ops``; the first violated property (with a word on the state), or None."""
-    w = World(gate_cls, requests, consumers)
+    w = World(gate_cls, requests, consumers, forgers)
     for op in ops:
         bad = w.step(op)
         if bad is not None:
@@ -158,6 +193,7 @@ class GateMutant:
     caught_by: str
     about: str
     ops: tuple[str, ...] = OP_NAMES  # the operations the fuzzer draws for it
+    forgers: int = 0  # consumers without the params in its fuzz world
 
 
 def _row(src: str, event: str, guard: str) -> GateRow:
@@ -186,6 +222,12 @@ GATE_MUTANTS: tuple[GateMutant, ...] = (
                        passes=True, counter=None),
                "ReadinessHolds",
                "a register after an earlier chunk of a chunked prefill reaches the ledger"),
+    GateMutant("skip_capability",
+               _mutant("SkipCapabilityGate", _row(G_OPEN, PRESENT, "bad_capability"),
+                       dst=G_BOUND, passes=True, bind=True, counter=None),
+               "OnlyHoldersBind",
+               "a wrong capability binds like the right one: a consumer that never got "
+               "the params binds the handle and is served", forgers=1),
     GateMutant("no_never_notice",
                _mutant("NoNeverNoticeGate", _row(G_OPEN, ABANDON, "unclaimed"),
                        notify=False),
@@ -215,11 +257,11 @@ def abstract(w: World) -> AbstractState:
 
 
 def explore(gate_cls: type[Gate] = Gate, *, requests: int = 1,
-            consumers: int = 3) -> set[AbstractState]:
+            consumers: int = 3, forgers: int = 0) -> set[AbstractState]:
     """Every abstract state the world reaches (BFS over every operation)."""
     import copy
 
-    start = World(gate_cls, requests, consumers)
+    start = World(gate_cls, requests, consumers, forgers)
     seen = {abstract(start)}
     todo = [start]
     ops = [(n, r, c) for n in OP_NAMES for r in range(requests) for c in range(consumers)]

@@ -14,9 +14,11 @@ unit). Long journals are cut into
 segments chained through the journal replayed by the Python ``Consumer`` (the
 abstraction function of KVConsumer.tla's header), so TLC's time grows linearly.
 
-Assumptions (outside them the journal is refused as bad input): one P engine per
-journal (KVConsumer models one), and no more than ``MAX_OUTSTANDING_HEARTBEATS``
-heartbeats awaiting an ack (D forgets the oldest beyond, which the spec does not model).
+Assumptions (outside them the journal is refused as bad input): one P engine per trace
+(KVConsumer models one: a journal that names several, its P restarted, is traced per
+engine, each trace the engine's part split off by ``kvproto.verify.dsplit``), and no
+more than ``MAX_OUTSTANDING_HEARTBEATS`` heartbeats awaiting an ack (D forgets the oldest
+beyond, which the spec does not model).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvproto.lifecycle import (
     StartHandshake,
     Unquarantined,
 )
+from kvproto.verify.dsplit import Projection, event_engine, journal_engines, split_rows
 from kvproto.verify.tlc import render
 from kvproto.verify.trace import (
     DEFAULT_SEGMENT_STEPS,
@@ -128,27 +131,23 @@ class _Names:
         return name
 
 
-def _engine_of(ev: DEvent) -> str | None:
-    if isinstance(ev, Admit):
-        return ev.params.engine
-    if isinstance(ev, (HandshakeOk, HandshakeFailed, DAck, PeerLost)):
-        return ev.engine
-    return None
-
-
 class _DTraceBuilder:
     def __init__(self, path: str, header: dict[str, Any],
-                 rows: list[tuple[int, DEvent, list[DEffect]]], raw: dict[int, Any]) -> None:
+                 rows: list[tuple[int, DEvent, list[DEffect]]], raw: dict[int, Any],
+                 part: Projection | None = None) -> None:
+        """``part``: trace only this P engine's part of a journal that names several
+        (``kvproto.verify.dsplit``); None: the journal must name at most one."""
         self.path = path
         self.cfg = header_config(header)
         self.reader = str(header.get("reader"))
         self.rows = rows
         self.raw = raw
-        engines = {e for _, ev, _ in rows if (e := _engine_of(ev)) is not None}
-        if len(engines) > 1:
+        self.part = part
+        engines = {e for _, ev, _ in rows if (e := event_engine(ev)) is not None}
+        if len(engines) > 1 and part is None:
             raise TraceError(f"the journal talks to {len(engines)} P engines "
                              f"({', '.join(sorted(engines))}): KVConsumer models one")
-        self.engine = next(iter(engines), "P")
+        self.engine = part.engine if part is not None else next(iter(engines), "P")
         ms = self.cfg.ms
         durations = [ms.max_delay, ms.max_read_time, ms.clock_drift, ms.heartbeat_interval,
                      ms.lease_extension, ms.peer_timeout]
@@ -167,8 +166,8 @@ class _DTraceBuilder:
 
     # -- the abstraction function of KVConsumer.tla's header ---------------------------
     def record(self, c: Consumer, names: _Names, reqs: Sequence[str],
-               final: dict[str, str], pulls_of: dict[str, int]) -> str:
-        now = c.now
+               final: dict[str, str], pulls_of: dict[str, int], now: int) -> str:
+        """KVConsumer's record of ``c`` (this engine's part) at time ``now``."""
         cfg = self.cfg
         dst: list[tuple[str, str]] = []
         dlease: list[tuple[str, str]] = []
@@ -319,14 +318,23 @@ class _DTraceBuilder:
         return "[" + ", ".join(f"{k} |-> {v}" for k, v in f.items()) + "]", touched
 
     def traces(self, segment_steps: int) -> list[Trace]:
+        """The journal (or this engine's part of it) as traces of ``segment_steps``
+        steps each (0: one), chained through the replayed Consumer.
+
+        Every row is replayed; only this engine's rows become steps, with the effects
+        that concern it. Time is D's clock (the latest event time, as Consumer keeps
+        it), which every row moves: a step's dt is the time since this engine's previous
+        step on that clock, and an admit behind the clock carries ``late``."""
         rows = self.rows
-        n = len(rows)
-        seg = n if segment_steps <= 0 else segment_steps
-        seg = max(seg, 1)
+        keep = None if self.part is None else self.part.rows
+        seg = max(1, len(rows) if segment_steps <= 0 else segment_steps)
+        last = len(rows) - 1 if keep is None else max(keep, default=-1)
         c = Consumer(self.reader, self.cfg)
         names = _Names()
+        engine_of: dict[str, str] = {}  # request id -> the engine of its latest admission
         out: list[Trace] = []
-        prev: int | None = None
+        clock = rows[0][1].now if rows else 0  # D's clock: the latest event time so far
+        at = clock  # the spec's time: D's clock at this engine's latest step
         fixed = {
             "NoGroup": _s(self.no_group),
             "MaxDelay": str(self.cfg.ms.max_delay),
@@ -339,53 +347,33 @@ class _DTraceBuilder:
             "DBug": '"none"',
             "TickWork": str(self.cfg.max_tick_work),
         }
-        for lo in range(0, max(n, 1), seg):
-            hi = min(n, lo + seg)
-            live_at_start = [nm for rid in c.reqs if (nm := names.live(c, rid)) != NOBODY]
-            start_names = set(live_at_start)
-            # The states at the start, for every name the segment may meet, are taken
-            # after the fact (admissions are named as the segment runs): keep a copy.
-            snapshot = c.clone()
-            final_at_start = dict(names.final)
-            pulls_at_start = dict(names.pulls)
-            steps: list[str] = []
-            lines: list[int] = []
-            admitted: list[str] = []
-            for lineno, ev, effs in rows[lo:hi]:
-                t = ev.now
-                if prev is None:
-                    dt, late, prev = 0, 0, t
-                elif t >= prev:
-                    dt, late, prev = t - prev, 0, t
-                else:
-                    dt, late = 0, prev - t
-                if dt > TLC_INT_MAX:
-                    raise TraceError(f"line {lineno}: time step of {dt} ms overflows TLC "
-                                     "integers")
-                if isinstance(ev, DTick) and c.outstanding_heartbeats(self.engine) \
-                        >= MAX_OUTSTANDING_HEARTBEATS:
-                    raise TraceError(f"line {lineno}: more than {MAX_OUTSTANDING_HEARTBEATS} "
-                                     "heartbeats await an ack: outside the spec's assumptions")
-                text, touched = self.step(c, names, ev, effs, dt, late)
-                steps.append(text)
-                lines.append(lineno)
-                admitted += [t_ for t_ in touched if t_ not in start_names]
-                for e in c.apply(ev):
-                    if isinstance(e, PostRead) and e.request_id in names.by_rid:
-                        pn = names.by_rid[e.request_id]
-                        names.pulls[pn] = names.pulls.get(pn, 0) + 1
-                    if isinstance(e, Finished):
-                        gone = names.by_rid.get(e.request_id)
-                        if gone is not None:
-                            names.final[gone] = e.state
-            reqs = set(start_names) | set(admitted)
+
+        class _Seg:
+            """A segment being built: its start (a copy of the replay) and its steps."""
+
+            def __init__(self, offset: int) -> None:
+                live = [nm for rid in c.reqs if (nm := names.live(c, rid)) != NOBODY]
+                self.start_names = set(live)
+                # The states at the start, for every name the segment may meet, are
+                # taken after the fact (admissions are named as the segment runs).
+                self.snapshot = c.clone()
+                self.start_at = at
+                self.final = dict(names.final)
+                self.pulls = dict(names.pulls)
+                self.offset = offset
+                self.steps: list[str] = []
+                self.lines: list[int] = []
+                self.admitted: list[str] = []
+
+        def close(sg: _Seg) -> None:
+            reqs = set(sg.start_names) | set(sg.admitted)
             groups = {a.group for nm in reqs if (a := names.adm.get(nm)) and a.group}
             # the other members of their groups: a finished owner decides sibling_local
             reqs |= {nm for nm, a in names.adm.items() if a.group in groups}
             reqs.add(NOBODY)
             order = sorted(reqs, key=lambda x: (len(x), x))
-            start = self.record(snapshot, names, order, final_at_start, pulls_at_start)
-            end = self.record(c, names, order, names.final, names.pulls)
+            start = self.record(sg.snapshot, names, order, sg.final, sg.pulls, sg.start_at)
+            end = self.record(c, names, order, names.final, names.pulls, at)
             constants = {
                 **fixed,
                 "Requests": _set(_s(x) for x in order),
@@ -398,17 +386,62 @@ class _DTraceBuilder:
                 "StartC": start,
                 "EndC": end,
             }
-            out.append(Trace(self.path, constants, steps, lines,
-                             [self.raw.get(k, {}) for k in lines], lo, module="TraceConsumer",
-                             spec_vars=D_VARS,
+            out.append(Trace(self.path, constants, sg.steps, sg.lines,
+                             [self.raw.get(k, {}) for k in sg.lines], sg.offset,
+                             module="TraceConsumer", spec_vars=D_VARS,
                              files=("KVConsumer.tla", "conformance/TraceConsumer.tla")))
+
+        cur = _Seg(0)
+        done = 0  # steps in the segments closed so far
+        for i, (lineno, ev, effs) in enumerate(rows[:last + 1]):
+            t = ev.now
+            late = 0
+            if t >= clock:
+                clock = t
+            else:
+                late = clock - t
+            mine = effs if keep is None else keep.get(i)
+            if mine is not None:
+                dt, at = clock - at, clock
+                if dt > TLC_INT_MAX:
+                    raise TraceError(f"line {lineno}: time step of {dt} ms overflows TLC "
+                                     "integers")
+                if isinstance(ev, DTick) and c.outstanding_heartbeats(self.engine) \
+                        >= MAX_OUTSTANDING_HEARTBEATS:
+                    raise TraceError(f"line {lineno}: more than {MAX_OUTSTANDING_HEARTBEATS} "
+                                     "heartbeats await an ack: outside the spec's assumptions")
+                text, touched = self.step(c, names, ev, mine, dt, late)
+                cur.steps.append(text)
+                cur.lines.append(lineno)
+                cur.admitted += [t_ for t_ in touched if t_ not in cur.start_names]
+            for e in c.apply(ev):
+                if not isinstance(e, (PostRead, Finished)):
+                    continue
+                if keep is not None:  # another engine's request may reuse an id of ours
+                    eng = ev.params.engine if isinstance(ev, Admit) \
+                        and ev.request_id == e.request_id else engine_of.get(e.request_id)
+                    if eng != self.engine:
+                        continue
+                if isinstance(e, PostRead) and e.request_id in names.by_rid:
+                    pn = names.by_rid[e.request_id]
+                    names.pulls[pn] = names.pulls.get(pn, 0) + 1
+                if isinstance(e, Finished):
+                    gone = names.by_rid.get(e.request_id)
+                    if gone is not None:
+                        names.final[gone] = e.state
+            if isinstance(ev, Admit) and ev.request_id in c.reqs:
+                engine_of[ev.request_id] = ev.params.engine
+            if len(cur.steps) == seg:
+                close(cur)
+                done += seg
+                cur = _Seg(done)
+        if cur.steps or not out:
+            close(cur)
         return out
 
 
-def d_journal_to_traces(path: str | Path,
-                        segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Trace]:
-    """Read a D journal and cut it into TraceConsumer traces of ``segment_steps`` steps
-    (0: one trace). Raises JournalError / TraceError."""
+def _read(path: str | Path) -> tuple[dict[str, Any], list[tuple[int, DEvent, list[DEffect]]],
+                                   dict[int, Any]]:
     with open(path, "rb") as f:
         header, objs = read_journal_objects(journal_lines(f))
         raw: dict[int, Any] = {}
@@ -417,4 +450,29 @@ def d_journal_to_traces(path: str | Path,
             raw[lineno] = d["event"]
             ev, effs = decode_row(lineno, d, "D")
             rows.append((lineno, ev, effs))
+    return header, rows, raw
+
+
+def d_journal_to_traces(path: str | Path,
+                        segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Trace]:
+    """Read a D journal that names at most one P engine and cut it into TraceConsumer
+    traces of ``segment_steps`` steps (0: one trace). Raises JournalError / TraceError."""
+    header, rows, raw = _read(path)
     return _DTraceBuilder(str(path), header, rows, raw).traces(segment_steps)
+
+
+def d_journal_engine_traces(path: str | Path, segment_steps: int = DEFAULT_SEGMENT_STEPS
+                            ) -> list[tuple[str, list[Trace]]]:
+    """A D journal's traces per P engine: one entry for a journal that names at most one,
+    else one per engine, its part split off by ``kvproto.verify.dsplit`` (each trace's
+    path names the engine). Raises JournalError / TraceError (SplitError: the journal
+    names several engines and cannot be split)."""
+    header, rows, raw = _read(path)
+    if len(journal_engines(rows)) <= 1:
+        b = _DTraceBuilder(str(path), header, rows, raw)
+        return [(b.engine, b.traces(segment_steps))]
+    out: list[tuple[str, list[Trace]]] = []
+    for part in split_rows(str(header.get("reader")), header_config(header), rows):
+        b = _DTraceBuilder(f"{path} [P engine {part.engine}]", header, rows, raw, part)
+        out.append((part.engine, b.traces(segment_steps)))
+    return out

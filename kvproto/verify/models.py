@@ -91,9 +91,11 @@ _TLC: Final[tuple[TlcModel, ...]] = (
           "is reported complete with a region never read", expect="Coverage",
           module="MC_coverage"),
     TlcModel("gate", "MC_gate.cfg",
-          "P's gate: 2 requests x 3 consumers holding the same params, chunked prefill, "
-          "aborts after the params left; NoFreeUnderRead per claimant, ReadinessHolds, "
-          "NeverToldAtOnce, OneConsumerServed", module="MC_gate"),
+          "P's gate: 2 requests x 3 consumers holding the same params and 1 without them "
+          "(a forger), chunked prefill, aborts after the params left, a gate that may be "
+          "full, releases and heartbeats from any consumer; NoFreeUnderRead per claimant, "
+          "ReadinessHolds, NeverToldAtOnce, OneConsumerServed, OnlyHoldersBind",
+          module="MC_gate"),
     TlcModel("bug_skip_binding", "MC_bug_skip_binding.cfg",
           "BUG: a second consumer of a bound handle (router retry) is let through; the "
           "first one's done frees the blocks under its READ", expect="NoFreeUnderRead",
@@ -101,6 +103,10 @@ _TLC: Final[tuple[TlcModel, ...]] = (
     TlcModel("bug_register_unready", "MC_bug_register_unready.cfg",
           "BUG: a register after an earlier chunk of a chunked prefill reaches the ledger",
           expect="ReadinessHolds", module="MC_gate"),
+    TlcModel("bug_skip_capability", "MC_bug_skip_capability.cfg",
+          "BUG: a wrong capability binds like the right one: a consumer that never got "
+          "the params binds the handle and is served", expect="OnlyHoldersBind",
+          module="MC_gate"),
     TlcModel("bug_no_never_notice", "MC_bug_no_never_notice.cfg",
           "BUG: an aborted prefill whose params left tells no consumer: D waits for a "
           "timeout", expect="NeverToldAtOnce", module="MC_gate"),

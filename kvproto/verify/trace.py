@@ -73,16 +73,41 @@ class Trace:
 
 @dataclass
 class Verdict:
+    """A journal's verdict. ``engines``: the P engines a D journal was traced for, one
+    trace each (``kvproto.verify.dsplit``); ``replayed``: why TLC could not trace it
+    (then the verdict is its replay through D's table)."""
+
     path: str
     allowed: bool
     steps: int
     line: int | None = None
     event: dict[str, Any] | None = None
     why: str = ""
+    engines: int = 1
+    replayed: str = ""
+
+    @property
+    def status(self) -> str:
+        """``valid`` (TLC allows it), ``traced`` (TLC allows each P engine's part, and the
+        whole journal replays through D's table), ``replayed`` (not traceable: replayed
+        through D's table with every invariant), or ``invalid``."""
+        if not self.allowed:
+            return "invalid"
+        return "replayed" if self.replayed else "traced" if self.engines > 1 else "valid"
 
     def describe(self) -> str:
+        if self.replayed:
+            what = "OK" if self.allowed else f"NOT ALLOWED: {self.why}"
+            return (f"{self.path}: {what}, replayed through D's table ({self.steps} events; "
+                    f"not traced by TLC: {self.replayed})")
+        if self.allowed and self.engines > 1:
+            return (f"{self.path}: OK, traced per P engine ({self.engines} engines, "
+                    f"{self.steps} steps, all allowed by the spec) and replayed whole "
+                    "through D's table")
         if self.allowed:
             return f"{self.path}: OK, all {self.steps} steps are allowed by the spec"
+        if self.line is None:
+            return f"{self.path}: NOT ALLOWED: {self.why}"
         return (f"{self.path}: NOT ALLOWED at line {self.line} (step {self.steps + 1}): "
                 f"{self.why}\n  event: {json.dumps(self.event, sort_keys=True)}")
 

@@ -8,6 +8,11 @@ rejections) are exactly the spec's. The first step the spec does not allow is re
 with its journal line. Several journals are checked in one TLC run (batches of about
 ``--batch-bytes`` of TLA+ text: SANY's parse time dominates).
 
+A D journal whose P restarted names several P engines; KVConsumer models one, so each
+engine's part of the journal is traced on its own (``kvproto.verify.dsplit`` says why
+that is sound) and the whole journal is replayed through D's table for what the parts
+share.
+
 Long journals are checked in segments (``--segment-steps``): each segment names only the
 requests live or staged at its start and those its events touch, starts from the
 journal's events replayed through the Python ledger, and must end in the replayed state
@@ -40,7 +45,8 @@ from kvproto.journal import (
     JournalError,
 )
 from kvproto.verify.dconformance import check_d_journal, is_d_journal
-from kvproto.verify.dtrace import d_journal_to_traces
+from kvproto.verify.dsplit import SplitError
+from kvproto.verify.dtrace import d_journal_engine_traces
 from kvproto.verify.ptrace import journal_to_traces
 from kvproto.verify.tlc import (
     MissingDependency,
@@ -72,14 +78,28 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
              segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Verdict]:
     """Validate journals, one verdict each (raises JournalError/TraceError on bad input,
     TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
-    is its first segment's rejection."""
+    is its first segment's rejection. A D journal that names several P engines (its P
+    restarted) is traced per engine (``kvproto.verify.dsplit``) and replayed whole
+    (verdict status ``traced``); one that cannot be split is replayed only (``replayed``,
+    with the reason, logged)."""
     per_path: list[list[Trace]] = []
-    for p in paths:
+    engines: list[int] = []  # P engines traced separately, per journal
+    replayed: dict[int, Verdict] = {}  # journals TLC cannot trace: their replay's verdict
+    for k, p in enumerate(paths):
         try:
             if is_d_journal(p):  # one D rank's journal: TraceConsumer over KVConsumer
-                per_path.append(d_journal_to_traces(p, segment_steps))
+                try:
+                    parts = d_journal_engine_traces(p, segment_steps)
+                except SplitError as e:
+                    log.warning("%s: not traced by TLC (%s): replayed through D's table",
+                                p, e)
+                    replayed[k] = _replay_verdict(p, str(e))
+                    parts = []
+                per_path.append([t for _, ts in parts for t in ts])
+                engines.append(len(parts))
             else:
                 per_path.append(journal_to_traces(p, segment_steps))
+                engines.append(1)
         except (JournalError, TraceError) as e:  # name the file: several may be given
             raise TraceError(f"{p}: {e}") from None
     traces = [t for ts in per_path for t in ts]
@@ -89,11 +109,37 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
                                     timeout=timeout)
     verdicts: list[Verdict] = []
     it = iter(seg_verdicts)
-    for ts in per_path:
+    for k, (p, ts) in enumerate(zip(paths, per_path, strict=True)):
         segs = [next(it) for _ in ts]
         bad = next((v for v in segs if not v.allowed), None)
-        verdicts.append(bad if bad is not None else segs[-1])
+        if k in replayed:
+            verdicts.append(replayed[k])
+        elif bad is not None:
+            verdicts.append(bad)
+        elif engines[k] > 1:
+            # Each P engine's part is a behaviour of KVConsumer; what the parts share (the
+            # tick's work budget, the effects of each whole tick, ended loads across
+            # engines) is checked by replaying the whole journal through D's table.
+            dv = check_d_journal(p)
+            steps = sum(len(t.steps) for t in ts)
+            verdicts.append(Verdict(str(p), dv.allowed, steps, engines=engines[k],
+                                    why=_first_problems(dv.problems)))
+        else:
+            verdicts.append(segs[-1])
     return verdicts
+
+
+def _replay_verdict(path: str | Path, reason: str) -> Verdict:
+    """The verdict of a D journal TLC cannot trace (``reason``): its replay through D's
+    table with every invariant (kvproto.verify.replay)."""
+    dv = check_d_journal(path)
+    return Verdict(str(path), dv.allowed, dv.events, why=_first_problems(dv.problems),
+                   replayed=reason)
+
+
+def _first_problems(problems: Sequence[str]) -> str:
+    """A replay's first two problems, broken invariants before diverging effects."""
+    return "; ".join(sorted(problems, key=lambda p: not p.startswith("VIOLATION"))[:2])
 
 
 # ---------------------------------------------------------------------------
