@@ -691,6 +691,25 @@ def test_partial_prefix_hit_through_router(stack: Stack) -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_bench_server_client_through_router(stack: Stack) -> None:
+    """The client of ``kvproto bench vllm --path server`` on these servers (no engine of
+    its own): every answer equals the reference token for token, each with a first
+    token after its send."""
+    from kvproto.bench.vllm_serve import SERVED_NAME, _round
+
+    assert SERVED_NAME == MODEL
+    with stack.explained():
+        answers, t0 = asyncio.run(_round(stack.r_url, {str(i): p for i, p in
+                                                       enumerate(COR)}, MAX_TOKENS))
+        for i in range(len(COR)):
+            a = answers[str(i)]
+            assert not a.error and a.tokens == stack.ref[i], (i, a)
+            assert a.t_first is not None and t0 <= a.t_first <= a.t_end, a
+        asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_router_errors(stack: Stack) -> None:
     """A router whose P or D is down answers 502 with one line naming it (streamed or
     not) and its /health is 503; P's blocks prefilled for an unreachable D come back by
