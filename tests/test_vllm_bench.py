@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 
 import pytest
 
@@ -15,6 +16,7 @@ from kvproto.bench.vllm import (
     build_report,
     format_report,
     refusal_note,
+    refused_in_log,
     topologies,
 )
 
@@ -66,6 +68,7 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
                                   ["--kill", "-1"]])
 def test_new_flags_usage_errors_exit_2(argv: list[str],
                                        capsys: pytest.CaptureFixture[str]) -> None:
+    rc: int | str | None
     try:
         rc = cli.main(["bench", "vllm", *argv])
     except SystemExit as e:   # argparse's own errors (one line: the CLI's Parser)
@@ -161,3 +164,20 @@ def test_server_client_reads_streamed_token_ids_and_errors() -> None:
 
     assert aiohttp is not None
     asyncio.run(run())
+
+
+def test_refusals_are_counted_from_ds_log(tmp_path: pathlib.Path) -> None:
+    """One count per request D's worker ended before any READ, with the first reason;
+    other lines and a missing log count nothing."""
+    d_log = tmp_path / "D.log"
+    d_log.write_text(
+        "INFO engine started\n"
+        "WARNING kvproto: request r0-1: P TP 2 -> D TP 1: head slices; recompute\n"
+        "WARNING kvproto: request r0-2: P TP 2 -> D TP 1: head slices; recompute\n"
+        "WARNING kvproto: request r0-2: P TP 2 -> D TP 1: head slices; recompute\n"
+        "INFO kvproto: request r0-3 pulled\n")
+    assert refused_in_log(d_log) == (2, "P TP 2 -> D TP 1: head slices")
+    assert refused_in_log(tmp_path / "none.log") == (0, "")
+    run = ConnectorRun(refused=2)
+    note = refusal_note(run, 2, 1, "P TP 2 -> D TP 1: head slices")
+    assert note is not None and "(P TP 2 -> D TP 1: head slices)" in note

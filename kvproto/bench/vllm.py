@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -192,14 +193,30 @@ def one_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:300]
 
 
-def refusal_note(run: ConnectorRun, p_tp: int, d_tp: int) -> str | None:
-    """What the report says when kvproto's D refused this topology's requests (it
-    counts them, ``tp_refused``) and recomputed them instead of pulling."""
+# The line kvproto's D worker logs for a request it ends before any READ (a topology
+# it does not serve, bad params): "kvproto: request <id>: <why>; <outcome>"
+_REFUSED_LINE = re.compile(r"kvproto: request (\S+): (.+?); ")
+
+
+def refused_in_log(path: Path) -> tuple[int, str]:
+    """(requests D's log shows ended before any READ, the first reason given); what the
+    bench reads where D's worker counters live in other processes (TP > 1, servers)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return 0, ""
+    found = _REFUSED_LINE.findall(text)
+    return len({rid for rid, _ in found}), (found[0][1][:200] if found else "")
+
+
+def refusal_note(run: ConnectorRun, p_tp: int, d_tp: int, why: str = "") -> str | None:
+    """What the report says when kvproto's D refused requests of this topology before
+    any READ and recomputed them instead of pulling."""
     if not run.refused:
         return None
-    return (f"kvproto refused P TP {p_tp} -> D TP {d_tp}: D refused {run.refused} "
-            f"request(s) before any READ (the ranks pair only with head slices) and "
-            f"recomputed them; its figures are those of local prefill")
+    return (f"kvproto refused P TP {p_tp} -> D TP {d_tp}: D ended {run.refused} "
+            f"request(s) before any READ{f' ({why})' if why else ''} and recomputed "
+            f"them; its figures are those of local prefill")
 
 
 @dataclass
@@ -278,6 +295,7 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
     names = tuple(n for n in CONNECTORS if n in args.connectors.split(","))
     runs = {name: ConnectorRun() for name in names}
     pairs: dict[str, Any] = {}
+    why = ""
     try:
         for name in names:
             log.info("P TP %d -> D TP %d: starting the %s pair", p_tp, d_tp, name)
@@ -330,11 +348,17 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
         for name in live:
             pd = pairs[name]
             if name == "kvproto":
-                runs[name].counters = {
-                    side: {k: v for k, v in e.connector_stats().items()
-                           if isinstance(v, (int, float)) and v}
-                    for side, e in (("P", pd.p), ("D", pd.d))}
-                runs[name].refused = int(runs[name].counters["D"].get("tp_refused", 0))
+                try:
+                    runs[name].counters = {
+                        side: {k: v for k, v in e.connector_stats().items()
+                               if isinstance(v, (int, float)) and v}
+                        for side, e in (("P", pd.p), ("D", pd.d))}
+                except HarnessError as e:   # worker connectors in rank processes
+                    log.info("kvproto: connector counters unavailable: %s", one_line(e))
+                d_log = Path(workdir / f"D-{name}{topology_tag(p_tp, d_tp)}.log")
+                runs[name].refused, why = refused_in_log(d_log)
+                runs[name].refused = max(runs[name].refused, int(
+                    runs[name].counters.get("D", {}).get("tp_refused", 0)))
             if not wl.kill:
                 continue
             log.info("%s: D killed with %d unread requests", name, len(wl.kill))
@@ -351,7 +375,7 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
     meta: dict[str, Any] = {"path": "offline", "p_tp": p_tp, "d_tp": d_tp,
                             "wall_s": round(time.monotonic() - t_start, 1)}
     if "kvproto" in runs:
-        note = refusal_note(runs["kvproto"], p_tp, d_tp)
+        note = refusal_note(runs["kvproto"], p_tp, d_tp, why)
         if note:
             meta["kvproto_refused"] = note
     return build_report(runs, meta=meta)

@@ -11,8 +11,8 @@ machine load. Per round: throughput is the tokens received over the round's wall
 send. Every answer is compared token for token with the single-engine reference of
 ``bench vllm`` (``wrong_outputs``). For kvproto, D's own Prometheus endpoint
 (``metrics_port``) counts the requests D served from pulled KV (``pulled_requests``);
-fewer pulls than requests means D recomputed the rest, and the report quotes the reason
-D logged. The late-D and D-killed scenarios run on the offline path only.
+requests D ended before any READ (a topology kvproto does not serve) are counted from
+D's log and reported with the reason D gave. The late-D and D-killed scenarios run on the offline path only.
 
 Needs a source checkout (the two example scripts); each server logs to
 ``<workdir>/<name>.log``.
@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,7 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvproto.bench.vllm import ConnectorRun, build_report, one_line, topology_tag
+from kvproto.bench.vllm import (
+    ConnectorRun,
+    build_report,
+    one_line,
+    refusal_note,
+    refused_in_log,
+    topology_tag,
+)
 
 if TYPE_CHECKING:
     from kvproto.bench.vllm import Workload
@@ -49,8 +55,6 @@ SERVED_NAME = "tiny"
 START_TIMEOUT = 900.0      # seconds for a pair of servers to answer /health (shared cores)
 REQUEST_TIMEOUT = 600.0    # seconds one round's requests may take
 KEEPALIVE_S = "30"         # servers' HTTP keep-alive, above the router's (2 s)
-# A D log line saying why it did not pull a request: "kvproto: request <id>: <why>; ..."
-_NOT_PULLED = re.compile(r"kvproto: request \S+: (.+?);")
 
 
 class ServeError(RuntimeError):
@@ -267,16 +271,6 @@ def _pulled(st: Stack) -> float:
                if n == "kvproto_reads_total" and ("outcome", "done:pulled") in labels)
 
 
-def _not_pulled_reason(st: Stack) -> str:
-    """The first reason D logged for not pulling a request, or ''."""
-    try:
-        text = st.proc("D").log_path.read_text(errors="replace")
-    except OSError:
-        return ""
-    m = _NOT_PULLED.search(text)
-    return m.group(1)[:200] if m else ""
-
-
 def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: int,
                    d_tp: int) -> dict[str, Any]:
     """One topology over the server path: both connectors' stacks, the alternating
@@ -288,6 +282,7 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
         from kvproto.vllm.harness import HarnessError
         raise HarnessError(f"the server path needs a source checkout: {missing[0]} missing")
     t_start = time.monotonic()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     names = tuple(n for n in CONNECTORS if n in args.connectors.split(","))
     runs = {n: ConnectorRun() for n in names}
     stacks: dict[str, Stack] = {}
@@ -332,11 +327,11 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
     meta: dict[str, Any] = {"path": "server", "p_tp": p_tp, "d_tp": d_tp,
                             "wall_s": round(time.monotonic() - t_start, 1)}
     k = runs.get("kvproto")
-    if k is not None and k.pulled is not None and k.pulled < k.requests:
-        why = _not_pulled_reason(stacks["kvproto"])
-        meta["kvproto_refused"] = (
-            f"kvproto's D pulled {k.pulled} of {k.requests} requests at P TP {p_tp} -> "
-            f"D TP {d_tp} and recomputed the rest" + (f" ({why})" if why else ""))
+    if k is not None and "kvproto" in stacks:
+        k.refused, why = refused_in_log(stacks["kvproto"].proc("D").log_path)
+        note = refusal_note(k, p_tp, d_tp, why)
+        if note:
+            meta["kvproto_refused"] = note
     rep = build_report(runs, meta=meta)
     for name in names:   # the offline path's scenarios did not run here
         for key in ("late_d", "stranded_block_seconds", "stranded_all_freed",
