@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "routing between them; server: `vllm serve` P and D per connector "
                         "with the project's router (examples/pd_router.py) in front, "
                         "requests over HTTP (default offline)")
+    p.add_argument("--server-bind", choices=("cores", "none"), default="cores",
+                   help="server path, TP 1: cores: P's threads on the last core, D's on the "
+                        "first (as the serve tests run them); none: no binding and one "
+                        "OpenMP thread per engine, as the offline path runs them (cores)")
     p.add_argument("--p-tp", default="1", metavar="N[,N...]",
                    help="P's tensor parallel sizes (1); every pair of --p-tp and --d-tp is "
                         "one topology, each run in turn with both connectors")

@@ -93,8 +93,10 @@ class Proc:
         return (errs[-1] if errs else lines[-1] if lines else "")[:300]
 
 
-def _env(bind: str, side_port: int) -> dict[str, str]:
+def _env(bind: str, side_port: int, omp_threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.update(VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_LOGGING_LEVEL="INFO",
                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
@@ -183,7 +185,9 @@ def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, 
     # Each TP rank needs its own side-channel port (base + rank): leave room for them.
     side = {"P": free_port() // 16 * 16, "D": free_port() // 16 * 16 + 8}
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    one_core = {"P": str(mine[-1]), "D": str(mine[0])} if len(mine) >= 2 else {}
+    one_core = {"P": str(mine[-1]), "D": str(mine[0])} \
+        if len(mine) >= 2 and args.server_bind == "cores" else {}
+    omp = 1 if args.server_bind == "none" else None
     st = Stack(name, f"http://127.0.0.1:{rp}",
                f"http://127.0.0.1:{dm}/metrics" if dm is not None else None)
     try:
@@ -193,7 +197,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, 
             bind = one_core.get(role, "nobind") if tp == 1 else "nobind"
             proc = Proc(f"{tag}-{role}", serve_cmd(model, port, tp, kvb,
                                                    transfer_config(name, args.lease, mport)),
-                        _env(bind, side[role]), workdir / f"{tag}-{role}.log")
+                        _env(bind, side[role], omp), workdir / f"{tag}-{role}.log")
             st.procs.append(proc)
             waiting.append((proc, f"http://127.0.0.1:{port}/health"))
         _wait_healthy(waiting, START_TIMEOUT)
@@ -324,7 +328,8 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
     finally:
         for st in stacks.values():
             st.close()
-    meta: dict[str, Any] = {"path": "server", "p_tp": p_tp, "d_tp": d_tp,
+    meta: dict[str, Any] = {"path": "server", "server_bind": args.server_bind,
+                            "p_tp": p_tp, "d_tp": d_tp,
                             "wall_s": round(time.monotonic() - t_start, 1)}
     k = runs.get("kvproto")
     if k is not None and "kvproto" in stacks:
