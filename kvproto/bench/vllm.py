@@ -13,13 +13,22 @@ Per connector: a P/D pair (separate processes) runs
 * D killed -9 while it holds unread requests: P's blocks held above its idle baseline,
   integrated over time until P has them all back (``stranded_block_seconds``).
 
+``--p-tp``/``--d-tp`` take comma-separated tensor parallel sizes: every (P, D) pair is
+one topology, run in turn with both connectors against the same single-engine reference
+(TP 1). A pair whose engines do not start is reported (``failed``) and the run goes on;
+requests kvproto's D ends before any READ (a topology it does not serve) are counted
+(``refused_requests``) and explained (``kvproto_refused``). ``--late 0``/``--kill 0``
+skip those scenarios. ``--path server`` runs the throughput rounds over HTTP instead:
+``vllm serve`` P and D behind the project's router (``kvproto.bench.vllm_serve``).
+
 Every D output is compared token for token with a single engine that has no connector
 (``wrong_outputs``). ``cpu_efficiency_ratio`` (stock/kvproto CPU time of P and D per
 generated token, medians over rounds) is the figure other load on the machine disturbs
 least. Progress goes to stderr; ``--json`` prints one JSON object on stdout:
 ``stock``, ``kvproto`` (``requests``, ``wrong_outputs``, ``errors``, ``throughput_tok_s``,
 ``ttft_ms_mean``, ``stranded_block_seconds``, ...) and ``throughput_ratio``
-(kvproto/stock, median of the per-round ratios). Exit codes: 0 done, 1 kvproto served a
+(kvproto/stock, median of the per-round ratios); with several topologies,
+``{"topologies": [one such object per topology, with p_tp and d_tp]}``. Exit codes: 0 done, 1 kvproto served a
 wrong output, 2 bad arguments, 3 vLLM/NIXL missing, 4 an engine failed.
 """
 
