@@ -28,8 +28,9 @@ least. Progress goes to stderr; ``--json`` prints one JSON object on stdout:
 ``stock``, ``kvproto`` (``requests``, ``wrong_outputs``, ``errors``, ``throughput_tok_s``,
 ``ttft_ms_mean``, ``stranded_block_seconds``, ...) and ``throughput_ratio``
 (kvproto/stock, median of the per-round ratios); with several topologies,
-``{"topologies": [one such object per topology, with p_tp and d_tp]}``. Exit codes: 0 done, 1 kvproto served a
-wrong output, 2 bad arguments, 3 vLLM/NIXL missing, 4 an engine failed.
+``{"topologies": [one such object per topology, with p_tp and d_tp]}``. Exit codes:
+0 done, 1 kvproto served a wrong output, 2 bad arguments, 3 vLLM/NIXL missing, 4 the
+reference engine failed.
 """
 
 from __future__ import annotations
