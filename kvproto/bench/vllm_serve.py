@@ -32,19 +32,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvproto.bench.vllm import (
+from kvproto.bench.vllm_common import (
+    CONNECTORS,
     ConnectorRun,
+    Workload,
     build_report,
     one_line,
     refusal_note,
     refused_in_log,
     topology_tag,
 )
-
-if TYPE_CHECKING:
-    from kvproto.bench.vllm import Workload
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +278,6 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
                    d_tp: int) -> dict[str, Any]:
     """One topology over the server path: both connectors' stacks, the alternating
     rounds, the report (``build_report``'s keys for the rounds)."""
-    from kvproto.bench.vllm import CONNECTORS
 
     missing = [str(p) for p in (VLLM_CLI, ROUTER) if not p.exists()]
     if missing:
