@@ -235,13 +235,14 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
         for name in live:
             pd = pairs[name]
             if name == "kvproto":
-                try:
-                    runs[name].counters = {
-                        side: {k: v for k, v in e.connector_stats().items()
-                               if isinstance(v, (int, float)) and v}
-                        for side, e in (("P", pd.p), ("D", pd.d))}
-                except HarnessError as e:   # worker connectors in rank processes
-                    log.info("kvproto: connector counters unavailable: %s", one_line(e))
+                for side, eng in (("P", pd.p), ("D", pd.d)):
+                    try:
+                        runs[name].counters[side] = {
+                            k: v for k, v in eng.connector_stats().items()
+                            if isinstance(v, (int, float)) and v}
+                    except HarnessError as e:   # worker connectors in rank processes
+                        log.info("kvproto: %s's connector counters unavailable: %s", side,
+                                 one_line(e))
                 d_log = Path(workdir / f"D-{name}{topology_tag(p_tp, d_tp)}.log")
                 runs[name].refused, why = refused_in_log(d_log)
                 runs[name].refused = max(runs[name].refused, int(
