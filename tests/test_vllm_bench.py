@@ -168,13 +168,14 @@ def test_server_client_reads_streamed_token_ids_and_errors() -> None:
 
 def test_refusals_are_counted_from_ds_log(tmp_path: pathlib.Path) -> None:
     """One count per request D's worker ended before any READ, with the first reason;
-    other lines and a missing log count nothing."""
+    warm-up requests, other lines and a missing log count nothing."""
     d_log = tmp_path / "D.log"
     d_log.write_text(
         "INFO engine started\n"
         "WARNING kvproto: request r0-1: P TP 2 -> D TP 1: head slices; recompute\n"
         "WARNING kvproto: request r0-2: P TP 2 -> D TP 1: head slices; recompute\n"
         "WARNING kvproto: request r0-2: P TP 2 -> D TP 1: head slices; recompute\n"
+        "WARNING kvproto: request kvproto-warm-r0-0: P TP 2 -> D TP 1: head slices; x\n"
         "INFO kvproto: request r0-3 pulled\n")
     assert refused_in_log(d_log) == (2, "P TP 2 -> D TP 1: head slices")
     assert refused_in_log(tmp_path / "none.log") == (0, "")

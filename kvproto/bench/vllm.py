@@ -48,6 +48,7 @@ from typing import Any
 
 from kvproto.bench.vllm_common import (
     CONNECTORS,
+    WARM,
     ConnectorRun,
     Workload,
     build_report,
@@ -194,7 +195,7 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
         live = [n for n in names if n in pairs]
         log.info("engines ready after %.0f s", time.monotonic() - t_start)
         for name in live:   # warm-up (first-use costs in both engines), not counted
-            warm = {f"{name}-warm-{k}": v for k, v in list(wl.rounds[0].items())[:4]}
+            warm = {f"{name}-{WARM}{k}": v for k, v in list(wl.rounds[0].items())[:4]}
             pairs[name].run(warm, max_tokens=2)
         # idle cost: CPU the pairs use while holding nothing and serving nothing
         idle0 = {n: pairs[n].p.cpu_seconds() + pairs[n].d.cpu_seconds() for n in live}

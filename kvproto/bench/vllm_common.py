@@ -121,14 +121,18 @@ def one_line(e: BaseException) -> str:
 _REFUSED_LINE = re.compile(r"kvproto: request (\S+): (.+?); ")
 
 
+WARM = "warm-"   # request ids of the uncounted warm-up requests contain this
+
+
 def refused_in_log(path: Path) -> tuple[int, str]:
-    """(requests D's log shows ended before any READ, the first reason given); what the
-    bench reads where D's worker counters live in other processes (TP > 1, servers)."""
+    """(requests D's log shows ended before any READ, the first reason given; warm-up
+    requests not counted); what the bench reads where D's worker counters live in other
+    processes (TP > 1, servers)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return 0, ""
-    found = _REFUSED_LINE.findall(text)
+    found = [(rid, why) for rid, why in _REFUSED_LINE.findall(text) if WARM not in rid]
     return len({rid for rid, _ in found}), (found[0][1][:200] if found else "")
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvproto.bench.vllm_common import (
     CONNECTORS,
+    WARM,
     ConnectorRun,
     Workload,
     build_report,
@@ -220,14 +221,15 @@ class Answer:
     error: str = ""
 
 
-async def _one(hc: Any, url: str, prompt: list[int], max_tokens: int) -> Answer:
-    """One streamed greedy completion through the router."""
+async def _one(hc: Any, url: str, rid: str, prompt: list[int], max_tokens: int) -> Answer:
+    """One streamed greedy completion through the router (request id ``rid``)."""
     out = Answer()
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
             "stream": True}
     try:
-        async with hc.stream("POST", url + "/v1/completions", json=body) as r:
+        async with hc.stream("POST", url + "/v1/completions", json=body,
+                             headers={"X-Request-Id": rid}) as r:
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return out
@@ -256,8 +258,8 @@ async def _round(url: str, prompts: dict[str, list[int]], max_tokens: int
     limits = httpx.Limits(max_connections=len(prompts) + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as hc:
         t0 = time.monotonic()
-        answers = await asyncio.gather(*(_one(hc, url, p, max_tokens)
-                                         for p in prompts.values()))
+        answers = await asyncio.gather(*(_one(hc, url, rid, p, max_tokens)
+                                         for rid, p in prompts.items()))
     return dict(zip(prompts, answers, strict=True)), t0
 
 
@@ -299,7 +301,7 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
                 log.warning("%s: %s", name, runs[name].failed)
         live = [n for n in names if n in stacks]
         for name in live:   # warm-up, not counted
-            warm = dict(list(wl.rounds[0].items())[:4])
+            warm = {f"{WARM}{k}": v for k, v in list(wl.rounds[0].items())[:4]}
             asyncio.run(_round(stacks[name].router_url, warm, 2))
         pulled0 = {n: _pulled(stacks[n]) for n in live}
         for i, prompts in enumerate(wl.rounds):
