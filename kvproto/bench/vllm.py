@@ -267,7 +267,13 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
         note = refusal_note(runs["kvproto"], p_tp, d_tp, why)
         if note:
             meta["kvproto_refused"] = note
-    return build_report(runs, meta=meta)
+    rep = build_report(runs, meta=meta)
+    skipped = (() if wl.late else ("late_d",)) + (() if wl.kill else (
+        "stranded_block_seconds", "stranded_all_freed", "seconds_to_free_after_d_kill"))
+    for name in runs:   # a scenario that did not run has no figures, not zeros
+        for key in skipped:
+            rep[name].pop(key, None)
+    return rep
 
 
 def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
