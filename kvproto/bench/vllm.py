@@ -270,7 +270,12 @@ def _bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp:
     rep = build_report(runs, meta=meta)
     skipped = (() if wl.late else ("late_d",)) + (() if wl.kill else (
         "stranded_block_seconds", "stranded_all_freed", "seconds_to_free_after_d_kill"))
-    for name in runs:   # a scenario that did not run has no figures, not zeros
+    if p_tp > 1 or d_tp > 1:
+        # an engine's CPU time is its own process's: at TP > 1 the ranks' worker
+        # processes are missing from it, so the CPU figures would mislead
+        skipped += ("idle_cpu_pct", "cpu_ms_per_token")
+        rep.pop("cpu_efficiency_ratio", None)
+    for name in runs:   # a figure that was not measured is left out, not a zero
         for key in skipped:
             rep[name].pop(key, None)
     return rep
