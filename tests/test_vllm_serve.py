@@ -10,7 +10,8 @@ KVProtoConnector and its own Prometheus endpoint, ``metrics_port``) and the rout
 the end; every log goes to a file and is attached to a failing test). Clients speak HTTP
 with the ``openai`` client, as users do. The model is the tiny random-weight Llama of
 ``kvproto.vllm.harness`` with a word tokenizer (token ``i`` is the word ``w<i>``),
-written locally; nothing is downloaded.
+written locally; nothing is downloaded. Both servers run with prefix caching on (vLLM's
+default): D's partial prefix hits read only the blocks after the hit.
 
 Expected tokens come from P serving the same prompts itself (greedy, no remote KV); D
 serving them itself must agree. The disconnect storm puts clients' disconnects at
@@ -89,6 +90,16 @@ FREE_BOUND = LEASES["initial_lease"] + LEASES["lease_extension"] + LEASES["abort
 START_TIMEOUT = 900.0    # both servers starting at once on 2 shared cores
 STORM_SEED = 19
 COR = h.make_prompts(8, seed=21)
+# Two prompts sharing a prefix of SHARED_PREFIX tokens (whole blocks), and one sharing
+# nothing with them
+SHARED_PREFIX = 4 * h.BLOCK_SIZE
+_Y, _x, _y, _z = h.make_prompts(4, seed=23, lengths=[SHARED_PREFIX, 20, 45,
+                                                     3 * h.BLOCK_SIZE + 7])
+SHARED = [_Y + _x, _Y + _y, _z]
+
+
+def _blocks(prompt: list[int]) -> int:
+    return -(-len(prompt) // h.BLOCK_SIZE)
 
 
 # ---------------------------------------------------------------------------- processes
@@ -157,7 +168,7 @@ def serve_cmd(model: str, port: int, extra: dict[str, Any]) -> list[str]:
     return [sys.executable, str(VLLM_CLI), "serve", model, "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", str(MAX_LEN),
-            "--kv-cache-memory-bytes", str(128 << 20), "--no-enable-prefix-caching",
+            "--kv-cache-memory-bytes", str(128 << 20), "--enable-prefix-caching",
             "--seed", "0", "--max-num-seqs", str(SEQS), "--disable-uvicorn-access-log",
             "--enable-log-requests", "--max-log-len", "16",
             "--kv-transfer-config", json.dumps(ktc)]
@@ -613,12 +624,10 @@ def test_router_disconnect_cancels_upstream() -> None:
 @pytest.mark.vllm
 @needs_vllm
 def test_correctness_through_router(stack: Stack) -> None:
-    """D serving the prompts itself agrees with P; through the router (P prefills, D
-    pulls the KV and decodes) every reply, streamed or JSON, equals the reference token
-    for token, and D pulled every one of them (none was recomputed)."""
+    """Through the router (P prefills, D pulls the KV and decodes) every reply, streamed
+    or JSON, equals the reference token for token, and D pulled every one of them (none
+    was recomputed); afterwards D serving the prompts itself agrees with P."""
     with stack.explained():
-        _check_reference(stack, asyncio.run(_complete_all(stack.d_url, COR, stream=False)),
-                         "D alone")
         before = asyncio.run(scrape(stack.d_metrics))
         p_before = asyncio.run(scrape(stack.p_metrics))
         outs = asyncio.run(_complete_all(stack.r_url, COR, stream=None))
@@ -636,6 +645,67 @@ def test_correctness_through_router(stack: Stack) -> None:
                  - metric(p_before, "kvproto_frees_total", reason=r)
                  for r in ("transferred", "expired", "released")}
         assert freed == {"transferred": len(COR), "expired": 0, "released": 0}, freed
+        # D serving them itself (its prefix cache now holds the blocks it pulled) agrees
+        _check_reference(stack, asyncio.run(_complete_all(stack.d_url, COR, stream=False)),
+                         "D alone")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_partial_prefix_hit_through_router(stack: Stack) -> None:
+    """Prefix caching on both servers: D, whose prefix cache holds a prefix Y (it served
+    Y + x itself), reads only the blocks after its hit when a request Y + y comes through
+    the router; the reply equals P's own token for token. A request sharing nothing
+    with D's cache, pulled whole, gives the bytes of one block."""
+    with stack.explained():
+        outs = asyncio.run(_complete_all(stack.p_url, SHARED, stream=False))
+        ref = [toks for toks, _ in outs]
+        assert all(len(t) == MAX_TOKENS for t in ref), ref
+        x, y, fresh = SHARED
+        d_x = asyncio.run(_complete_all(stack.d_url, [x], stream=False))
+        assert d_x[0][0] == ref[0], ("D alone", d_x, ref[0])
+
+        def pulled(prompt: list[int], want: list[int]) -> float:
+            before = asyncio.run(scrape(stack.d_metrics))
+            [(toks, _)] = asyncio.run(_complete_all(stack.r_url, [prompt], stream=False))
+            assert toks == want, ("router", toks, want)
+            after = asyncio.run(scrape(stack.d_metrics))
+            for m, labels in (("kvproto_reads_total", {"outcome": "done:pulled"}),
+                              ("kvproto_recomputed_blocks_total", {})):
+                got = metric(after, m, **labels) - metric(before, m, **labels)
+                assert got == (1 if m == "kvproto_reads_total" else 0), (m, got)
+            return metric(after, "kvproto_read_bytes_total") - \
+                metric(before, "kvproto_read_bytes_total")
+
+        whole = pulled(fresh, ref[2])
+        per_block = whole / _blocks(fresh)
+        assert per_block > 0 and per_block == int(per_block), (whole, _blocks(fresh))
+        part = pulled(y, ref[1])
+        # D's prefix cache supplied the first `hit` blocks (vLLM picks it; at most the
+        # shared prefix's full blocks): D read exactly the blocks after them
+        hits = [hit for hit in range(1, SHARED_PREFIX // h.BLOCK_SIZE + 1)
+                if part == per_block * (_blocks(y) - hit)]
+        assert hits, (part, per_block, _blocks(y))
+        asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_bench_server_client_through_router(stack: Stack) -> None:
+    """The client of ``kvproto bench vllm --path server`` on these servers (no engine of
+    its own): every answer equals the reference token for token, each with a first
+    token after its send."""
+    from kvproto.bench.vllm_serve import SERVED_NAME, _round
+
+    assert SERVED_NAME == MODEL
+    with stack.explained():
+        answers, t0 = asyncio.run(_round(stack.r_url, {str(i): p for i, p in
+                                                       enumerate(COR)}, MAX_TOKENS))
+        for i in range(len(COR)):
+            a = answers[str(i)]
+            assert not a.error and a.tokens == stack.ref[i], (i, a)
+            assert a.t_first is not None and t0 <= a.t_first <= a.t_end, a
+        asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
 
 
 @pytest.mark.vllm
