@@ -14,6 +14,7 @@ from conftest import ENGINE, params
 
 import kvproto
 from kvproto import port, wire
+from kvproto.bench.vllm_serve import ServeError
 from kvproto.cli import MissingExtra
 from kvproto.errors import KVProtoError, RemoteInputError, UsageError
 from kvproto.journal import JournalError
@@ -44,6 +45,7 @@ from kvproto.nixl.faults import FaultConfigError
 from kvproto.testing.cfuzz import CoverageViolation
 from kvproto.testing.script import ScriptError
 from kvproto.verify.check import LeaseConfigError
+from kvproto.verify.dsplit import SplitError
 from kvproto.verify.oracle import InvariantViolation
 from kvproto.verify.tlc import MissingDependency, ParseError, TLCError
 from kvproto.verify.trace import TraceError
@@ -79,6 +81,8 @@ ERRORS: dict[type[Exception], tuple[type[KVProtoError], type[Exception]]] = {
     CoverageViolation: (KVProtoError, AssertionError),
     GroupsError: (UsageError, ValueError),
     FaultConfigError: (UsageError, ValueError),
+    SplitError: (UsageError, ValueError),
+    ServeError: (KVProtoError, RuntimeError),
 }
 
 

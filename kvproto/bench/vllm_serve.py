@@ -45,6 +45,7 @@ from kvproto.bench.vllm_common import (
     refused_in_log,
     topology_tag,
 )
+from kvproto.vllm.harness import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ REQUEST_TIMEOUT = 600.0    # seconds one round's requests may take
 KEEPALIVE_S = "30"         # servers' HTTP keep-alive, above the router's (2 s)
 
 
-class ServeError(RuntimeError):
+class ServeError(HarnessError):
     """A server or router did not come up (one line)."""
 
 
