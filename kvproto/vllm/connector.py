@@ -125,9 +125,12 @@ are refused at start-up.
 
 Tensor parallelism (``kvproto.vllm.topology``): one agent and machine per worker rank;
 the params carry every P rank (``RANKS_KEY``); equal TP sizes pair rank r with rank r;
-unequal ones (head slices) are refused before any READ.
+unequal ones pair when every rank holds the same heads (KV heads replicated on both
+sides); plans that need head slices are refused before any READ. A D rank reports a load
+complete only when its coverage machine saw every region of the request's map read and
+verified (``kvproto.vllm.dcover``).
 
-Limits of this version: unequal TP sizes on P and D are refused per request; TP > 1 with
+Limits of this version: TP sizes whose pairing needs head slices are refused per request; TP > 1 with
 several KV cache groups is refused at start-up; equal block sizes on P and D (a request
 from a P of another block size is refused, counted, and recomputes or fails per policy).
 """
@@ -155,6 +158,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvproto.vllm import groups as kvgroups
+from kvproto.vllm.dcover import RankReads, covered_layers
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -351,8 +355,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         # Tensor parallelism: one agent and machine per worker rank (kvproto.vllm.topology).
         self.tp_size, self.tp_rank = int(pc.tensor_parallel_size), 0
-        self.kv_heads = int(vllm_config.model_config.get_total_num_kv_heads()) \
-            if self.tp_size > 1 else 1
+        mc = getattr(vllm_config, "model_config", None)
+        self.kv_heads = int(mc.get_total_num_kv_heads()) if mc is not None else 1
         self._rank_peers: dict[int, RankPeer] = {}
         self._mirrors = RankMirrors(int(kv_cache_config.num_blocks)
                                     if kv_cache_config is not None else 0)
@@ -416,7 +420,11 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             self.dw = DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
                                num_blocks, metrics, identity,
                                fail=self.load_failure_policy == "fail")
-            self.dw.rank = (self.tp_rank, self.tp_size, self.kv_heads)
+            groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or ()
+            self.dw.reads = RankReads(
+                self.tp_rank, self.tp_size, self.kv_heads,
+                covered_layers(list(kv_caches), [list(g.layer_names) for g in groups]),
+                self._layers())
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
@@ -660,8 +668,9 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         ready = int(request.num_computed_tokens) >= int(request.num_prompt_tokens)
         out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
                                           params, self.block_size, ready=ready)
-        if out is not None and self.tp_size > 1:
-            # one KV cache group at TP > 1 (refused at start-up otherwise)
+        if out is not None and len(self._rank_peers) == self.tp_size:
+            # The region map's axes travel at every TP size (D ranks of another TP size
+            # pair by them). One KV cache group at TP > 1 (refused at start-up otherwise).
             out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),
                                           self.kv_heads, self._layers())
         return (out is not None), out

@@ -15,10 +15,11 @@ every rank did, and unions the load errors of all ranks.
   (``RankMirrors``; ranks bump stamps at their own pace, so one mirror for all ranks
   could pair one rank's stamp with another's bump).
 * D: rank d takes its plan from ``kvproto.lifecycle.topology.Topology`` and pulls from
-  the P rank that holds its heads (``d_params``). This version pulls whole blocks, so it
-  pairs equal TP sizes only: a plan that needs head slices (P and D TP sizes differ) is
-  refused before anything is read (``TopologyUnsupported``; the request ends
-  ``tp_unsupported`` and recomputes or fails per ``kv_load_failure_policy``).
+  the P rank that holds its heads (``d_params``). This version pulls whole blocks: it
+  pairs equal TP sizes, and different TP sizes whose ranks all hold the same heads (KV
+  heads replicated on both sides, e.g. one KV head); a plan that needs head slices is
+  refused before anything is read (``TopologyUnsupported``, counted ``tp_refused``; the
+  request recomputes or fails per ``kv_load_failure_policy``).
 """
 
 from __future__ import annotations
@@ -187,24 +188,36 @@ class TopologyUnsupported(UsageError, ValueError):
 
 def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
              kv_heads: int) -> RemoteParams:
-    """The params D rank ``d_rank`` of ``d_tp`` pulls with: P rank 0's when P runs TP 1
-    and D too, else the P rank ``Topology`` pairs it with. Raises TopologyUnsupported
-    for a plan that needs head slices, ParamsError when P's KV heads differ from D's."""
+    """The params D rank ``d_rank`` of ``d_tp`` pulls with: the P rank ``Topology`` pairs
+    it with (P rank 0's plain params when P runs TP 1). Whole blocks only: the plan must
+    read one P rank whose KV tensor holds exactly the heads D's does (equal TP sizes, or
+    KV heads replicated on both sides). Raises TopologyUnsupported for a plan that needs
+    head slices, ParamsError when P's KV heads differ from D's."""
+    src = plan_source(ranks, d_rank, d_tp, kv_heads)
     if ranks is None:
-        if d_tp != 1:
-            raise TopologyUnsupported(f"P runs TP 1, D TP {d_tp}: head slices")
         return rp
-    if ranks.p_tp != d_tp:
-        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
-    if ranks.kv_heads != kv_heads:
+    out = ranks.ranks[src]
+    if out.params.engine == rp.params.engine and out.params.epoch == rp.params.epoch:
+        # P rank 0: the capability the scheduler minted belongs to its params
+        out = RemoteParams(replace(out.params, capability=rp.params.capability), out.host,
+                           out.port, out.num_tokens)
+    return out
+
+
+def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int) -> int:
+    """The one P rank D rank ``d_rank`` reads whole blocks from (see ``d_params``)."""
+    p_tp = ranks.p_tp if ranks is not None else 1
+    if ranks is not None and ranks.kv_heads != kv_heads:
         raise ParamsError("bad_params", f"P has {ranks.kv_heads} KV heads, D {kv_heads}")
     try:
-        srcs = Topology(ranks.p_tp, d_tp, kv_heads).sources(d_rank)
+        top = Topology(p_tp, d_tp, kv_heads)
+        srcs = top.sources(d_rank)
     except TopologyError as e:
         raise ParamsError("bad_params", str(e)) from None
-    if ranks.p_tp != d_tp or len(srcs) != 1:
-        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
-    return ranks.ranks[srcs[0].p_rank]
+    if len(srcs) != 1 or not top.local_heads("P") == top.local_heads("D") == srcs[0].heads:
+        raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
+                                  "head slices")
+    return srcs[0].p_rank
 
 
 def rank_admit(ad: AdmitOrder, d_rank: int, d_tp: int, kv_heads: int) -> AdmitOrder:

@@ -18,15 +18,13 @@ import torch
 
 from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
 from kvproto.port import now_ms
+from kvproto.vllm.dcover import RankReads
 from kvproto.vllm.sched import (
     ConnectorOptions,
     Orders,
     ParamsError,
 )
-from kvproto.vllm.topology import (
-    TopologyUnsupported,
-    rank_admit,
-)
+from kvproto.vllm.topology import TopologyUnsupported
 
 if TYPE_CHECKING:
     from kvproto.journal import JournalWriter
@@ -205,7 +203,9 @@ class DWorker:
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
             identity=identity, fault_hook=self.faults)
         self.adapter.transport.hold_reads_s = opts.test_hold_read_s
-        self.rank = (0, 1, 1)  # (TP rank, TP size, the model's KV heads)
+        # This rank's reading plan and coverage join (set by the connector once it knows
+        # the rank, the model's KV heads and the layers it registered).
+        self.reads = RankReads(0, 1, 1, {(0, 0)}, (1,))
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Loads whose READ went overdue while its transfer runs: rid -> local blocks, kept
         # out of finished_recving (vLLM holds the blocks) until the transfer ends.
@@ -229,7 +229,7 @@ class DWorker:
         a = self.adapter
         for ad in orders.admits:
             try:
-                ad = rank_admit(ad, *self.rank)
+                ad, part, need = self.reads.plan(ad)
             except (TopologyUnsupported, ParamsError) as e:
                 log.warning("kvproto: request %s: %s; %s", ad.request_id, e, self.outcome)
                 self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
@@ -239,6 +239,11 @@ class DWorker:
             if ad.request_id in self.admitted or key in self.handles:
                 # The same handle twice (e.g. D's n>1 children share P's params): one
                 # pulls, the others prefill locally.
+                self._ended(ad.request_id)
+                continue
+            if not self.reads.expect(ad.request_id, part, need):
+                log.warning("kvproto: request %s: coverage cannot track it; %s",
+                            ad.request_id, self.outcome)
                 self._ended(ad.request_id)
                 continue
             self.admitted[ad.request_id] = key
@@ -251,6 +256,7 @@ class DWorker:
                 self.ended.pop(rid, None)
                 a.abort(rid)  # releases to P if the machine still holds it
                 a.free_local(rid)
+                self.reads.drop(rid)
                 self._complete(rid, ld.local_blocks, ok=False)
                 continue
             self.loads[rid] = ld.local_blocks
@@ -290,6 +296,7 @@ class DWorker:
     def _drain(self, completions: Iterable[Completion]) -> None:
         for rid in self.adapter.take_unquarantined():
             local = self.quarantined.pop(rid, None)
+            self.reads.drop(rid)
             if local is not None:  # its blocks were reported invalid at the deadline
                 self.finished_recving.add(rid)
                 self.failed.add(rid)
@@ -300,6 +307,7 @@ class DWorker:
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
+                self.reads.drop(c.request_id)
                 if c.reason != "aborted":
                     log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
                                 c.request_id, c.state, c.reason, self.outcome)
@@ -308,7 +316,14 @@ class DWorker:
             if self.adapter.quarantined(c.request_id):
                 self._quarantine(c.request_id, local)
                 continue
-            ok = c.state == D_DONE and c.reason == "pulled"
+            pulled = c.state == D_DONE and c.reason == "pulled"
+            # Fail closed on coverage: served only when every region of the request's
+            # map on this rank was read and verified.
+            ok = self.reads.finish(c.request_id, pulled)
+            if pulled and not ok:
+                log.warning("kvproto: READ of %s verified but incomplete (coverage: "
+                            "regions missing); %d blocks reported for recompute",
+                            c.request_id, len(local))
             # A client abort (vLLM already ended the request) is no failed read: its
             # blocks are still named, so nothing computes on them, but it is not counted
             # as a read failure or as blocks to recompute.
@@ -359,6 +374,7 @@ class DWorker:
 
     def counters(self) -> dict[str, float]:
         c = dict(self.stats)
+        c.update(self.reads.counters)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
         c["checksum_failures"] = float(ac.get("checksum_failed", 0))
