@@ -420,6 +420,10 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             self.dw = DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
                                num_blocks, metrics, identity,
                                fail=self.load_failure_policy == "fail")
+            # P's gate binds a handle to one consumer: the D engine, all of whose TP ranks
+            # may read one P rank (P TP 1 -> D TP 2 with a replicated KV head).
+            self.dw.adapter.consumer_id = f"kvproto-d-{self.engine_id}" + (
+                f"-dp{self.dp_rank}" if self.dp_rank else "")
             groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or ()
             self.dw.reads = RankReads(
                 self.tp_rank, self.tp_size, self.kv_heads,
