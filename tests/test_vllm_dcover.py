@@ -57,11 +57,21 @@ def test_plan_pairs_ranks_and_derives_readers_from_the_tp_ratio(
         assert rr.counters.get("orphan", 0) == (orphan if d == 0 else 0)
 
 
-def test_head_slice_plans_and_bad_maps_are_refused() -> None:
-    with pytest.raises(TopologyUnsupported):
-        _reads(0, 1, heads=2).plan(_admit("r", 2, heads=2))
-    with pytest.raises(TopologyUnsupported):
+def test_split_heads_p_tp1_to_d_tp2_read_head_slices() -> None:
+    """P TP 1 -> D TP 2 with 2 KV heads: D rank d reads head d of P's blocks (a slice),
+    and both D ranks announce 2 readers; without slice support it is refused."""
+    for d in (0, 1):
+        rr = RankReads(d, 2, 2, {(0, 0), (1, 0)}, (2,), slices=True)
+        ad, part, _ = rr.plan(_admit("r", 1, heads=2))
+        assert part == 0 and ad.params.expected == 2
+        assert rr.slice_of["p0"] == (2, d, 1)
+    with pytest.raises(TopologyUnsupported):  # heads not outermost, or checksums on
         _reads(1, 2, heads=2).plan(_admit("r", None))
+
+
+def test_plans_needing_several_p_ranks_and_bad_maps_are_refused() -> None:
+    with pytest.raises(TopologyUnsupported):  # P TP 2 -> D TP 1, heads split on P
+        RankReads(0, 1, 2, {(0, 0)}, (1,), slices=True).plan(_admit("r", 2, heads=2))
     with pytest.raises(ParamsError):  # P's KV heads differ from D's
         _reads(0, 2, heads=2).plan(_admit("r", 2, heads=1))
 

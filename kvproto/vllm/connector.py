@@ -157,8 +157,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvproto.lifecycle.topology import heads_of
 from kvproto.vllm import groups as kvgroups
-from kvproto.vllm.dcover import RankReads, covered_layers
+from kvproto.vllm.dcover import RankReads, covered_layers, heads_outermost
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -415,11 +416,13 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         sfx = f"-tp{self.tp_rank}" if self.tp_size > 1 else ""
         if self.opts.producer:
             self.pw = PWorker(self.opts, f"kvproto-p-{self.engine_id}{sfx}", tensors,
-                               num_blocks, self.opts.handshake_port, metrics, identity)
+                               num_blocks, self.opts.handshake_port, metrics, identity,
+                               tp=(self.tp_rank, self.tp_size))
         if self.opts.consumer:
             self.dw = DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
                                num_blocks, metrics, identity,
-                               fail=self.load_failure_policy == "fail")
+                               fail=self.load_failure_policy == "fail",
+                               tp=(self.tp_rank, self.tp_size))
             # P's gate binds a handle to one consumer: the D engine, all of whose TP ranks
             # may read one P rank (P TP 1 -> D TP 2 with a replicated KV head).
             self.dw.adapter.consumer_id = f"kvproto-d-{self.engine_id}" + (
@@ -428,7 +431,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             self.dw.reads = RankReads(
                 self.tp_rank, self.tp_size, self.kv_heads,
                 covered_layers(list(kv_caches), [list(g.layer_names) for g in groups]),
-                self._layers())
+                self._layers(), slices=not self.opts.config.checksums and heads_outermost(
+                    tensors, num_blocks, len(heads_of(0, self.tp_size, self.kv_heads))))
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)

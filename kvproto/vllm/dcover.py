@@ -5,8 +5,11 @@ map travels in them: P's TP size, KV heads and layers per KV cache group,
 ``kvproto.vllm.topology.RANKS_KEY``) and this rank's place (TP rank and size, the
 model's KV heads):
 
-* the P rank it reads (``kvproto.vllm.topology.plan_source``; whole blocks only, a plan
-  needing head slices is refused before any READ, counted ``tp_refused``);
+* the P rank it reads and which of its heads (``kvproto.vllm.topology.plan_source``):
+  whole blocks when both hold the same heads, a head slice of P's blocks when P's rank
+  holds more heads than D's (P TP 1 -> D TP 2 with split heads; the slice is cut in
+  NIXL's descriptors, ``kvproto.nixl.agent.RemoteRegion.head_slice``); a plan whose D
+  block needs several P ranks is refused before any READ, counted ``tp_refused``;
 * the expected reader count of that P rank's request, from the TP ratio
   (``Topology.readers``): D's messages announce it, and P's ledger frees as
   ``transferred`` only once that many distinct readers are done (P TP 1 -> D TP 2 with a
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import replace
-from typing import Final
+from typing import Any, Final
 
 from kvproto.errors import UsageError
 from kvproto.lifecycle.coverage import (
@@ -50,7 +53,13 @@ from kvproto.lifecycle.coverage import (
 )
 from kvproto.lifecycle.topology import Topology
 from kvproto.vllm.sched import AdmitOrder, ParamsError, RemoteParams
-from kvproto.vllm.topology import d_params, parse_ranks
+from kvproto.vllm.topology import (
+    HeadSlice,
+    TopologyUnsupported,
+    d_params,
+    parse_ranks,
+    plan_source,
+)
 
 MAX_LAYER_KEYS: Final = 1 << 16  # (layer, group) pairs a rank may cover
 
@@ -67,16 +76,37 @@ def covered_layers(names: Sequence[str], groups: Sequence[Sequence[str]]
                      for i, n in enumerate(layer_names) if n in have)
 
 
+def heads_outermost(tensors: Sequence[Any], num_blocks: int, heads: int) -> bool:
+    """Whether every KV tensor holds the head dimension (``heads`` long) right after the
+    block dimension, so that a block's heads are contiguous runs (vLLM's CPU layout (N,
+    H, block size, 2 x head size)): then a head slice of a block is one NIXL descriptor
+    per segment. Otherwise a slice would be strided per token, and is not read."""
+    for t in tensors:
+        shape = list(t.shape)
+        if num_blocks not in shape:
+            return False
+        nb = shape.index(num_blocks)
+        if nb + 1 >= len(shape) or shape[nb + 1] != heads:
+            return False
+    return bool(tensors)
+
+
 class RankReads:
     """One D rank's plan and coverage join (see the module docstring)."""
 
     def __init__(self, d_rank: int, d_tp: int, kv_heads: int,
                  covered: Collection[tuple[int, int]], layers: Sequence[int],
                  coverage: Coverage | None = None,
-                 max_requests: int = MAX_COVERAGE_REQUESTS) -> None:
+                 max_requests: int = MAX_COVERAGE_REQUESTS, slices: bool = False) -> None:
         """``covered``: this rank's ``(layer, group)`` pairs; ``layers``: layers per KV
-        cache group of this engine (the map's axes when P's params carry none)."""
+        cache group of this engine (the map's axes when P's params carry none);
+        ``slices``: this rank may read head slices of P's blocks (its KV tensors hold the
+        head dimension outermost within a block, and block checksums are off)."""
         self.d_rank, self.d_tp, self.kv_heads = d_rank, d_tp, kv_heads
+        self.slices = slices
+        # P engine -> the head slice this rank reads of its blocks (None: whole blocks);
+        # fixed per engine (its TP size fixes the plan). Size: the P engines admitted.
+        self.slice_of: dict[str, HeadSlice | None] = {}
         self.covered = frozenset(covered)
         self.layers = tuple(layers) or (1,)
         self.cov = coverage if coverage is not None else Coverage(max_requests)
@@ -88,11 +118,18 @@ class RankReads:
 
     def plan(self, ad: AdmitOrder) -> tuple[AdmitOrder, int, dict[int, frozenset[Region]]]:
         """The admit order this rank pulls with, the P rank it reads and the request's
-        region map on this rank. Raises TopologyUnsupported or ParamsError (the caller
+        region map on this rank; the head slice it reads of that P rank's blocks is
+        ``slice_of[engine]``. Raises TopologyUnsupported or ParamsError (the caller
         counts ``tp_refused`` and ends the request before any READ)."""
         base = RemoteParams(ad.params, ad.host, ad.port, 1)
         ranks = parse_ranks(ad.ranks, base)
-        rp = d_params(base, ranks, self.d_rank, self.d_tp, self.kv_heads)
+        rp = d_params(base, ranks, self.d_rank, self.d_tp, self.kv_heads, slices=self.slices)
+        _, sl = plan_source(ranks, self.d_rank, self.d_tp, self.kv_heads, slices=self.slices)
+        engine = rp.params.engine
+        if engine in self.slice_of and self.slice_of[engine] != sl:
+            raise TopologyUnsupported(f"P engine {engine[:64]} read as {self.slice_of[engine]}"
+                                      f" before, now {sl}")
+        self.slice_of[engine] = sl
         p_tp = ranks.p_tp if ranks is not None else 1
         layers = ranks.layers if ranks is not None else self.layers
         top = Topology(p_tp, self.d_tp, self.kv_heads)  # checked by d_params

@@ -187,13 +187,11 @@ class TopologyUnsupported(UsageError, ValueError):
 
 
 def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
-             kv_heads: int) -> RemoteParams:
+             kv_heads: int, *, slices: bool = False) -> RemoteParams:
     """The params D rank ``d_rank`` of ``d_tp`` pulls with: the P rank ``Topology`` pairs
-    it with (P rank 0's plain params when P runs TP 1). Whole blocks only: the plan must
-    read one P rank whose KV tensor holds exactly the heads D's does (equal TP sizes, or
-    KV heads replicated on both sides). Raises TopologyUnsupported for a plan that needs
-    head slices, ParamsError when P's KV heads differ from D's."""
-    src = plan_source(ranks, d_rank, d_tp, kv_heads)
+    it with (P rank 0's plain params when P runs TP 1). See ``plan_source`` for the plans
+    accepted. Raises TopologyUnsupported or ParamsError."""
+    src, _ = plan_source(ranks, d_rank, d_tp, kv_heads, slices=slices)
     if ranks is None:
         return rp
     out = ranks.ranks[src]
@@ -204,8 +202,18 @@ def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
     return out
 
 
-def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int) -> int:
-    """The one P rank D rank ``d_rank`` reads whole blocks from (see ``d_params``)."""
+HeadSlice = tuple[int, int, int]  # (P's KV heads per block, first head read, heads read)
+
+
+def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int, *,
+                slices: bool = False) -> tuple[int, HeadSlice | None]:
+    """The one P rank D rank ``d_rank`` reads, and the head slice of P's blocks it reads
+    (None: whole blocks). Accepted: plans where one P rank fills D's whole block -- whole
+    blocks when both hold the same heads (equal TP sizes, or KV heads replicated on both
+    sides), or, with ``slices``, a head slice of a P rank that holds more heads (P TP 1
+    -> D TP 2 with split heads). A plan whose D block needs several P ranks (P TP 2 ->
+    D TP 1 with split heads) raises TopologyUnsupported; P's KV heads other than D's
+    raise ParamsError."""
     p_tp = ranks.p_tp if ranks is not None else 1
     if ranks is not None and ranks.kv_heads != kv_heads:
         raise ParamsError("bad_params", f"P has {ranks.kv_heads} KV heads, D {kv_heads}")
@@ -214,10 +222,16 @@ def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int)
         srcs = top.sources(d_rank)
     except TopologyError as e:
         raise ParamsError("bad_params", str(e)) from None
-    if len(srcs) != 1 or not top.local_heads("P") == top.local_heads("D") == srcs[0].heads:
+    p_heads, d_heads = top.local_heads("P"), top.local_heads("D")
+    if len(srcs) != 1 or srcs[0].heads != d_heads:
+        raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
+                                  "D's block needs several P ranks")
+    if p_heads == d_heads:
+        return srcs[0].p_rank, None
+    if not slices:
         raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
                                   "head slices")
-    return srcs[0].p_rank
+    return srcs[0].p_rank, (p_heads, srcs[0].p_head, srcs[0].heads)
 
 
 def rank_admit(ad: AdmitOrder, d_rank: int, d_tp: int, kv_heads: int) -> AdmitOrder:

@@ -50,7 +50,9 @@ class PWorker:
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, port: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None) -> None:
+                 identity: dict[str, str] | None = None, tp: tuple[int, int] = (0, 1)
+                 ) -> None:
+        """``tp``: (TP rank, TP size), in the handshake's layout."""
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -69,7 +71,8 @@ class PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics, identity=identity, handshake_thread=True)
+            metrics=metrics, identity=identity, handshake_thread=True, tp_rank=tp[0],
+            tp_size=tp[1])
         self._gen = self.adapter.region.gen
         self.idle_wait_s = opts.idle_wait_ms / 1000.0
         self.steps = 0  # worker steps (get_finished calls)
@@ -168,7 +171,9 @@ class DWorker:
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None, fail: bool = False) -> None:
+                 identity: dict[str, str] | None = None, fail: bool = False,
+                 tp: tuple[int, int] = (0, 1)) -> None:
+        """``tp``: (TP rank, TP size), in the handshake's layout."""
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
@@ -201,7 +206,7 @@ class DWorker:
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
-            identity=identity, fault_hook=self.faults)
+            identity=identity, fault_hook=self.faults, tp_rank=tp[0], tp_size=tp[1])
         self.adapter.transport.hold_reads_s = opts.test_hold_read_s
         # This rank's reading plan and coverage join (set by the connector once it knows
         # the rank, the model's KV heads and the layers it registered).
@@ -248,6 +253,9 @@ class DWorker:
                 continue
             self.admitted[ad.request_id] = key
             self.handles.add(key)
+            sl = self.reads.slice_of.get(ad.params.engine)
+            if sl is not None:  # read before the engine's handshake loads its region
+                a.transport.slices[ad.params.engine] = sl
             a.add_engine(ad.params.engine, ad.host, ad.port)
             a.admit(ad.request_id, ad.params)
         for ld in orders.loads:
