@@ -17,9 +17,11 @@ requests, no transfer params: its connector does nothing for them). Checks:
   (the reader count comes from the TP ratio, announced by D);
 * every rank's journal (P rank 0 and 1, D rank 0 and 1, E as P and as D) passes
   ``kvproto validate``;
-* last, one D rank's worker is killed while D pulls: P gets every block back within the
+* one D rank's worker is killed while D pulls: P gets every block back within the
   lease bound and frees each request once per rank, and whatever D still answers is the
-  reference.
+  reference;
+* last, P rank 0's worker is killed while E pulls from it (P TP 2 -> D TP 1): every E
+  request ends within a bound, none hangs, and whatever E answers is the reference.
 
 Plans that need head slices (more KV heads than the smaller TP size) are refused per
 request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py).
@@ -51,7 +53,8 @@ LATE = {f"late{i}": p for i, p in enumerate(h.make_prompts(2, seed=22, lengths=[
 KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(3, seed=23, lengths=[90, 250, 31]))}
 H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
-ALL = {**COR, **LATE, **KILL, **H21, **H12}
+KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
+ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP}
 FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
 
 
@@ -160,7 +163,7 @@ def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
     def grew(k: str) -> float:
         return float(after.get(k, 0)) - float(before.get(k, 0))
 
-    assert grew("coverage_complete") == len(H21), after  # pulled, never recomputed
+    assert grew("coverage_complete") == len(H21), (before, after)  # pulled, not recomputed
     assert grew("reads_failed") == 0 and grew("tp_refused") == 0, after
     assert grew("orphan") == len(H21), after
     ok, _, _ = sc.wait_free(p, baseline, FREE_TIMEOUT)
@@ -215,7 +218,7 @@ def _worker(engine_pid: int, name: str) -> int:
 
 
 def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
-    """Last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
+    """Next to last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
     its blocks back within the lease bound (done, or expiry of what D can no longer
     renew), each request freed once per P rank; no answer D still gives is wrong."""
     p = pair.pd.p
@@ -236,4 +239,22 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
             assert n == 1, (j.name, rid, fr)
     for rid, r in pair.pd.d.results.items():
         if rid in KILL and r.error is None and r.tokens:
+            assert r.tokens == pair.ref[rid], rid
+
+
+def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
+    """Last (it breaks P): P rank 0's worker, the rank E reads (P TP 2 -> D TP 1), is
+    killed while E pulls. Every E request ends within a bound (E loses the peer: the
+    request recomputes or fails per policy), none hangs, and no answer is wrong."""
+    p, e = pair.pd.p, pair.e
+    pd = h.PD(p, e)
+    res = {rid: pd.prefill(rid, pr) for rid, pr in KILLP.items()}
+    victim = _worker(p.pid, "Worker_TP0")
+    for rid, pr in KILLP.items():
+        pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
+    os.kill(victim, signal.SIGKILL)
+    got = e.wait(KILLP, timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    assert set(got) == set(KILLP)
+    for rid, r in got.items():
+        if r.error is None and r.tokens:
             assert r.tokens == pair.ref[rid], rid
