@@ -253,7 +253,9 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
 # checksum_failures, recomputed_blocks, handshake_failures, model_mismatches,
-# rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
+# rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots;
+# tensor parallelism (kvproto.vllm.dcover): tp_refused, orphan, coverage_complete,
+# coverage_short, coverage_missing_regions, coverage_coverage_full.
 
 
 @dataclass
@@ -310,6 +312,12 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
         "model_mismatches": ("kvproto:model_mismatches",
                              "handshakes refused: the peer's model identity differs"),
         "rejected": ("kvproto:rejected", "bad input rejected (params, messages)"),
+        "orphan": ("kvproto:orphan", "D: parts of requests on P ranks no D rank reads "
+                                     "(P frees them by lease expiry)"),
+        "tp_refused": ("kvproto:tp_refused", "D: requests whose TP pairing this version "
+                                             "cannot pull (recomputed or failed)"),
+        "coverage_short": ("kvproto:coverage_short", "D: verified READs that missed a region "
+                                                     "of the request's map (never served)"),
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
