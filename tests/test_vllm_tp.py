@@ -12,10 +12,11 @@ requests, no transfer params: its connector does nothing for them). Checks:
 * P TP 2 -> D TP 1 (P -> E): token for token; E reads P rank 0 only and reports every
   load complete through its coverage machine; P rank 1's blocks, which no D rank reads,
   expire and are counted ``orphan`` on D;
-* P TP 1 -> D TP 2 (E -> D): token for token; both D ranks read E's one rank, and E's
-  ledger frees each request as ``transferred`` only after two distinct readers are done
-  (the reader count comes from the TP ratio, announced by D);
-* every rank's journal (P rank 0 and 1, D rank 0 and 1, E as P and as D) passes
+* P TP 1 -> D TP 2 (E -> engine P, which runs kvproto's D side too, so that each D
+  journal talks to one P engine): token for token; both D ranks pull E's one rank, and
+  E's ledger frees each request as ``transferred`` only after two distinct readers are
+  done (the reader count comes from the TP ratio, announced by D);
+* every rank's journal (P's and D's ranks as P and as D, E as P and as D) passes
   ``kvproto validate``;
 * one D rank's worker is killed while D pulls: P gets every block back within the
   lease bound and frees each request once per rank, and whatever D still answers is the
@@ -93,7 +94,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         yield Pair(pd, e, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
                                       wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl",
-                                      wd / "PE.jsonl", wd / "PE.consumer.jsonl"])
+                                      wd / "PE.jsonl", wd / "PE.consumer.jsonl",
+                                      wd / "P1.consumer.jsonl", wd / "P1.tp1.consumer.jsonl"])
     finally:
         pd.close()
         e.close()
@@ -112,7 +114,18 @@ def _frees(journal: Path) -> dict[str, set[str]]:
 
 
 def _rank_journals(pair: Pair) -> list[Path]:
-    return [j for j in pair.journals if j.name.startswith("P1")]
+    """P's two rank journals (its ledgers)."""
+    return pair.journals[:2]
+
+
+def _finished(journal: Path) -> dict[str, set[str]]:
+    """Request ids (prefix before "-") per finish reason in one D journal."""
+    out: dict[str, set[str]] = {}
+    for line in journal.read_text().splitlines()[1:]:
+        for e in json.loads(line).get("effects", ()):
+            if e.get("type") == "finished":
+                out.setdefault(e["reason"], set()).add(str(e["request_id"]).split("-")[0])
+    return out
 
 
 def _done_readers(journal: Path) -> dict[str, set[str]]:
@@ -179,9 +192,11 @@ def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
 
 
 def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
-    """P TP 1 (E) -> D TP 2: both D ranks read E's one rank; E's ledger frees each
-    request as transferred only after two distinct readers were done."""
-    e, d = pair.e, pair.pd.d
+    """P TP 1 (E) -> D TP 2 (engine P, which runs kvproto's D side too: every D journal
+    then talks to one P engine, as TLC's KVConsumer models it): both D ranks read E's one
+    rank; E's ledger frees each request as transferred only after two distinct readers
+    were done."""
+    e, d = pair.e, pair.pd.p
     baseline = int(e.stats()["free_blocks"])
     out = sc.correctness(h.PD(e, d), H12, pair.ref, max_tokens=MAX_TOKENS)
     assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
@@ -195,6 +210,9 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
     readers = _done_readers(journal)
     for rid in H12:
         assert len(readers.get(rid, set())) == 2, (rid, readers.get(rid))
+    for j in pair.journals[6:]:  # each D rank pulled every request (not recomputed)
+        kinds = _finished(j)
+        assert set(H12) <= kinds.get("pulled", set()), (j.name, kinds)
 
 
 def test_every_rank_journal_validates(pair: Pair) -> None:
