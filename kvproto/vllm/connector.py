@@ -684,9 +684,12 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         ready = int(request.num_computed_tokens) >= int(request.num_prompt_tokens)
         out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
                                           params, self.block_size, ready=ready)
-        if out is not None and len(self._rank_peers) == self.tp_size:
+        if out is not None and len(self._rank_peers) == self.tp_size \
+                and len(block_ids) == 1:
             # The region map's axes travel at every TP size (D ranks of another TP size
-            # pair by them). One KV cache group at TP > 1 (refused at start-up otherwise).
+            # pair by them), for one KV cache group (several are refused at start-up at
+            # TP > 1; at TP 1 D takes the map's axes from its own groups, which the
+            # handshake's identity pins equal to P's).
             out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),
                                           self.kv_heads, self._layers())
         return (out is not None), out
