@@ -116,3 +116,16 @@ def test_coverage_cap_fails_closed() -> None:
     assert rr.finish("b", True) is False  # never tracked: not complete
     rr.drop("a")
     assert len(rr) == 0
+
+
+def test_several_groups_at_tp1_take_the_map_from_d_own_groups() -> None:
+    """P at TP 1 with several KV cache groups sends no map axes: D's own groups give
+    them (the handshake's identity pins them equal to P's); every layer of every group
+    that D registered is covered."""
+    groups = [["a.0", "a.1"], ["b.0", "b.1", "b.2"]]
+    rr = RankReads(0, 1, 1, covered_layers([*groups[0], *groups[1]], groups), (2, 3))
+    _, part, need = rr.plan(_admit("r", None))
+    assert len(need[part]) == 5 and rr.expect("r", part, need) and rr.finish("r", True)
+    rr2 = RankReads(0, 1, 1, covered_layers([*groups[0], "b.0", "b.1"], groups), (2, 3))
+    _, part, need = rr2.plan(_admit("r", None))
+    assert rr2.expect("r", part, need) and not rr2.finish("r", True)  # b.2 never read
