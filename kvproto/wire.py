@@ -755,12 +755,19 @@ def check_peer(hs: Handshake, role: str, layout: Layout, identity: dict[str, str
         # TP sizes must split the model's KV heads (check_tp_pairing).
         check_identity(identity, hs.identity, mine, peer)
         check_tp_pairing(layout.tp_size, hs.layout.tp_size, identity.get("num_kv_heads"))
-        if layout.dtype != hs.layout.dtype:
+        if _segment_kind(layout.dtype) != _segment_kind(hs.layout.dtype):
             raise WireError("layout_mismatch", f"local {layout.dtype} vs remote "
                                                f"{hs.layout.dtype}")
         return
     check_layouts(layout, hs.layout)
     check_identity(identity, hs.identity, mine, peer)
+
+
+def _segment_kind(tag: str) -> tuple[str, str]:
+    """A layout's dtype tag (``<dtypes>/<segments>x<bytes per block>``, or a bare dtype)
+    without the bytes per block, which differ with the heads a rank holds."""
+    dtype, _, shape = tag.partition("/")
+    return dtype, shape.split("x")[0]
 
 
 def check_tp_pairing(local_tp: int, remote_tp: int, kv_heads: str | None) -> None:

@@ -5,6 +5,8 @@ head slices is refused before any READ)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvproto.lifecycle import TransferParams
@@ -58,15 +60,25 @@ def test_equal_tp_pairs_rank_r_with_rank_r() -> None:
 
 
 def test_head_slice_plans_are_refused_before_any_read() -> None:
-    rp = parse_ranks(_ranks(), _base())
-    with pytest.raises(TopologyUnsupported):  # P TP 2 -> D TP 1
-        d_params(_base(), rp, 0, 1, 1)
-    with pytest.raises(TopologyUnsupported):  # P TP 1 -> D TP 2
+    with pytest.raises(TopologyUnsupported):  # P TP 2 -> D TP 1, heads split on P
+        d_params(_base(), parse_ranks(_ranks(heads=2), _base()), 0, 1, 2)
+    with pytest.raises(TopologyUnsupported):  # P TP 1 -> D TP 2, heads split on D
         d_params(_base(), None, 0, 2, 2)
     with pytest.raises(ParamsError):  # another model's head count
-        d_params(_base(), rp, 0, 2, 2)
+        d_params(_base(), parse_ranks(_ranks(), _base()), 0, 2, 2)
 
 
+def test_replicated_heads_pair_unequal_tp_sizes_whole_block() -> None:
+    """One KV head: every rank of either engine holds it whole, so blocks pair one to
+    one across TP sizes. P TP 2 -> D TP 1 reads P rank 0 (with the capability minted
+    for rank 0's params); P TP 1 -> D TP 2: both D ranks read P's only rank."""
+    cap = replace(_base().params, capability="ab", epoch=10)
+    base = RemoteParams(cap, "h", 4000, 96)
+    out = d_params(base, parse_ranks(_ranks(), base), 0, 1, 1)
+    assert out.params.engine == "p0" and out.params.capability == "ab"
+    assert out.params.generations == (2, 0, 0)
+    for d in (0, 1):
+        assert d_params(base, None, d, 2, 1) == base
 @pytest.mark.parametrize("bad", [
     "x", {"p_tp": 2}, {**_ranks(), "p_tp": 3}, {**_ranks(), "kv_heads": 0},
     {**_ranks(), "layers": []}, {**_ranks(), "ranks": [{"engine": "p0"}, {}]},

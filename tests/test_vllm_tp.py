@@ -1,18 +1,31 @@
 """End to end with tensor parallelism: KVProtoConnector in real vLLM engines (CPU build,
-multiprocess executor over gloo), P TP 2 -> D TP 2, on a model with one KV head (fewer KV
-heads than ranks: vLLM replicates it, each D rank reads it once, from its own P rank).
+multiprocess executor over gloo), on a model with one KV head (fewer KV heads than ranks:
+vLLM replicates it on every rank, so every rank of either engine holds the same head and
+blocks pair one to one across TP sizes; each D rank reads it once).
 
-One P/D pair serves every test of the module; the single-engine reference (TP 1) runs
-first and is closed before the pair starts. Checks: D's greedy outputs equal the
-reference token for token; a late D after lease expiry is fenced or refused and
-recomputed (0 wrong); every rank's journal (P rank 0 and 1, D rank 0 and 1) passes
-``kvproto validate``; last, one D rank's worker is killed while D pulls: P gets every block
-back within the lease bound and frees each request once per rank, and whatever D still
-answers is the reference.
+Three engines serve every test of the module: E (TP 1, kvproto as P and D), P (TP 2) and
+D (TP 2), started one at a time. E first gives the single-engine reference (plain
+requests, no transfer params: its connector does nothing for them). Checks:
 
-Heterogeneous TP (P TP 2 -> D TP 1, P TP 1 -> D TP 2) needs head-slice READs, which this
-version does not post: ``kvproto.vllm.topology.d_params`` refuses such a plan before any
-READ (tests/test_vllm_topology.py covers it without engines).
+* P TP 2 -> D TP 2: D's greedy outputs equal the reference token for token; a late D
+  after lease expiry is fenced or refused and recomputed (0 wrong);
+* P TP 2 -> D TP 1 (P -> E): token for token; E reads P rank 0 only and reports every
+  load complete through its coverage machine; P rank 1's blocks, which no D rank reads,
+  expire and are counted ``orphan`` on D;
+* P TP 1 -> D TP 2 (E -> engine P, which runs kvproto's D side too, so that each D
+  journal talks to one P engine): token for token; both D ranks pull E's one rank, and
+  E's ledger frees each request as ``transferred`` only after two distinct readers are
+  done (the reader count comes from the TP ratio, announced by D);
+* every rank's journal (P's and D's ranks as P and as D, E as P and as D) passes
+  ``kvproto validate``;
+* one D rank's worker is killed while D pulls: P gets every block back within the
+  lease bound and frees each request once per rank, and whatever D still answers is the
+  reference;
+* last, P rank 0's worker is killed while E pulls from it (P TP 2 -> D TP 1): every E
+  request ends within a bound, none hangs, and whatever E answers is the reference.
+
+Plans that need head slices (more KV heads than the smaller TP size) are refused per
+request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py).
 """
 
 from __future__ import annotations
@@ -39,41 +52,53 @@ P_KV_BYTES = 8 << 20
 COR = {f"c{i}": p for i, p in enumerate(h.make_prompts(8, seed=21))}
 LATE = {f"late{i}": p for i, p in enumerate(h.make_prompts(2, seed=22, lengths=[64, 100]))}
 KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(3, seed=23, lengths=[90, 250, 31]))}
-ALL = {**COR, **LATE, **KILL}
+H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
+H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
+KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
+ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP}
 FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
 
 
 class Pair:
-    def __init__(self, pd: h.PD, ref: dict[str, list[int]], journals: list[Path]) -> None:
-        self.pd, self.ref, self.journals = pd, ref, journals
+    def __init__(self, pd: h.PD, e: h.Engine, ref: dict[str, list[int]],
+                 journals: list[Path]) -> None:
+        self.pd, self.e, self.ref, self.journals = pd, e, ref, journals
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     wd = tmp_path_factory.mktemp("vllm_tp")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=1).path)
-    ref_spec = h.EngineSpec("REF", model, env=h.engine_env(), log_path=str(wd / "REF.log"))
-    [ref] = h.start_engines([ref_spec])
-    try:
-        reference = sc.reference_outputs(ref, ALL, max_tokens=MAX_TOKENS)
-    finally:
-        ref.close()
     kw = sc.kvproto_extras(str(wd), tag="1")
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="1",
                                 p_kv_bytes=P_KV_BYTES, **kw)
+    e_spec, _ = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="E",
+                           **sc.kvproto_extras(str(wd), tag="E"))
+    e_spec.name = "E"
     p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
-    [p] = h.start_engines([p_spec], timeout=600)  # one at a time: 6 processes on 2 cores
+    started: list[h.Engine] = []
     try:
-        [d] = h.start_engines([d_spec], timeout=600)
+        for spec in (e_spec, p_spec, d_spec):  # one at a time: 7 processes on 2 cores
+            [eng] = h.start_engines([spec], timeout=600)
+            started.append(eng)
+            if spec is e_spec:  # under other request ids: E serves these prompts later
+                ref = sc.reference_outputs(eng, {f"ref-{k}": v for k, v in ALL.items()},
+                                           max_tokens=MAX_TOKENS)
+                reference = {k[4:]: v for k, v in ref.items()}
     except BaseException:
-        p.kill()
+        for eng in started:
+            eng.kill()
         raise
+    e, p, d = started
     pd = h.PD(p, d)
     try:
-        yield Pair(pd, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
-                                   wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl"])
+        yield Pair(pd, e, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
+                                      wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl",
+                                      wd / "PE.jsonl", wd / "PE.consumer.jsonl",
+                                      wd / "P1.consumer.jsonl", wd / "P1.tp1.consumer.jsonl"])
     finally:
         pd.close()
+        e.close()
 
 
 def _frees(journal: Path) -> dict[str, set[str]]:
@@ -89,7 +114,32 @@ def _frees(journal: Path) -> dict[str, set[str]]:
 
 
 def _rank_journals(pair: Pair) -> list[Path]:
-    return [j for j in pair.journals if j.name.startswith("P")]
+    """P's two rank journals (its ledgers)."""
+    return pair.journals[:2]
+
+
+def _finished(journal: Path) -> dict[str, set[str]]:
+    """Request ids (prefix before "-") per finish reason in one D journal."""
+    out: dict[str, set[str]] = {}
+    for line in journal.read_text().splitlines()[1:]:
+        for e in json.loads(line).get("effects", ()):
+            if e.get("type") == "finished":
+                out.setdefault(e["reason"], set()).add(str(e["request_id"]).split("-")[0])
+    return out
+
+
+def _done_readers(journal: Path) -> dict[str, set[str]]:
+    """Per request id (its prefix before "-"), the distinct readers whose done P's
+    ledger took, from one P journal."""
+    rid_of: dict[int, str] = {}
+    out: dict[str, set[str]] = {}
+    for line in journal.read_text().splitlines()[1:]:
+        ev = json.loads(line).get("event", {})
+        if ev.get("type") == "register":
+            rid_of[int(ev["handle"])] = str(ev["request_id"]).split("-")[0]
+        elif ev.get("type") == "done" and int(ev.get("handle", -1)) in rid_of:
+            out.setdefault(rid_of[int(ev["handle"])], set()).add(str(ev["reader"]))
+    return out
 
 
 def test_tp2_to_tp2_token_for_token(pair: Pair) -> None:
@@ -113,9 +163,61 @@ def test_tp2_late_d_is_fenced_and_recomputed(pair: Pair) -> None:
         assert set(LATE) <= expired and not set(LATE) & pulled, (j.name, fr)
 
 
+def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
+    """P TP 2 -> D TP 1 (E): E reads P rank 0's blocks whole (the one KV head), and
+    reports each load complete only through its coverage machine; P rank 1's blocks are
+    read by no D rank: they expire by lease and E counts them ``orphan``."""
+    p, e = pair.pd.p, pair.e
+    baseline = int(p.stats()["free_blocks"])
+    before = e.connector_stats()
+    out = sc.correctness(h.PD(p, e), H21, pair.ref, max_tokens=MAX_TOKENS)
+    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+    assert out.requests == len(H21) and out.tokens == len(H21) * MAX_TOKENS
+    after = e.connector_stats()
+
+    def grew(k: str) -> float:
+        return float(after.get(k, 0)) - float(before.get(k, 0))
+
+    seen = {k: (before.get(k), v) for k, v in after.items()
+            if any(w in k for w in ("cover", "reads", "orphan", "tp_", "fenced"))}
+    assert grew("coverage_complete") == len(H21), seen  # pulled, not recomputed
+    assert grew("reads_failed") == 0 and grew("tp_refused") == 0, seen
+    assert grew("orphan") == len(H21), seen
+    ok, _, _ = sc.wait_free(p, baseline, FREE_TIMEOUT)
+    assert ok, "P rank 1's orphaned blocks did not come back"
+    rank0, rank1 = (_frees(j) for j in _rank_journals(pair))
+    pulled = {rid.split("-")[0] for rid in rank0.get("transferred", set())}
+    orphaned = {rid.split("-")[0] for rid in rank1.get("expired", set())}
+    assert set(H21) <= pulled and set(H21) <= orphaned, (rank0, rank1)
+
+
+def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
+    """P TP 1 (E) -> D TP 2 (engine P, which runs kvproto's D side too: every D journal
+    then talks to one P engine, as TLC's KVConsumer models it): both D ranks read E's one
+    rank; E's ledger frees each request as transferred only after two distinct readers
+    were done."""
+    e, d = pair.e, pair.pd.p
+    baseline = int(e.stats()["free_blocks"])
+    out = sc.correctness(h.PD(e, d), H12, pair.ref, max_tokens=MAX_TOKENS)
+    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+    assert out.requests == len(H12) and out.tokens == len(H12) * MAX_TOKENS
+    ok, _, _ = sc.wait_free(e, baseline, FREE_TIMEOUT)
+    assert ok, "E did not free its blocks"
+    journal = pair.journals[4]
+    fr = _frees(journal)
+    pulled = {rid.split("-")[0] for rid in fr.get("transferred", set())}
+    assert set(H12) <= pulled, fr
+    readers = _done_readers(journal)
+    for rid in H12:
+        assert len(readers.get(rid, set())) == 2, (rid, readers.get(rid))
+    for j in pair.journals[6:]:  # each D rank pulled every request (not recomputed)
+        kinds = _finished(j)
+        assert set(H12) <= kinds.get("pulled", set()), (j.name, kinds)
+
+
 def test_every_rank_journal_validates(pair: Pair) -> None:
     present = [str(j) for j in pair.journals if j.exists() and j.stat().st_size > 0]
-    assert len(present) == 4, (present, pair.journals)
+    assert len(present) == len(pair.journals), (present, pair.journals)
     run = subprocess.run([sys.executable, "-m", "kvproto.cli", "validate", *present],
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -138,7 +240,7 @@ def _worker(engine_pid: int, name: str) -> int:
 
 
 def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
-    """Last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
+    """Next to last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
     its blocks back within the lease bound (done, or expiry of what D can no longer
     renew), each request freed once per P rank; no answer D still gives is wrong."""
     p = pair.pd.p
@@ -159,4 +261,22 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
             assert n == 1, (j.name, rid, fr)
     for rid, r in pair.pd.d.results.items():
         if rid in KILL and r.error is None and r.tokens:
+            assert r.tokens == pair.ref[rid], rid
+
+
+def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
+    """Last (it breaks P): P rank 0's worker, the rank E reads (P TP 2 -> D TP 1), is
+    killed while E pulls. Every E request ends within a bound (E loses the peer: the
+    request recomputes or fails per policy), none hangs, and no answer is wrong."""
+    p, e = pair.pd.p, pair.e
+    pd = h.PD(p, e)
+    res = {rid: pd.prefill(rid, pr) for rid, pr in KILLP.items()}
+    victim = _worker(p.pid, "Worker_TP0")
+    for rid, pr in KILLP.items():
+        pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
+    os.kill(victim, signal.SIGKILL)
+    got = e.wait(KILLP, timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    assert set(got) == set(KILLP)
+    for rid, r in got.items():
+        if r.error is None and r.tokens:
             assert r.tokens == pair.ref[rid], rid

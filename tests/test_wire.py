@@ -638,3 +638,16 @@ def test_check_peer_checks_role_layout_and_identity() -> None:
     with pytest.raises(WireError) as info:
         wire.check_peer(hs, "producer", LAYOUT, {**IDENT, "weights": "revision:v2"})
     assert "weights: D has 'revision:v2', P has 'sha256:aa'" in info.value.detail
+
+
+def test_check_peer_at_unequal_tp_compares_segment_kinds_not_rank_bytes() -> None:
+    """At unequal TP sizes a rank's block holds another number of heads: the segments'
+    bytes per block differ and pass; their dtype and count must still agree."""
+    ident = {**IDENT, "num_kv_heads": "2"}
+    p = Layout(1024, 16384, "float32/2x8192", 0, 1)  # P TP 1: 2 heads per block
+    hs = Handshake("P0", 3, p, b"m", "producer", {}, identity=ident)
+    wire.check_peer(hs, "producer", Layout(1024, 8192, "float32/2x4096", 1, 2), ident)
+    for bad in ("float16/2x4096", "float32/3x4096"):
+        with pytest.raises(WireError) as info:
+            wire.check_peer(hs, "producer", Layout(1024, 8192, bad, 1, 2), ident)
+        assert info.value.reason == "layout_mismatch"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -147,6 +147,24 @@ class RemoteRegion:
     def block_index(self, blocks: Sequence[int]) -> list[int]:
         """Descriptor indices of ``blocks`` in this region's prepared KV dlist."""
         return segment_index(len(self.segments), self.num_blocks, blocks)
+
+    def head_slice(self, heads: int, first: int, count: int) -> RemoteRegion:
+        """The same region restricted to KV heads ``first .. first + count`` of the
+        ``heads`` each block of each segment holds, the head dimension outermost within
+        a block (vLLM's CPU layout (N, H, block size, 2 x head size)): one descriptor per
+        segment and block, as for whole blocks, ``count / heads`` of the bytes. Raises
+        ValueError when the segments cannot be cut so."""
+        if not self.segments:
+            raise ValueError("a head slice needs the engine's KV segments")
+        if not (1 <= count <= heads and 0 <= first <= heads - count):
+            raise ValueError(f"heads {first}+{count} outside 0..{heads}")
+        segs = []
+        for base, stride, ln in self.segments:
+            if ln % heads:
+                raise ValueError(f"a block of {ln} bytes does not split into {heads} heads")
+            per = ln // heads
+            segs.append((base + first * per, stride, count * per))
+        return replace(self, segments=tuple(segs), block_bytes=sum(x[2] for x in segs))
 
 
 MAX_SEGMENTS = 4096  # cap on segments per region (e.g. layers x K/V)

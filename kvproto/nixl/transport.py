@@ -230,6 +230,11 @@ class NixlDTransport:
         # complete, for the bounded-read tests. id(xfer) -> (xfer, time it may report).
         self.hold_reads_s = 0.0
         self._held: dict[int, tuple[Any, float]] = {}
+        # Head slices: P engine -> (its KV heads per block, first head, heads) this rank
+        # reads of each of its blocks (tensor parallelism, kvproto.lifecycle.topology);
+        # an engine absent here is read whole. Set before the engine's handshake; at most
+        # one entry per P engine this rank reads.
+        self.slices: dict[str, tuple[int, int, int]] = {}
 
     def layout(self) -> Layout:
         return self.region.layout(self.tp_rank, self.tp_size)
@@ -273,6 +278,9 @@ class NixlDTransport:
     def load_peer(self, engine: str, hs: Handshake) -> None:
         try:
             region = RemoteRegion.from_extra(hs.extra or {}, hs.layout)
+            sl = self.slices.get(engine)
+            if sl is not None:
+                region = region.head_slice(*sl)
         except ValueError as e:
             raise PeerError("handshake_malformed", str(e), final=True) from None
         algo = (hs.extra or {}).get(ALGO_KEY, ALGORITHM)
@@ -281,6 +289,9 @@ class NixlDTransport:
                             f"P seals {str(algo)[:32]!r} checksums, which this D cannot "
                             f"compute over {self.region.mem} (kvproto.nixl.checksum)",
                             final=True)
+        if sl is not None and region.block_bytes != self.block_bytes:
+            raise PeerError("layout_mismatch", f"head slice of {region.block_bytes} B, "
+                            f"local block {self.block_bytes} B", final=True)
         md_name = metadata_agent_name(hs.agent_metadata)
         if md_name != engine:  # checked before loading: never replace another agent's
             raise PeerError("handshake_wrong_peer", f"metadata of {str(md_name)[:64]!r}",

@@ -125,9 +125,12 @@ are refused at start-up.
 
 Tensor parallelism (``kvproto.vllm.topology``): one agent and machine per worker rank;
 the params carry every P rank (``RANKS_KEY``); equal TP sizes pair rank r with rank r;
-unequal ones (head slices) are refused before any READ.
+unequal ones pair when every rank holds the same heads (KV heads replicated on both
+sides); plans that need head slices are refused before any READ. A D rank reports a load
+complete only when its coverage machine saw every region of the request's map read and
+verified (``kvproto.vllm.dcover``).
 
-Limits of this version: unequal TP sizes on P and D are refused per request; TP > 1 with
+Limits of this version: TP sizes whose pairing needs head slices are refused per request; TP > 1 with
 several KV cache groups is refused at start-up; equal block sizes on P and D (a request
 from a P of another block size is refused, counted, and recomputes or fails per policy).
 """
@@ -154,7 +157,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvproto.lifecycle.topology import heads_of
 from kvproto.vllm import groups as kvgroups
+from kvproto.vllm.dcover import RankReads, covered_layers, heads_outermost
 from kvproto.vllm.sched import (
     ConnectorOptions,
     DScheduler,
@@ -248,7 +253,9 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
 # checksum_failures, recomputed_blocks, handshake_failures, model_mismatches,
-# rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots.
+# rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots;
+# tensor parallelism (kvproto.vllm.dcover): tp_refused, orphan, coverage_complete,
+# coverage_short, coverage_missing_regions, coverage_coverage_full.
 
 
 @dataclass
@@ -305,6 +312,12 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
         "model_mismatches": ("kvproto:model_mismatches",
                              "handshakes refused: the peer's model identity differs"),
         "rejected": ("kvproto:rejected", "bad input rejected (params, messages)"),
+        "orphan": ("kvproto:orphan", "D: parts of requests on P ranks no D rank reads "
+                                     "(P frees them by lease expiry)"),
+        "tp_refused": ("kvproto:tp_refused", "D: requests whose TP pairing this version "
+                                             "cannot pull (recomputed or failed)"),
+        "coverage_short": ("kvproto:coverage_short", "D: verified READs that missed a region "
+                                                     "of the request's map (never served)"),
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
@@ -351,8 +364,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         # Tensor parallelism: one agent and machine per worker rank (kvproto.vllm.topology).
         self.tp_size, self.tp_rank = int(pc.tensor_parallel_size), 0
-        self.kv_heads = int(vllm_config.model_config.get_total_num_kv_heads()) \
-            if self.tp_size > 1 else 1
+        mc = getattr(vllm_config, "model_config", None)
+        self.kv_heads = int(mc.get_total_num_kv_heads()) if mc is not None else 1
         self._rank_peers: dict[int, RankPeer] = {}
         self._mirrors = RankMirrors(int(kv_cache_config.num_blocks)
                                     if kv_cache_config is not None else 0)
@@ -411,12 +424,23 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         sfx = f"-tp{self.tp_rank}" if self.tp_size > 1 else ""
         if self.opts.producer:
             self.pw = PWorker(self.opts, f"kvproto-p-{self.engine_id}{sfx}", tensors,
-                               num_blocks, self.opts.handshake_port, metrics, identity)
+                               num_blocks, self.opts.handshake_port, metrics, identity,
+                               tp=(self.tp_rank, self.tp_size))
         if self.opts.consumer:
             self.dw = DWorker(self.opts, f"kvproto-d-{self.engine_id}{sfx}", tensors,
                                num_blocks, metrics, identity,
-                               fail=self.load_failure_policy == "fail")
-            self.dw.rank = (self.tp_rank, self.tp_size, self.kv_heads)
+                               fail=self.load_failure_policy == "fail",
+                               tp=(self.tp_rank, self.tp_size))
+            # P's gate binds a handle to one consumer: the D engine, all of whose TP ranks
+            # may read one P rank (P TP 1 -> D TP 2 with a replicated KV head).
+            self.dw.adapter.consumer_id = f"kvproto-d-{self.engine_id}" + (
+                f"-dp{self.dp_rank}" if self.dp_rank else "")
+            groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or ()
+            self.dw.reads = RankReads(
+                self.tp_rank, self.tp_size, self.kv_heads,
+                covered_layers(list(kv_caches), [list(g.layer_names) for g in groups]),
+                self._layers(), slices=not self.opts.config.checksums and heads_outermost(
+                    tensors, num_blocks, len(heads_of(0, self.tp_size, self.kv_heads))))
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
@@ -660,8 +684,12 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         ready = int(request.num_computed_tokens) >= int(request.num_prompt_tokens)
         out = self.psched.finished_groups(rid, block_ids, int(request.num_computed_tokens),
                                           params, self.block_size, ready=ready)
-        if out is not None and self.tp_size > 1:
-            # one KV cache group at TP > 1 (refused at start-up otherwise)
+        if out is not None and len(self._rank_peers) == self.tp_size \
+                and len(block_ids) == 1:
+            # The region map's axes travel at every TP size (D ranks of another TP size
+            # pair by them), for one KV cache group (several are refused at start-up at
+            # TP > 1; at TP 1 D takes the map's axes from its own groups, which the
+            # handshake's identity pins equal to P's).
             out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),
                                           self.kv_heads, self._layers())
         return (out is not None), out

@@ -15,10 +15,11 @@ every rank did, and unions the load errors of all ranks.
   (``RankMirrors``; ranks bump stamps at their own pace, so one mirror for all ranks
   could pair one rank's stamp with another's bump).
 * D: rank d takes its plan from ``kvproto.lifecycle.topology.Topology`` and pulls from
-  the P rank that holds its heads (``d_params``). This version pulls whole blocks, so it
-  pairs equal TP sizes only: a plan that needs head slices (P and D TP sizes differ) is
-  refused before anything is read (``TopologyUnsupported``; the request ends
-  ``tp_unsupported`` and recomputes or fails per ``kv_load_failure_policy``).
+  the P rank that holds its heads (``d_params``). This version pulls whole blocks: it
+  pairs equal TP sizes, and different TP sizes whose ranks all hold the same heads (KV
+  heads replicated on both sides, e.g. one KV head); a plan that needs head slices is
+  refused before anything is read (``TopologyUnsupported``, counted ``tp_refused``; the
+  request recomputes or fails per ``kv_load_failure_policy``).
 """
 
 from __future__ import annotations
@@ -186,25 +187,51 @@ class TopologyUnsupported(UsageError, ValueError):
 
 
 def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
-             kv_heads: int) -> RemoteParams:
-    """The params D rank ``d_rank`` of ``d_tp`` pulls with: P rank 0's when P runs TP 1
-    and D too, else the P rank ``Topology`` pairs it with. Raises TopologyUnsupported
-    for a plan that needs head slices, ParamsError when P's KV heads differ from D's."""
+             kv_heads: int, *, slices: bool = False) -> RemoteParams:
+    """The params D rank ``d_rank`` of ``d_tp`` pulls with: the P rank ``Topology`` pairs
+    it with (P rank 0's plain params when P runs TP 1). See ``plan_source`` for the plans
+    accepted. Raises TopologyUnsupported or ParamsError."""
+    src, _ = plan_source(ranks, d_rank, d_tp, kv_heads, slices=slices)
     if ranks is None:
-        if d_tp != 1:
-            raise TopologyUnsupported(f"P runs TP 1, D TP {d_tp}: head slices")
         return rp
-    if ranks.p_tp != d_tp:
-        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
-    if ranks.kv_heads != kv_heads:
+    out = ranks.ranks[src]
+    if out.params.engine == rp.params.engine and out.params.epoch == rp.params.epoch:
+        # P rank 0: the capability the scheduler minted belongs to its params
+        out = RemoteParams(replace(out.params, capability=rp.params.capability), out.host,
+                           out.port, out.num_tokens)
+    return out
+
+
+HeadSlice = tuple[int, int, int]  # (P's KV heads per block, first head read, heads read)
+
+
+def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int, *,
+                slices: bool = False) -> tuple[int, HeadSlice | None]:
+    """The one P rank D rank ``d_rank`` reads, and the head slice of P's blocks it reads
+    (None: whole blocks). Accepted: plans where one P rank fills D's whole block -- whole
+    blocks when both hold the same heads (equal TP sizes, or KV heads replicated on both
+    sides), or, with ``slices``, a head slice of a P rank that holds more heads (P TP 1
+    -> D TP 2 with split heads). A plan whose D block needs several P ranks (P TP 2 ->
+    D TP 1 with split heads) raises TopologyUnsupported; P's KV heads other than D's
+    raise ParamsError."""
+    p_tp = ranks.p_tp if ranks is not None else 1
+    if ranks is not None and ranks.kv_heads != kv_heads:
         raise ParamsError("bad_params", f"P has {ranks.kv_heads} KV heads, D {kv_heads}")
     try:
-        srcs = Topology(ranks.p_tp, d_tp, kv_heads).sources(d_rank)
+        top = Topology(p_tp, d_tp, kv_heads)
+        srcs = top.sources(d_rank)
     except TopologyError as e:
         raise ParamsError("bad_params", str(e)) from None
-    if ranks.p_tp != d_tp or len(srcs) != 1:
-        raise TopologyUnsupported(f"P TP {ranks.p_tp} -> D TP {d_tp}: head slices")
-    return ranks.ranks[srcs[0].p_rank]
+    p_heads, d_heads = top.local_heads("P"), top.local_heads("D")
+    if len(srcs) != 1 or srcs[0].heads != d_heads:
+        raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
+                                  "D's block needs several P ranks")
+    if p_heads == d_heads:
+        return srcs[0].p_rank, None
+    if not slices:
+        raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
+                                  "head slices")
+    return srcs[0].p_rank, (p_heads, srcs[0].p_head, srcs[0].heads)
 
 
 def rank_admit(ad: AdmitOrder, d_rank: int, d_tp: int, kv_heads: int) -> AdmitOrder:

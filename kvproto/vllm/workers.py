@@ -18,15 +18,13 @@ import torch
 
 from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
 from kvproto.port import now_ms
+from kvproto.vllm.dcover import RankReads
 from kvproto.vllm.sched import (
     ConnectorOptions,
     Orders,
     ParamsError,
 )
-from kvproto.vllm.topology import (
-    TopologyUnsupported,
-    rank_admit,
-)
+from kvproto.vllm.topology import TopologyUnsupported
 
 if TYPE_CHECKING:
     from kvproto.journal import JournalWriter
@@ -52,7 +50,9 @@ class PWorker:
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, port: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None) -> None:
+                 identity: dict[str, str] | None = None, tp: tuple[int, int] = (0, 1)
+                 ) -> None:
+        """``tp``: (TP rank, TP size), in the handshake's layout."""
         from kvproto.nixl.producer import ProducerAdapter
 
         self.writer: JournalWriter | None = None
@@ -71,7 +71,8 @@ class PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
-            metrics=metrics, identity=identity, handshake_thread=True)
+            metrics=metrics, identity=identity, handshake_thread=True, tp_rank=tp[0],
+            tp_size=tp[1])
         self._gen = self.adapter.region.gen
         self.idle_wait_s = opts.idle_wait_ms / 1000.0
         self.steps = 0  # worker steps (get_finished calls)
@@ -170,7 +171,9 @@ class DWorker:
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, metrics: Metrics | None = None,
-                 identity: dict[str, str] | None = None, fail: bool = False) -> None:
+                 identity: dict[str, str] | None = None, fail: bool = False,
+                 tp: tuple[int, int] = (0, 1)) -> None:
+        """``tp``: (TP rank, TP size), in the handshake's layout."""
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
@@ -203,9 +206,11 @@ class DWorker:
             handshake_timeout=opts.handshake_timeout,
             handshake_attempts=opts.handshake_attempts, phase_hook=hook, kv_tensors=tensors,
             metrics=metrics, sink=self.writer.sink if self.writer is not None else None,
-            identity=identity, fault_hook=self.faults)
+            identity=identity, fault_hook=self.faults, tp_rank=tp[0], tp_size=tp[1])
         self.adapter.transport.hold_reads_s = opts.test_hold_read_s
-        self.rank = (0, 1, 1)  # (TP rank, TP size, the model's KV heads)
+        # This rank's reading plan and coverage join (set by the connector once it knows
+        # the rank, the model's KV heads and the layers it registered).
+        self.reads = RankReads(0, 1, 1, {(0, 0)}, (1,))
         self.loads: dict[str, tuple[int, ...]] = {}  # ordered, awaiting completion
         # Loads whose READ went overdue while its transfer runs: rid -> local blocks, kept
         # out of finished_recving (vLLM holds the blocks) until the transfer ends.
@@ -229,7 +234,7 @@ class DWorker:
         a = self.adapter
         for ad in orders.admits:
             try:
-                ad = rank_admit(ad, *self.rank)
+                ad, part, need = self.reads.plan(ad)
             except (TopologyUnsupported, ParamsError) as e:
                 log.warning("kvproto: request %s: %s; %s", ad.request_id, e, self.outcome)
                 self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
@@ -241,8 +246,16 @@ class DWorker:
                 # pulls, the others prefill locally.
                 self._ended(ad.request_id)
                 continue
+            if not self.reads.expect(ad.request_id, part, need):
+                log.warning("kvproto: request %s: coverage cannot track it; %s",
+                            ad.request_id, self.outcome)
+                self._ended(ad.request_id)
+                continue
             self.admitted[ad.request_id] = key
             self.handles.add(key)
+            sl = self.reads.slice_of.get(ad.params.engine)
+            if sl is not None:  # read before the engine's handshake loads its region
+                a.transport.slices[ad.params.engine] = sl
             a.add_engine(ad.params.engine, ad.host, ad.port)
             a.admit(ad.request_id, ad.params)
         for ld in orders.loads:
@@ -251,6 +264,7 @@ class DWorker:
                 self.ended.pop(rid, None)
                 a.abort(rid)  # releases to P if the machine still holds it
                 a.free_local(rid)
+                self.reads.drop(rid)
                 self._complete(rid, ld.local_blocks, ok=False)
                 continue
             self.loads[rid] = ld.local_blocks
@@ -290,6 +304,7 @@ class DWorker:
     def _drain(self, completions: Iterable[Completion]) -> None:
         for rid in self.adapter.take_unquarantined():
             local = self.quarantined.pop(rid, None)
+            self.reads.drop(rid)
             if local is not None:  # its blocks were reported invalid at the deadline
                 self.finished_recving.add(rid)
                 self.failed.add(rid)
@@ -300,6 +315,7 @@ class DWorker:
             local = self.loads.pop(c.request_id, None)
             self.adapter.free_local(c.request_id)
             if local is None:
+                self.reads.drop(c.request_id)
                 if c.reason != "aborted":
                     log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
                                 c.request_id, c.state, c.reason, self.outcome)
@@ -308,7 +324,14 @@ class DWorker:
             if self.adapter.quarantined(c.request_id):
                 self._quarantine(c.request_id, local)
                 continue
-            ok = c.state == D_DONE and c.reason == "pulled"
+            pulled = c.state == D_DONE and c.reason == "pulled"
+            # Fail closed on coverage: served only when every region of the request's
+            # map on this rank was read and verified.
+            ok = self.reads.finish(c.request_id, pulled)
+            if pulled and not ok:
+                log.warning("kvproto: READ of %s verified but incomplete (coverage: "
+                            "regions missing); %d blocks reported for recompute",
+                            c.request_id, len(local))
             # A client abort (vLLM already ended the request) is no failed read: its
             # blocks are still named, so nothing computes on them, but it is not counted
             # as a read failure or as blocks to recompute.
@@ -359,6 +382,7 @@ class DWorker:
 
     def counters(self) -> dict[str, float]:
         c = dict(self.stats)
+        c.update(self.reads.counters)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
         c["checksum_failures"] = float(ac.get("checksum_failed", 0))
