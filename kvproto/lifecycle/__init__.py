@@ -66,6 +66,7 @@ from kvproto.lifecycle.consumer import (
     StartHandshake,
     TransferParams,
 )
+from kvproto.lifecycle.ledgerviews import HeldView, StagedView
 from kvproto.lifecycle.pool import (
     MAX_POOL_BLOCKS,
     BlockPool,
@@ -83,13 +84,11 @@ from kvproto.lifecycle.producer import (
     Event,
     Free,
     Heartbeat,
-    HeldView,
     Ledger,
     Register,
     Reject,
     Rejected,
     Release,
-    StagedView,
     Tick,
 )
 from kvproto.lifecycle.quarantine import MAX_ENDED, Quarantined, Unquarantined

@@ -8,13 +8,18 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import Any, ClassVar, Final
 
 from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
 from kvproto.lifecycle.hotpath import new_free, register_free
+from kvproto.lifecycle.ledgerviews import (
+    HEAP_HANDLE_MASK,
+    HEAP_SHIFT,
+    LedgerViews,
+)
 from kvproto.lifecycle.pool import (
     BlockPool,
 )
@@ -191,11 +196,6 @@ MAX_STAGED_MSGS_PER_HANDLE: Final = 64
 # tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
 # than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
-# Deadline-heap entries are ints, ``deadline << HEAP_SHIFT | handle`` (handles are below
-# 2**HEAP_SHIFT, as on the wire): ordered by (deadline, handle) like the pair, compared
-# in C without a tuple, and a third smaller.
-HEAP_SHIFT: Final = 64
-HEAP_HANDLE_MASK: Final = (1 << HEAP_SHIFT) - 1
 # A machine's clock before its first event: below any time an adapter reads (times are
 # integer milliseconds; the hot paths' one check is ``type(now) is int and self.now <= now``).
 CLOCK_START: Final = -(1 << 63)
@@ -204,29 +204,6 @@ CLOCK_START: Final = -(1 << 63)
 # ---------------------------------------------------------------------------
 # The producer ledger.
 # ---------------------------------------------------------------------------
-
-
-class HeldView(NamedTuple):
-    """A read-only view of one held request (``Ledger.held``)."""
-
-    handle: int
-    request_id: str
-    state: str
-    blocks: tuple[int, ...]
-    deadline: int
-    group: str | None
-    expected: int
-    finished: frozenset[str]
-    released: bool
-
-
-class StagedView(NamedTuple):
-    """A read-only view of one staged handle (``Ledger.staged``): messages that arrived
-    before register, as (kind, reader, expected, arrival time), oldest first."""
-
-    handle: int
-    since: int
-    msgs: tuple[tuple[str, str, int, int], ...]
 
 
 # Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
@@ -260,7 +237,7 @@ _LEDGER_SHARED: Final = frozenset({
     "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
 
 
-class Ledger:
+class Ledger(LedgerViews):
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
 
     The machine runs ``TABLE`` (``P_TRANSITIONS`` by default): every event computes a
@@ -374,94 +351,6 @@ class Ledger:
         h = self._next_handle
         self._next_handle = h + 1
         return h
-
-    def state(self, handle: int) -> str:
-        r = self._live.get(handle)
-        if r is not None:
-            return r.state
-        t = self._tomb.get(handle)
-        return t[0] if t is not None else UNREGISTERED
-
-    def deadline(self, handle: int) -> int | None:
-        r = self._live.get(handle)
-        return None if r is None else r.deadline
-
-    def handle_of(self, request_id: str) -> int | None:
-        return self._by_rid.get(request_id)
-
-    def held(self, handle: int) -> HeldView | None:
-        """The held request ``handle`` (None when not held)."""
-        r = self._live.get(handle)
-        if r is None:
-            return None
-        return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
-                        frozenset(r.finished or ()), r.released)
-
-    def staged(self) -> list[StagedView]:
-        """Staged handles, oldest first (O(staged))."""
-        return [StagedView(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
-
-    def groups_transferred(self) -> tuple[str, ...]:
-        """Sibling groups remembered as transferred, oldest first (O(groups))."""
-        return tuple(self._groups_done)
-
-    @property
-    def held_requests(self) -> int:
-        return len(self._live)
-
-    @property
-    def staged_count(self) -> int:
-        return len(self._staged)
-
-    @property
-    def tombstone_count(self) -> int:
-        return len(self._tomb)
-
-    def live_handles(self) -> list[int]:
-        return list(self._live)
-
-    @property
-    def heap_entries(self) -> int:
-        """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
-        return len(self._heap)
-
-    def next_deadline(self) -> int | None:
-        """Earliest time a tick can change anything (for adapters' sleep). After a tick
-        that ran out of its work budget this is a time already past: tick again soon."""
-        nxt = self._heap[0] >> HEAP_SHIFT if self._heap else None
-        if self._staged:
-            s = next(iter(self._staged.values())).since + self.config.ms.max_staged_age
-            nxt = s if nxt is None else min(nxt, s)
-        return nxt
-
-    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, int]]:
-        """Abstract state of live requests (for conformance checks and tests)."""
-        return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
-                for h, r in self._live.items()}
-
-    # -- read-only views for verification and adapters (code outside the lifecycle reads
-    # the ledger only through these). O(1) unless stated.
-    def request_id(self, handle: int) -> str | None:
-        """The request id of a live or tombstoned handle; None when unknown."""
-        r = self._live.get(handle)
-        if r is not None:
-            return r.rid
-        t = self._tomb.get(handle)
-        return t[1] if t is not None else None
-
-    def staged_entries(self) -> list[tuple[int, int, tuple[tuple[str, str, int, int], ...]]]:
-        """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
-        message ``(kind, reader, expected, arrival)``. O(staged messages)."""
-        return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
-
-    def blocks_of(self, handle: int) -> tuple[int, ...] | None:
-        """The blocks a live request holds; None when it is not live."""
-        r = self._live.get(handle)
-        return None if r is None else r.blocks
-
-    def groups_done(self) -> tuple[str, ...]:
-        """The remembered transferred sibling groups, oldest first. O(groups)."""
-        return tuple(self._groups_done)
 
     def clone(self) -> Ledger:
         """A deep, independent copy (its own pool, requests, heap, staging, tombstones
@@ -954,40 +843,6 @@ class Ledger:
         now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0)
         self._count("rejected:" + reason)
         return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
-
-    # -- invariants (O(n); tests, replay and simulators) ----------------------------------
-    def check_invariants(self) -> list[str]:
-        """Return violated invariants (empty when all hold)."""
-        errs: list[str] = []
-        pool = self.pool
-        held, free = pool.recount()
-        if held != pool.held_count or free != pool.free_count or held + free != pool.capacity:
-            errs.append(f"Conservation: held {pool.held_count}/{held} + free {pool.free_count}/{free}"
-                        f" != capacity {pool.capacity}")
-        if pool.violations:
-            errs.append(f"NoDoubleFree: {pool.violations} double free(s)")
-        expect = [0] * pool.capacity
-        for r in self._live.values():
-            if r.state not in HELD_STATES:
-                errs.append(f"TypeOK: live request {r.handle} in non-held state {r.state}")
-            for b in r.blocks:
-                expect[b] += 1
-        for b in range(pool.capacity):
-            if expect[b] != pool.refcount(b):
-                errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
-                break
-        heap_handles = {k & HEAP_HANDLE_MASK for k in self._heap}
-        missing = [h for h in self._live if h not in heap_handles]
-        if missing:
-            errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
-        if len(self._staged) > self.config.max_staged:
-            errs.append("StagingBounded: staging above max_staged")
-        if len(self._tomb) > self.config.max_tombstones:
-            errs.append("TombstonesBounded: tombstones above max_tombstones")
-        for h in self._live:
-            if h in self._tomb:
-                errs.append(f"TypeOK: handle {h} both live and tombstoned")
-        return errs
 
 
 Ledger._derive()
