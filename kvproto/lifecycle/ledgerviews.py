@@ -16,6 +16,13 @@ from kvproto.lifecycle.pool import BlockPool
 from kvproto.lifecycle.table import HELD_STATES, UNREGISTERED
 
 
+def readers(finished: str | set[str] | None) -> frozenset[str]:
+    """The readers a held request's ``finished`` field names (None, one name, or a set)."""
+    if finished is None:
+        return frozenset()
+    return frozenset((finished,)) if isinstance(finished, str) else frozenset(finished)
+
+
 class _Held(Protocol):
     """What the views read of a held request (``producer._Req``)."""
 
@@ -26,7 +33,7 @@ class _Held(Protocol):
     deadline: int
     group: str | None
     expected: int
-    finished: set[str] | None
+    finished: str | set[str] | None
     released: bool
 
 
@@ -98,7 +105,7 @@ class LedgerViews:
         if r is None:
             return None
         return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
-                        frozenset(r.finished or ()), r.released)
+                        readers(r.finished), r.released)
 
     def staged(self) -> list[StagedView]:
         """Staged handles, oldest first (O(staged))."""
@@ -139,7 +146,7 @@ class LedgerViews:
 
     def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, int]]:
         """Abstract state of live requests (for conformance checks and tests)."""
-        return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
+        return {h: (r.state, r.expected, readers(r.finished), r.released, r.deadline)
                 for h, r in self._live.items()}
 
     # -- read-only views for verification and adapters (code outside the lifecycle reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -14,7 +14,7 @@ from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
-from kvproto.lifecycle.hotpath import new_free, register_free
+from kvproto.lifecycle.hotpath import FreeFields, register_free
 from kvproto.lifecycle.ledgerviews import (
     HEAP_HANDLE_MASK,
     HEAP_SHIFT,
@@ -34,6 +34,7 @@ from kvproto.lifecycle.table import (
     NOTIFIED,
     P_TABLE,
     REGISTER,
+    REGISTERED,
     RELEASE,
     SIBLING,
     TICK,
@@ -164,16 +165,41 @@ class _Req:
         self.group = group
         self.expected = expected
         self.state: str = UNREGISTERED  # the register step moves it
-        self.finished: set[str] | None = None  # distinct readers that reported done/release
+        # The distinct readers that reported done or release: None, one reader's name,
+        # or a set of two or more (``_add_reader``; ``ledgerviews.readers`` reads it).
+        self.finished: str | set[str] | None = None
         self.released = False  # some reader released (never pulled)
 
     def copy(self) -> _Req:
         """An independent copy (``Ledger.clone``)."""
         q = _Req(self.handle, self.rid, self.blocks, self.deadline, self.group, self.expected)
         q.state = self.state
-        q.finished = None if self.finished is None else set(self.finished)
+        fin = self.finished
+        q.finished = set(fin) if isinstance(fin, set) else fin
         q.released = self.released
         return q
+
+
+def _add_reader(r: _Req, event: str, reader: str) -> int:
+    """``reader`` finished ``r`` (done or release): how many distinct readers finished
+    it now, or -1 when this reader had already finished (``Ledger.tally``)."""
+    fin = r.finished
+    if fin is None:
+        r.finished = reader
+        n = 1
+    elif isinstance(fin, str):
+        if fin == reader:
+            return -1
+        r.finished = {fin, reader}
+        n = 2
+    elif reader in fin:
+        return -1
+    else:
+        fin.add(reader)
+        n = len(fin)
+    if event == RELEASE:
+        r.released = True
+    return n
 
 
 class _Staged:
@@ -206,6 +232,29 @@ CLOCK_START: Final = -(1 << 63)
 # ---------------------------------------------------------------------------
 
 
+# The guard outcomes of a reader's done or release, in the order ``Ledger._FIN`` lists
+# their rows.
+FIN_GUARDS: Final = ("more_readers", "all_done", "all_finished", "duplicate_reader")
+FIN_PLAIN: Final = 0  # a row without effects: only its destination
+FIN_FREE: Final = 1  # a row whose effects are free (and maybe cascade): ``_free`` runs it
+FIN_GENERIC: Final = 2  # any other row: ``_apply`` runs it
+# Looked up in TABLE when met: a row the table lacks (the lookup raises MissingRow), or
+# every row of a class with LOOKUP_ROWS (a table wrapper then sees each lookup).
+FIN_LOOKUP: Final = 3
+Planned = tuple[Transition, int]
+
+
+def _plan(row: Transition | None, lookup: bool) -> Planned:
+    """``row`` and how the hot path runs it (the same effects ``_apply`` would run)."""
+    if row is None or lookup:
+        return (P_TABLE[(REGISTERED, DONE, "more_readers")], FIN_LOOKUP)  # a stand-in row
+    if not row.effects:
+        return (row, FIN_PLAIN)
+    if row.free is not None and {fx.kind for fx in row.effects} <= {"free", "cascade"}:
+        return (row, FIN_FREE)
+    return (row, FIN_GENERIC)
+
+
 # Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
 # (unpickling finds it again). Mutants and tests only; cleared beyond the cap.
 _LEDGER_CLASSES: dict[tuple[type, tuple[Transition, ...], str], type] = {}
@@ -233,7 +282,7 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
 # The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _LEDGER_SHARED: Final = frozenset({
-    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_rid",
+    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_order", "_tomb_rid", "_max_tomb",
     "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
 
 
@@ -266,12 +315,22 @@ class Ledger(LedgerViews):
 
     TABLE: ClassVar[Table] = P_TABLE
     _ROWS: ClassVar[tuple[Transition, ...]] = ()  # rows replaced by with_rows (pickling)
+    # True: done and release look each row up in TABLE when it runs instead of reading
+    # it from the rows derived at class creation (slower; for a TABLE wrapper that
+    # records which rows run, e.g. the row-coverage tests).
+    LOOKUP_ROWS: ClassVar[bool] = False
     # state -> destination, for heartbeat rows that only renew (the hot path), and
     # state -> row for the others; derived from TABLE per class.
     _HB_FAST: ClassVar[dict[str, str]]
     _HB_ROW: ClassVar[dict[str, Transition]]
     # True when the class keeps Ledger.tally (the hook's body then runs inline).
     _OWN_TALLY: ClassVar[bool]
+    # (event, state) -> the done/release rows of that held state, indexed by guard outcome
+    # (FIN_GUARDS), each with how it runs (FIN_PLAIN ... FIN_LOOKUP); derived
+    # from TABLE per class, so the hot path runs the table's rows without building a key.
+    _FIN: ClassVar[dict[tuple[str, str], tuple[Planned, ...]]]
+    _DONE_FIN: ClassVar[dict[str, tuple[Planned, ...]]]  # _FIN of DONE, by state
+    _EXPIRY: ClassVar[dict[str, Planned]]  # state -> its (tick, deadline_passed) row, planned
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -284,6 +343,12 @@ class Ledger(LedgerViews):
         cls._HB_ROW = rows
         cls._HB_FAST = {s: r.dst for s, r in rows.items() if r.effects == (Fx("renew"),)}
         cls._OWN_TALLY = cls.tally is Ledger.tally
+        cls._FIN = {(ev, s): tuple(_plan(t.get((s, ev, g)), cls.LOOKUP_ROWS)
+                                     for g in FIN_GUARDS)
+                    for ev in (DONE, RELEASE) for s in HELD_STATES}
+        cls._DONE_FIN = {s: cls._FIN[(DONE, s)] for s in HELD_STATES}
+        cls._EXPIRY = {s: _plan(t.get((s, TICK, "deadline_passed")), cls.LOOKUP_ROWS)
+                       for s in HELD_STATES}
 
     @classmethod
     def with_rows(cls, *rows: Transition, name: str | None = None) -> type[Ledger]:
@@ -320,9 +385,12 @@ class Ledger(LedgerViews):
         # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
         # handle -> (terminal state, request id); request id -> handle, both capped together
-        # Invariant: freed handles, oldest first, none live. Cap: config.max_tombstones
-        # (the oldest evicted, counted tombstone_evicted).
-        self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # Invariant: freed handles, none live; _tomb_order holds the same handles, oldest
+        # first (entries leave only by eviction, so the two stay equal). Cap:
+        # config.max_tombstones (the oldest evicted, counted tombstone_evicted).
+        self._tomb: dict[int, tuple[str, str]] = {}
+        self._tomb_order: deque[int] = deque()
+        self._max_tomb = self.config.max_tombstones
         # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
         # that request id). Size: at most len(_tomb).
         self._tomb_rid: dict[str, int] = {}
@@ -367,7 +435,8 @@ class Ledger(LedgerViews):
         n._by_rid = dict(self._by_rid)
         n._heap = list(self._heap)
         n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
-        n._tomb = OrderedDict(self._tomb)
+        n._tomb = dict(self._tomb)
+        n._tomb_order = deque(self._tomb_order)
         n._tomb_rid = dict(self._tomb_rid)
         n._groups = {g: set(m) for g, m in self._groups.items()}
         n._groups_done = OrderedDict(self._groups_done)
@@ -493,8 +562,10 @@ class Ledger(LedgerViews):
         rid = r.rid
         r.state = dst = row.dst
         del self._live[h]
-        if self._by_rid.get(rid) == h:
-            del self._by_rid[rid]
+        by_rid = self._by_rid
+        other = by_rid.pop(rid, h)
+        if other != h:  # never, while _by_rid's invariant holds: leave it as it was
+            by_rid[rid] = other
         if r.group is not None:
             members = self._groups.get(r.group)
             if members is not None:
@@ -504,14 +575,21 @@ class Ledger(LedgerViews):
         tomb = self._tomb
         tomb[h] = (dst, rid)
         self._tomb_rid[rid] = h
-        if len(tomb) > self.config.max_tombstones:
-            old, (_, old_rid) = tomb.popitem(last=False)
+        order = self._tomb_order
+        order.append(h)
+        if len(order) > self._max_tomb:
+            old = order.popleft()
+            old_rid = tomb.pop(old)[1]
             self._count("tombstone_evicted")
             if self._tomb_rid.get(old_rid) == old:
                 del self._tomb_rid[old_rid]
-        reclaimed = self.pool._drop(r.blocks)
-        self.frees[reason] = self.frees.get(reason, 0) + 1
-        out.append(new_free(h, rid, reason, r.blocks, tuple(reclaimed), r.deadline))
+        blocks = r.blocks
+        reclaimed = self.pool._drop(blocks)
+        frees = self.frees
+        frees[reason] = frees.get(reason, 0) + 1
+        fx: Any = FreeFields(h, rid, reason, blocks, reclaimed, r.deadline)
+        fx.__class__ = Free  # an ordinary frozen Free, built fast (hotpath.register_free)
+        out.append(fx)
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
@@ -539,16 +617,7 @@ class Ledger(LedgerViews):
         """Hook: ``reader`` finished the held request ``handle`` (done or release).
         Return how many readers count as finished now, or -1 when this reader had
         already finished."""
-        r = self._live[handle]
-        fin = r.finished
-        if fin is None:
-            fin = r.finished = set()
-        if reader in fin:
-            return -1
-        fin.add(reader)
-        if event == RELEASE:
-            r.released = True
-        return len(fin)
+        return _add_reader(self._live[handle], event, reader)
 
     def sweep(self, now: int, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
@@ -558,6 +627,7 @@ class Ledger(LedgerViews):
         budget = self.config.max_tick_work
         due = (now + 1) << HEAP_SHIFT  # the entries below it have deadlines <= now
         pop = heapq.heappop
+        expiry = self._EXPIRY
         while heap and heap[0] < due:
             if budget <= 0:
                 # The rest carries over: next_deadline() reports a time already past.
@@ -571,7 +641,14 @@ class Ledger(LedgerViews):
             if r.deadline > now:
                 heapq.heappush(heap, r.deadline << HEAP_SHIFT | h)  # renewed: re-insert lazily
                 continue
-            self._step(r, TICK, "deadline_passed", now, out)
+            row, plan = expiry[r.state]
+            if plan == FIN_FREE:
+                group = r.group
+                self._free(r, row, out)
+                if row.cascade and group is not None:
+                    self._group_transferred(group, out)
+            else:
+                self._fin_other(r, TICK, "deadline_passed", row, plan, now, out)
 
     def expire(self, handle: int, now: int, out: list[Effect]) -> None:
         """Run TICK/deadline_passed for the held request ``handle`` (for ``sweep``
@@ -587,30 +664,32 @@ class Ledger(LedgerViews):
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        if self._OWN_TALLY:  # Ledger.tally's body, inline
-            fin = r.finished
-            if fin is None:
-                fin = r.finished = set()
-            if reader in fin:
-                n = -1
-            else:
-                fin.add(reader)
-                if event == RELEASE:
-                    r.released = True
-                n = len(fin)
+        if self._OWN_TALLY:
+            n = _add_reader(r, event, reader)  # Ledger.tally's body
         else:
             n = self.tally(r.handle, event, reader)
-        if n < 0:
-            guard = "duplicate_reader"
-        elif r.expected and n >= r.expected:
-            guard = "all_finished" if r.released else "all_done"
-        else:
-            guard = "more_readers"
-        row = self.TABLE[(r.state, event, guard)]
-        if row.effects:
-            self._apply(r, row, now, out)
-        else:
+        # The guard, as an index into FIN_GUARDS: duplicate_reader, all_finished,
+        # all_done, more_readers.
+        g = 3 if n < 0 else (2 if r.released else 1) if r.expected and n >= r.expected else 0
+        row, plan = self._FIN[(event, r.state)][g]
+        if plan == FIN_PLAIN:
             r.state = row.dst  # all that a row without effects does (``_apply``)
+        elif plan == FIN_FREE:
+            group = r.group
+            self._free(r, row, out)
+            if row.cascade and group is not None:
+                self._group_transferred(group, out)
+        else:
+            self._fin_other(r, event, FIN_GUARDS[g], row, plan, now, out)
+
+    def _fin_other(self, r: _Req, event: str, guard: str, row: Transition, plan: int,
+                   now: int, out: list[Effect]) -> None:
+        """A done/release row the hot path does not inline: ``_apply`` runs it. A
+        ``FIN_LOOKUP`` row is looked up in TABLE first (a row the table lacks raises
+        ``MissingRow``: a table that is not total)."""
+        if plan == FIN_LOOKUP:
+            row = self.TABLE[(r.state, event, guard)]  # raises MissingRow
+        self._apply(r, row, now, out)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -707,12 +786,44 @@ class Ledger(LedgerViews):
             now = clk
         out: list[Effect] = []
         r = self._live.get(handle)
-        if r is not None:
+        if r is None:
+            self._not_live(DONE, reader, handle, expected, now)
+        elif expected == r.expected and self._OWN_TALLY:
+            # _finish's body, inline (_add_reader, the same guard, the same rows of _FIN).
+            fin = r.finished
+            if fin is None:
+                r.finished = reader
+                n = 1
+            elif isinstance(fin, str):
+                if fin == reader:
+                    n = -1
+                else:
+                    r.finished = {fin, reader}
+                    n = 2
+            elif reader in fin:
+                n = -1
+            else:
+                fin.add(reader)
+                n = len(fin)
+            g = 3 if n < 0 else (2 if r.released else 1) if expected and n >= expected else 0
+            row, plan = self._DONE_FIN[r.state][g]
+            if plan == FIN_PLAIN:
+                r.state = row.dst
+            elif plan == FIN_FREE:
+                group = r.group
+                self._free(r, row, out)
+                if row.cascade and group is not None:
+                    self._group_transferred(group, out)
+                if len(self._heap) > 2 * len(self._live):
+                    self._maybe_compact()
+            else:
+                self._fin_other(r, DONE, FIN_GUARDS[g], row, plan, now, out)
+                if out and len(self._heap) > 2 * len(self._live):
+                    self._maybe_compact()
+        else:
             self._finish(r, DONE, reader, expected, now, out)
             if out and len(self._heap) > 2 * len(self._live):
                 self._maybe_compact()
-        else:
-            self._not_live(DONE, reader, handle, expected, now)
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
     def release(self, reader: str, handles: Sequence[int], expected: int,
