@@ -4,7 +4,7 @@ One workload, run with and without the gate in the same process: register ``n``
 requests (expected 2), heartbeat every one in batches, then two readers' done for each.
 With the gate, every register carries its readiness mark and goes through
 ``Gate.register``; each request's consumer presents its capability once
-(``Gate.claim``: an HMAC and a binding), and every heartbeat and done goes through the
+(``Gate.claim``: a MAC and a binding), and every heartbeat and done goes through the
 gate's intake with the consumer (``Gate.heartbeat``/``Gate.done``: the binding check),
 as P's port runs them. The figures are ratios of the two times (best of ``repeat``), so
 the machine's speed cancels out.
