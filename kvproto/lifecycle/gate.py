@@ -40,6 +40,7 @@ import hmac
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 from typing import Final
 
@@ -399,7 +400,7 @@ class Gate:
         if not never and not self._bound:
             return self.ledger.heartbeat(reader, seq, handles, expected, now)
         refuse: list[int] = []
-        if never:
+        if never and not never.keys().isdisjoint(handles):
             told = [h for h in handles if h in never]
             row = self.TABLE[(G_NEVER, PRESENT, "never")]
             if told and not row.passes:
@@ -409,8 +410,12 @@ class Gate:
         bound = self._bound
         if bound and consumer is not None:
             get = bound.get
-            refuse += [h for h in handles
-                       if get(h, consumer) != consumer and self._foreign(consumer, h, now)]
+            # Every handle's owner (``consumer`` for an unbound one), found in C: the
+            # common case, all of them this consumer's, needs no per-handle Python work.
+            owners = set(map(get, handles, repeat(consumer, len(handles))))
+            if len(owners) > 1 or (owners and consumer not in owners):
+                refuse += [h for h in handles
+                           if get(h, consumer) != consumer and self._foreign(consumer, h, now)]
         if not refuse:
             return self.ledger.heartbeat(reader, seq, handles, expected, now)
         gone = set(refuse)
