@@ -6,6 +6,7 @@ row a machine needs raises ``MissingRow``, naming the state, event and guard."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from kvproto.lifecycle import (
     P_TABLE,
     P_TRANSITIONS,
     REGISTERED,
+    RELEASE,
     SCHEDULE,
+    TICK,
     WAITING,
     BlockPool,
     Config,
@@ -143,6 +146,21 @@ def test_a_missing_p_row_names_the_state_event_and_guard() -> None:
                       "guard 'more_readers'")
     assert (e.machine, e.state, e.event, e.guard) == ("P", REGISTERED, DONE, "more_readers")
     assert isinstance(e, KeyError) and isinstance(e, TableError) and isinstance(e, UsageError)
+
+
+def test_a_missing_p_row_on_the_derived_hot_paths_raises_when_met() -> None:
+    """done, release and the tick's expiries read rows the class derived from its table;
+    a row the table lacks still raises MissingRow when an event needs it, not before."""
+    cases: list[tuple[tuple[str, str, str], Callable[[Ledger], object]]] = [
+        ((REGISTERED, TICK, "deadline_passed"), lambda L: L.tick(10**9)),
+        ((REGISTERED, RELEASE, "all_finished"), lambda L: L.release("d0", (1,), 1, 1000)),
+        ((REGISTERED, DONE, "all_done"), lambda L: L.done("d0", 1, 1, 1000))]
+    for key, run in cases:
+        L = p_table_without(key)(Config(), BlockPool(4))
+        L.register(1, "r1", (0,), 0, expected=1)
+        with pytest.raises(MissingRow) as info:
+            run(L)
+        assert (info.value.state, info.value.event, info.value.guard) == key
 
 
 def test_a_missing_d_row_names_the_state_event_and_guard() -> None:

@@ -129,6 +129,7 @@ def test_every_row_is_reached() -> None:
 
     class Seen(Gate):
         TABLE = Rows(Gate.TABLE)  # type: ignore[assignment]
+        LOOKUP_ROWS = True  # every row through the TABLE lookup
 
     g = Seen(Ledger(CFG, BlockPool(16)), KEY, "P0", 3, max_records=3)
     out: list[object] = []

@@ -94,7 +94,7 @@ def test_staged_messages_per_handle_are_bounded(ledger: Ledger) -> None:
 def test_double_free_raises_in_strict_mode() -> None:
     pool = BlockPool(4)
     pool._hold((1,))
-    assert pool._drop((1,)) == [1]
+    assert pool._drop((1,)) == (1,)
     with pytest.raises(DoubleFree, match="block 1"):
         pool._drop((1,))
     assert pool.violations == 1
@@ -102,7 +102,7 @@ def test_double_free_raises_in_strict_mode() -> None:
 
 def test_double_free_is_counted_when_not_strict() -> None:
     pool = BlockPool(4, strict=False)
-    assert pool._drop((2, 3)) == []
+    assert pool._drop((2, 3)) == ()
     assert pool.violations == 2
     assert pool.held_count + pool.free_count == pool.capacity == 4
 

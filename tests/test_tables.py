@@ -133,6 +133,7 @@ def recording(cls: type[Any], seen: set[TableKey]) -> type[Any]:
     rec = RowRecorder(cls.TABLE, seen)
     attrs: dict[str, Any] = {"TABLE": rec}
     if issubclass(cls, Ledger):
+        attrs["LOOKUP_ROWS"] = True  # done and release rows through the TABLE lookup
         def heartbeat(self: Ledger, reader: str, seq: int, handles: Sequence[int],
                       expected: int, now: float) -> list[Effect]:
             for h in handles:

@@ -4,10 +4,11 @@ One workload, run with and without the gate in the same process: register ``n``
 requests (expected 2), heartbeat every one in batches, then two readers' done for each.
 With the gate, every register carries its readiness mark and goes through
 ``Gate.register``; each request's consumer presents its capability once
-(``Gate.claim``: an HMAC and a binding), and every heartbeat and done goes through the
+(``Gate.claim``: a MAC and a binding), and every heartbeat and done goes through the
 gate's intake with the consumer (``Gate.heartbeat``/``Gate.done``: the binding check),
-as P's port runs them. The figures are ratios of the two times (best of ``repeat``), so
-the machine's speed cancels out.
+as P's port runs them. The figures are ratios of the two times (best of ``repeat``
+rounds, the two alternating), so the machine's speed cancels out; times are thread CPU
+time (on a loaded machine wall time also counts other processes).
 """
 
 from __future__ import annotations
@@ -33,25 +34,25 @@ def _run(n: int, batch: int, gated: bool) -> tuple[float, ...]:
     gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         if gated:
             for h in hs:
                 g.register(h, f"r{h}", BLOCKS, 0, ready=True, expected=2)
         else:
             for h in hs:
                 L.register(h, f"r{h}", BLOCKS, 0, expected=2)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         if gated:
             for h in hs:
                 g.claim("D0", h, caps[h - 1], now)
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         if gated:
             for i in range(0, n, batch):
                 g.heartbeat("d0", i, hs[i:i + batch], 2, now, "D0")
         else:
             for i in range(0, n, batch):
                 L.heartbeat("d0", i, hs[i:i + batch], 2, now)
-        t3 = time.perf_counter()
+        t3 = time.thread_time()
         if gated:
             for reader in ("d0", "d1"):
                 for h in hs:
@@ -60,7 +61,7 @@ def _run(n: int, batch: int, gated: bool) -> tuple[float, ...]:
             for reader in ("d0", "d1"):
                 for h in hs:
                     L.done(reader, h, 2, now)
-        t4 = time.perf_counter()
+        t4 = time.thread_time()
     finally:
         gc.enable()
     assert L.held_requests == 0 and len(g) == 0
@@ -70,8 +71,11 @@ def _run(n: int, batch: int, gated: bool) -> tuple[float, ...]:
 def bench_gate(n: int = 100_000, batch: int = 512, repeat: int = 3) -> dict[str, float]:
     """Events per second with and without the gate, and their ratios (>= 1: the gate's
     cost). Events: n registers, n heartbeat ids, 2n dones (plus n claims, gated only)."""
-    runs_p = [_run(n, batch, False) for _ in range(repeat)]
-    runs_g = [_run(n, batch, True) for _ in range(repeat)]
+    runs_p: list[tuple[float, ...]] = []
+    runs_g: list[tuple[float, ...]] = []
+    for _ in range(repeat):  # alternating, so a change in the machine's load hits both
+        runs_p.append(_run(n, batch, False))
+        runs_g.append(_run(n, batch, True))
     plain = min(sum(r) for r in runs_p)
     gated = min(sum(r) for r in runs_g)
     events = 4 * n

@@ -579,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  gate (readiness + capability) cost  {res['gate_cost_ratio']:>10}x   "
           f"register {res['gate_cost_ratio_register']}x, heartbeat "
           f"{res['gate_cost_ratio_heartbeat']}x, done {res['gate_cost_ratio_done']}x, "
-          f"claim (HMAC + bind) {res['gate_claim_us']} us per request")
+          f"claim (MAC + bind) {res['gate_claim_us']} us per request")
     print(f"  worst tick, mass expiry (CPU ms)  budget {res['tick_budget']}   unbounded")
     for label in ("1e5", "1e6"):
         print(f"    {label} leases at once          {res[f'worst_tick_ms_{label}']:>12.3f} "

@@ -8,7 +8,10 @@ Everything that affects the lifecycle state machines lives here, h11-style:
 * ``pool``     -- ``BlockPool``: reference-counted KV blocks (held + free = capacity);
 * ``producer`` -- ``Ledger``, P's sans-I/O machine: events in, effects out. Every event
   computes a named guard and runs its row in ``_step``: the table *is* the code, so a
-  changed row changes behaviour (``Ledger.with_rows`` builds such a variant);
+  changed row changes behaviour (``Ledger.with_rows`` builds such a variant). The hot
+  events (done, release, the tick's expiries) run rows the class derives from its table
+  when it is created, looked up by state, not by a built key; ``ledgerviews`` holds its
+  read-only views (``LedgerViews``, the ledger's base class);
 * ``consumer`` -- ``Consumer``, one decode rank's (D) machine, run the same way, with its
   own event classes (``Admit`` ... ``DTick``), ``apply`` and journal sink.
 
@@ -66,6 +69,7 @@ from kvproto.lifecycle.consumer import (
     StartHandshake,
     TransferParams,
 )
+from kvproto.lifecycle.ledgerviews import HeldView, StagedView
 from kvproto.lifecycle.pool import (
     MAX_POOL_BLOCKS,
     BlockPool,
@@ -83,13 +87,11 @@ from kvproto.lifecycle.producer import (
     Event,
     Free,
     Heartbeat,
-    HeldView,
     Ledger,
     Register,
     Reject,
     Rejected,
     Release,
-    StagedView,
     Tick,
 )
 from kvproto.lifecycle.quarantine import MAX_ENDED, Quarantined, Unquarantined

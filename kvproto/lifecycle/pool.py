@@ -90,11 +90,12 @@ class BlockPool:
                     avail.pop(b, None)
             rc[b] += 1
 
-    def _drop(self, blocks: Sequence[int]) -> list[int]:
+    def _drop(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
         """Decrement; return the blocks whose count reached zero (now reusable), in the
-        order of ``blocks``."""
+        order of ``blocks`` (``blocks`` itself when every one of them did)."""
         rc = self._rc
         reclaimed: list[int] | None = None
+        kept = 0  # blocks another holder still holds
         for b in blocks:
             c = rc[b]
             if c == 1:  # the common case first: the last holder lets go
@@ -109,12 +110,18 @@ class BlockPool:
                 if self.strict:
                     self._reclaimed(reclaimed)  # the counts stay exact for what was dropped
                     raise DoubleFree(f"block {b} freed with reference count {c}")
+                kept += 1
                 continue
             rc[b] = c - 1
+            kept += 1
         if reclaimed is None:
-            return []
-        self._reclaimed(reclaimed)
-        return reclaimed
+            return ()
+        n = len(reclaimed)
+        self.held_count -= n
+        self.free_count += n
+        if self._avail is not None:
+            self._reclaimed_avail(reclaimed)
+        return blocks if not kept else tuple(reclaimed)
 
     def _reclaimed(self, blocks: list[int] | None) -> None:
         """Count ``blocks`` (their reference counts just reached zero) as free."""
@@ -123,12 +130,17 @@ class BlockPool:
         n = len(blocks)
         self.held_count -= n
         self.free_count += n
+        if self._avail is not None:
+            self._reclaimed_avail(blocks)
+
+    def _reclaimed_avail(self, blocks: list[int]) -> None:
+        """``blocks`` just became free: the unpinned ones become allocatable."""
         avail = self._avail
-        if avail is not None:
-            pins = self._pins
-            for b in blocks:
-                if b not in pins:
-                    avail[b] = None
+        assert avail is not None
+        pins = self._pins
+        for b in blocks:
+            if b not in pins:
+                avail[b] = None
 
     def recount(self) -> tuple[int, int]:
         """O(capacity) recount of (held, free), for invariant checks."""

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import copy
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import Any, ClassVar, Final
 
 from kvproto.errors import UsageError
 from kvproto.lifecycle.config import (
     Config,
 )
-from kvproto.lifecycle.hotpath import new_free, register_free
+from kvproto.lifecycle.hotpath import FreeFields, register_free
+from kvproto.lifecycle.ledgerviews import (
+    HEAP_HANDLE_MASK,
+    HEAP_SHIFT,
+    LedgerViews,
+)
 from kvproto.lifecycle.pool import (
     BlockPool,
 )
@@ -29,6 +34,7 @@ from kvproto.lifecycle.table import (
     NOTIFIED,
     P_TABLE,
     REGISTER,
+    REGISTERED,
     RELEASE,
     SIBLING,
     TICK,
@@ -159,16 +165,41 @@ class _Req:
         self.group = group
         self.expected = expected
         self.state: str = UNREGISTERED  # the register step moves it
-        self.finished: set[str] | None = None  # distinct readers that reported done/release
+        # The distinct readers that reported done or release: None, one reader's name,
+        # or a set of two or more (``_add_reader``; ``ledgerviews.readers`` reads it).
+        self.finished: str | set[str] | None = None
         self.released = False  # some reader released (never pulled)
 
     def copy(self) -> _Req:
         """An independent copy (``Ledger.clone``)."""
         q = _Req(self.handle, self.rid, self.blocks, self.deadline, self.group, self.expected)
         q.state = self.state
-        q.finished = None if self.finished is None else set(self.finished)
+        fin = self.finished
+        q.finished = set(fin) if isinstance(fin, set) else fin
         q.released = self.released
         return q
+
+
+def _add_reader(r: _Req, event: str, reader: str) -> int:
+    """``reader`` finished ``r`` (done or release): how many distinct readers finished
+    it now, or -1 when this reader had already finished (``Ledger.tally``)."""
+    fin = r.finished
+    if fin is None:
+        r.finished = reader
+        n = 1
+    elif isinstance(fin, str):
+        if fin == reader:
+            return -1
+        r.finished = {fin, reader}
+        n = 2
+    elif reader in fin:
+        return -1
+    else:
+        fin.add(reader)
+        n = len(fin)
+    if event == RELEASE:
+        r.released = True
+    return n
 
 
 class _Staged:
@@ -191,11 +222,6 @@ MAX_STAGED_MSGS_PER_HANDLE: Final = 64
 # tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
 # than max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
-# Deadline-heap entries are ints, ``deadline << HEAP_SHIFT | handle`` (handles are below
-# 2**HEAP_SHIFT, as on the wire): ordered by (deadline, handle) like the pair, compared
-# in C without a tuple, and a third smaller.
-HEAP_SHIFT: Final = 64
-HEAP_HANDLE_MASK: Final = (1 << HEAP_SHIFT) - 1
 # A machine's clock before its first event: below any time an adapter reads (times are
 # integer milliseconds; the hot paths' one check is ``type(now) is int and self.now <= now``).
 CLOCK_START: Final = -(1 << 63)
@@ -206,27 +232,27 @@ CLOCK_START: Final = -(1 << 63)
 # ---------------------------------------------------------------------------
 
 
-class HeldView(NamedTuple):
-    """A read-only view of one held request (``Ledger.held``)."""
-
-    handle: int
-    request_id: str
-    state: str
-    blocks: tuple[int, ...]
-    deadline: int
-    group: str | None
-    expected: int
-    finished: frozenset[str]
-    released: bool
+# The guard outcomes of a reader's done or release, in the order ``Ledger._FIN`` lists
+# their rows.
+FIN_GUARDS: Final = ("more_readers", "all_done", "all_finished", "duplicate_reader")
+FIN_PLAIN: Final = 0  # a row without effects: only its destination
+FIN_FREE: Final = 1  # a row whose effects are free (and maybe cascade): ``_free`` runs it
+FIN_GENERIC: Final = 2  # any other row: ``_apply`` runs it
+# Looked up in TABLE when met: a row the table lacks (the lookup raises MissingRow), or
+# every row of a class with LOOKUP_ROWS (a table wrapper then sees each lookup).
+FIN_LOOKUP: Final = 3
+Planned = tuple[Transition, int]
 
 
-class StagedView(NamedTuple):
-    """A read-only view of one staged handle (``Ledger.staged``): messages that arrived
-    before register, as (kind, reader, expected, arrival time), oldest first."""
-
-    handle: int
-    since: int
-    msgs: tuple[tuple[str, str, int, int], ...]
+def _plan(row: Transition | None, lookup: bool) -> Planned:
+    """``row`` and how the hot path runs it (the same effects ``_apply`` would run)."""
+    if row is None or lookup:
+        return (P_TABLE[(REGISTERED, DONE, "more_readers")], FIN_LOOKUP)  # a stand-in row
+    if not row.effects:
+        return (row, FIN_PLAIN)
+    if row.free is not None and {fx.kind for fx in row.effects} <= {"free", "cascade"}:
+        return (row, FIN_FREE)
+    return (row, FIN_GENERIC)
 
 
 # Ledger subclasses made by Ledger.with_rows, so that one (base, rows, name) is one class
@@ -256,11 +282,11 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
 # The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _LEDGER_SHARED: Final = frozenset({
-    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_rid",
+    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_order", "_tomb_rid", "_max_tomb",
     "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
 
 
-class Ledger:
+class Ledger(LedgerViews):
     """P's lifecycle machine for one P rank: every block hold and free goes through it.
 
     The machine runs ``TABLE`` (``P_TRANSITIONS`` by default): every event computes a
@@ -289,12 +315,22 @@ class Ledger:
 
     TABLE: ClassVar[Table] = P_TABLE
     _ROWS: ClassVar[tuple[Transition, ...]] = ()  # rows replaced by with_rows (pickling)
+    # True: done and release look each row up in TABLE when it runs instead of reading
+    # it from the rows derived at class creation (slower; for a TABLE wrapper that
+    # records which rows run, e.g. the row-coverage tests).
+    LOOKUP_ROWS: ClassVar[bool] = False
     # state -> destination, for heartbeat rows that only renew (the hot path), and
     # state -> row for the others; derived from TABLE per class.
     _HB_FAST: ClassVar[dict[str, str]]
     _HB_ROW: ClassVar[dict[str, Transition]]
     # True when the class keeps Ledger.tally (the hook's body then runs inline).
     _OWN_TALLY: ClassVar[bool]
+    # (event, state) -> the done/release rows of that held state, indexed by guard outcome
+    # (FIN_GUARDS), each with how it runs (FIN_PLAIN ... FIN_LOOKUP); derived
+    # from TABLE per class, so the hot path runs the table's rows without building a key.
+    _FIN: ClassVar[dict[tuple[str, str], tuple[Planned, ...]]]
+    _DONE_FIN: ClassVar[dict[str, tuple[Planned, ...]]]  # _FIN of DONE, by state
+    _EXPIRY: ClassVar[dict[str, Planned]]  # state -> its (tick, deadline_passed) row, planned
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -307,6 +343,12 @@ class Ledger:
         cls._HB_ROW = rows
         cls._HB_FAST = {s: r.dst for s, r in rows.items() if r.effects == (Fx("renew"),)}
         cls._OWN_TALLY = cls.tally is Ledger.tally
+        cls._FIN = {(ev, s): tuple(_plan(t.get((s, ev, g)), cls.LOOKUP_ROWS)
+                                     for g in FIN_GUARDS)
+                    for ev in (DONE, RELEASE) for s in HELD_STATES}
+        cls._DONE_FIN = {s: cls._FIN[(DONE, s)] for s in HELD_STATES}
+        cls._EXPIRY = {s: _plan(t.get((s, TICK, "deadline_passed")), cls.LOOKUP_ROWS)
+                       for s in HELD_STATES}
 
     @classmethod
     def with_rows(cls, *rows: Transition, name: str | None = None) -> type[Ledger]:
@@ -343,9 +385,12 @@ class Ledger:
         # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
         # handle -> (terminal state, request id); request id -> handle, both capped together
-        # Invariant: freed handles, oldest first, none live. Cap: config.max_tombstones
-        # (the oldest evicted, counted tombstone_evicted).
-        self._tomb: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # Invariant: freed handles, none live; _tomb_order holds the same handles, oldest
+        # first (entries leave only by eviction, so the two stay equal). Cap:
+        # config.max_tombstones (the oldest evicted, counted tombstone_evicted).
+        self._tomb: dict[int, tuple[str, str]] = {}
+        self._tomb_order: deque[int] = deque()
+        self._max_tomb = self.config.max_tombstones
         # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
         # that request id). Size: at most len(_tomb).
         self._tomb_rid: dict[str, int] = {}
@@ -375,94 +420,6 @@ class Ledger:
         self._next_handle = h + 1
         return h
 
-    def state(self, handle: int) -> str:
-        r = self._live.get(handle)
-        if r is not None:
-            return r.state
-        t = self._tomb.get(handle)
-        return t[0] if t is not None else UNREGISTERED
-
-    def deadline(self, handle: int) -> int | None:
-        r = self._live.get(handle)
-        return None if r is None else r.deadline
-
-    def handle_of(self, request_id: str) -> int | None:
-        return self._by_rid.get(request_id)
-
-    def held(self, handle: int) -> HeldView | None:
-        """The held request ``handle`` (None when not held)."""
-        r = self._live.get(handle)
-        if r is None:
-            return None
-        return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
-                        frozenset(r.finished or ()), r.released)
-
-    def staged(self) -> list[StagedView]:
-        """Staged handles, oldest first (O(staged))."""
-        return [StagedView(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
-
-    def groups_transferred(self) -> tuple[str, ...]:
-        """Sibling groups remembered as transferred, oldest first (O(groups))."""
-        return tuple(self._groups_done)
-
-    @property
-    def held_requests(self) -> int:
-        return len(self._live)
-
-    @property
-    def staged_count(self) -> int:
-        return len(self._staged)
-
-    @property
-    def tombstone_count(self) -> int:
-        return len(self._tomb)
-
-    def live_handles(self) -> list[int]:
-        return list(self._live)
-
-    @property
-    def heap_entries(self) -> int:
-        """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
-        return len(self._heap)
-
-    def next_deadline(self) -> int | None:
-        """Earliest time a tick can change anything (for adapters' sleep). After a tick
-        that ran out of its work budget this is a time already past: tick again soon."""
-        nxt = self._heap[0] >> HEAP_SHIFT if self._heap else None
-        if self._staged:
-            s = next(iter(self._staged.values())).since + self.config.ms.max_staged_age
-            nxt = s if nxt is None else min(nxt, s)
-        return nxt
-
-    def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, int]]:
-        """Abstract state of live requests (for conformance checks and tests)."""
-        return {h: (r.state, r.expected, frozenset(r.finished or ()), r.released, r.deadline)
-                for h, r in self._live.items()}
-
-    # -- read-only views for verification and adapters (code outside the lifecycle reads
-    # the ledger only through these). O(1) unless stated.
-    def request_id(self, handle: int) -> str | None:
-        """The request id of a live or tombstoned handle; None when unknown."""
-        r = self._live.get(handle)
-        if r is not None:
-            return r.rid
-        t = self._tomb.get(handle)
-        return t[1] if t is not None else None
-
-    def staged_entries(self) -> list[tuple[int, int, tuple[tuple[str, str, int, int], ...]]]:
-        """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
-        message ``(kind, reader, expected, arrival)``. O(staged messages)."""
-        return [(h, st.since, tuple(st.msgs)) for h, st in self._staged.items()]
-
-    def blocks_of(self, handle: int) -> tuple[int, ...] | None:
-        """The blocks a live request holds; None when it is not live."""
-        r = self._live.get(handle)
-        return None if r is None else r.blocks
-
-    def groups_done(self) -> tuple[str, ...]:
-        """The remembered transferred sibling groups, oldest first. O(groups)."""
-        return tuple(self._groups_done)
-
     def clone(self) -> Ledger:
         """A deep, independent copy (its own pool, requests, heap, staging, tombstones
         and counters), for searches that branch from one state (conformance BFS, trace
@@ -478,7 +435,8 @@ class Ledger:
         n._by_rid = dict(self._by_rid)
         n._heap = list(self._heap)
         n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
-        n._tomb = OrderedDict(self._tomb)
+        n._tomb = dict(self._tomb)
+        n._tomb_order = deque(self._tomb_order)
         n._tomb_rid = dict(self._tomb_rid)
         n._groups = {g: set(m) for g, m in self._groups.items()}
         n._groups_done = OrderedDict(self._groups_done)
@@ -604,8 +562,10 @@ class Ledger:
         rid = r.rid
         r.state = dst = row.dst
         del self._live[h]
-        if self._by_rid.get(rid) == h:
-            del self._by_rid[rid]
+        by_rid = self._by_rid
+        other = by_rid.pop(rid, h)
+        if other != h:  # never, while _by_rid's invariant holds: leave it as it was
+            by_rid[rid] = other
         if r.group is not None:
             members = self._groups.get(r.group)
             if members is not None:
@@ -615,14 +575,21 @@ class Ledger:
         tomb = self._tomb
         tomb[h] = (dst, rid)
         self._tomb_rid[rid] = h
-        if len(tomb) > self.config.max_tombstones:
-            old, (_, old_rid) = tomb.popitem(last=False)
+        order = self._tomb_order
+        order.append(h)
+        if len(order) > self._max_tomb:
+            old = order.popleft()
+            old_rid = tomb.pop(old)[1]
             self._count("tombstone_evicted")
             if self._tomb_rid.get(old_rid) == old:
                 del self._tomb_rid[old_rid]
-        reclaimed = self.pool._drop(r.blocks)
-        self.frees[reason] = self.frees.get(reason, 0) + 1
-        out.append(new_free(h, rid, reason, r.blocks, tuple(reclaimed), r.deadline))
+        blocks = r.blocks
+        reclaimed = self.pool._drop(blocks)
+        frees = self.frees
+        frees[reason] = frees.get(reason, 0) + 1
+        fx: Any = FreeFields(h, rid, reason, blocks, reclaimed, r.deadline)
+        fx.__class__ = Free  # an ordinary frozen Free, built fast (hotpath.register_free)
+        out.append(fx)
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
@@ -650,16 +617,7 @@ class Ledger:
         """Hook: ``reader`` finished the held request ``handle`` (done or release).
         Return how many readers count as finished now, or -1 when this reader had
         already finished."""
-        r = self._live[handle]
-        fin = r.finished
-        if fin is None:
-            fin = r.finished = set()
-        if reader in fin:
-            return -1
-        fin.add(reader)
-        if event == RELEASE:
-            r.released = True
-        return len(fin)
+        return _add_reader(self._live[handle], event, reader)
 
     def sweep(self, now: int, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
@@ -669,6 +627,7 @@ class Ledger:
         budget = self.config.max_tick_work
         due = (now + 1) << HEAP_SHIFT  # the entries below it have deadlines <= now
         pop = heapq.heappop
+        expiry = self._EXPIRY
         while heap and heap[0] < due:
             if budget <= 0:
                 # The rest carries over: next_deadline() reports a time already past.
@@ -682,7 +641,14 @@ class Ledger:
             if r.deadline > now:
                 heapq.heappush(heap, r.deadline << HEAP_SHIFT | h)  # renewed: re-insert lazily
                 continue
-            self._step(r, TICK, "deadline_passed", now, out)
+            row, plan = expiry[r.state]
+            if plan == FIN_FREE:
+                group = r.group
+                self._free(r, row, out)
+                if row.cascade and group is not None:
+                    self._group_transferred(group, out)
+            else:
+                self._fin_other(r, TICK, "deadline_passed", row, plan, now, out)
 
     def expire(self, handle: int, now: int, out: list[Effect]) -> None:
         """Run TICK/deadline_passed for the held request ``handle`` (for ``sweep``
@@ -698,30 +664,32 @@ class Ledger:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
-        if self._OWN_TALLY:  # Ledger.tally's body, inline
-            fin = r.finished
-            if fin is None:
-                fin = r.finished = set()
-            if reader in fin:
-                n = -1
-            else:
-                fin.add(reader)
-                if event == RELEASE:
-                    r.released = True
-                n = len(fin)
+        if self._OWN_TALLY:
+            n = _add_reader(r, event, reader)  # Ledger.tally's body
         else:
             n = self.tally(r.handle, event, reader)
-        if n < 0:
-            guard = "duplicate_reader"
-        elif r.expected and n >= r.expected:
-            guard = "all_finished" if r.released else "all_done"
-        else:
-            guard = "more_readers"
-        row = self.TABLE[(r.state, event, guard)]
-        if row.effects:
-            self._apply(r, row, now, out)
-        else:
+        # The guard, as an index into FIN_GUARDS: duplicate_reader, all_finished,
+        # all_done, more_readers.
+        g = 3 if n < 0 else (2 if r.released else 1) if r.expected and n >= r.expected else 0
+        row, plan = self._FIN[(event, r.state)][g]
+        if plan == FIN_PLAIN:
             r.state = row.dst  # all that a row without effects does (``_apply``)
+        elif plan == FIN_FREE:
+            group = r.group
+            self._free(r, row, out)
+            if row.cascade and group is not None:
+                self._group_transferred(group, out)
+        else:
+            self._fin_other(r, event, FIN_GUARDS[g], row, plan, now, out)
+
+    def _fin_other(self, r: _Req, event: str, guard: str, row: Transition, plan: int,
+                   now: int, out: list[Effect]) -> None:
+        """A done/release row the hot path does not inline: ``_apply`` runs it. A
+        ``FIN_LOOKUP`` row is looked up in TABLE first (a row the table lacks raises
+        ``MissingRow``: a table that is not total)."""
+        if plan == FIN_LOOKUP:
+            row = self.TABLE[(r.state, event, guard)]  # raises MissingRow
+        self._apply(r, row, now, out)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -818,12 +786,44 @@ class Ledger:
             now = clk
         out: list[Effect] = []
         r = self._live.get(handle)
-        if r is not None:
+        if r is None:
+            self._not_live(DONE, reader, handle, expected, now)
+        elif expected == r.expected and self._OWN_TALLY:
+            # _finish's body, inline (_add_reader, the same guard, the same rows of _FIN).
+            fin = r.finished
+            if fin is None:
+                r.finished = reader
+                n = 1
+            elif isinstance(fin, str):
+                if fin == reader:
+                    n = -1
+                else:
+                    r.finished = {fin, reader}
+                    n = 2
+            elif reader in fin:
+                n = -1
+            else:
+                fin.add(reader)
+                n = len(fin)
+            g = 3 if n < 0 else (2 if r.released else 1) if expected and n >= expected else 0
+            row, plan = self._DONE_FIN[r.state][g]
+            if plan == FIN_PLAIN:
+                r.state = row.dst
+            elif plan == FIN_FREE:
+                group = r.group
+                self._free(r, row, out)
+                if row.cascade and group is not None:
+                    self._group_transferred(group, out)
+                if len(self._heap) > 2 * len(self._live):
+                    self._maybe_compact()
+            else:
+                self._fin_other(r, DONE, FIN_GUARDS[g], row, plan, now, out)
+                if out and len(self._heap) > 2 * len(self._live):
+                    self._maybe_compact()
+        else:
             self._finish(r, DONE, reader, expected, now, out)
             if out and len(self._heap) > 2 * len(self._live):
                 self._maybe_compact()
-        else:
-            self._not_live(DONE, reader, handle, expected, now)
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
     def release(self, reader: str, handles: Sequence[int], expected: int,
@@ -954,40 +954,6 @@ class Ledger:
         now = clk if clk is not None else (self.now if self.now != CLOCK_START else 0)
         self._count("rejected:" + reason)
         return self._emit(Reject(reason, peer, detail, now), [Rejected(reason, peer, None, detail)])
-
-    # -- invariants (O(n); tests, replay and simulators) ----------------------------------
-    def check_invariants(self) -> list[str]:
-        """Return violated invariants (empty when all hold)."""
-        errs: list[str] = []
-        pool = self.pool
-        held, free = pool.recount()
-        if held != pool.held_count or free != pool.free_count or held + free != pool.capacity:
-            errs.append(f"Conservation: held {pool.held_count}/{held} + free {pool.free_count}/{free}"
-                        f" != capacity {pool.capacity}")
-        if pool.violations:
-            errs.append(f"NoDoubleFree: {pool.violations} double free(s)")
-        expect = [0] * pool.capacity
-        for r in self._live.values():
-            if r.state not in HELD_STATES:
-                errs.append(f"TypeOK: live request {r.handle} in non-held state {r.state}")
-            for b in r.blocks:
-                expect[b] += 1
-        for b in range(pool.capacity):
-            if expect[b] != pool.refcount(b):
-                errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
-                break
-        heap_handles = {k & HEAP_HANDLE_MASK for k in self._heap}
-        missing = [h for h in self._live if h not in heap_handles]
-        if missing:
-            errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
-        if len(self._staged) > self.config.max_staged:
-            errs.append("StagingBounded: staging above max_staged")
-        if len(self._tomb) > self.config.max_tombstones:
-            errs.append("TombstonesBounded: tombstones above max_tombstones")
-        for h in self._live:
-            if h in self._tomb:
-                errs.append(f"TypeOK: handle {h} both live and tombstoned")
-        return errs
 
 
 Ledger._derive()
