@@ -252,7 +252,7 @@ def test_wrong_version_is_rejected() -> None:
     assert reason_of(header(KIND_DONE, version=VERSION + 1) + b"\x01\x01") == "version"
 
 
-@pytest.mark.parametrize("kind", [0, 8, 255])
+@pytest.mark.parametrize("kind", [0, 10, 255])
 def test_unknown_kind_is_rejected(kind: int) -> None:
     assert reason_of(header(kind) + b"\x01\x01") == "unknown_kind"
 
@@ -638,3 +638,14 @@ def test_check_peer_checks_role_layout_and_identity() -> None:
     with pytest.raises(WireError) as info:
         wire.check_peer(hs, "producer", LAYOUT, {**IDENT, "weights": "revision:v2"})
     assert "weights: D has 'revision:v2', P has 'sha256:aa'" in info.value.detail
+
+
+def test_grant_and_claim_refused_roundtrip() -> None:
+    from kvproto.wire import KIND_CLAIM_REFUSED, KIND_GRANT, decode, encode_grant
+
+    g = decode(encode_grant(7, 300, True), epoch=7)
+    assert (g.kind, g.handles, g.kind_name) == (KIND_GRANT, (300,), "grant")
+    r = decode(encode_grant(7, 5, False), epoch=7)
+    assert (r.kind, r.handles, r.kind_name) == (KIND_CLAIM_REFUSED, (5,), "claim_refused")
+    assert reason_of(encode_grant(7, 5, True) + b"\x00") == "trailing_bytes"
+    assert reason_of(encode_grant(7, 5, True)[:-1]) == "truncated"

@@ -59,7 +59,7 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
-from kvproto.lifecycle.gate import Gate, NeverNotice
+from kvproto.lifecycle.gate import ClaimAnswer, Gate, NeverNotice
 from kvproto.nixl.checksum import CHECKSUMS_KEY
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
 from kvproto.port import now_ms, p_receive
@@ -70,6 +70,7 @@ from kvproto.wire import (
     check_peer,
     decode_handshake,
     encode_ack,
+    encode_grant,
     encode_never,
 )
 
@@ -295,12 +296,15 @@ class PDriver:
                                epoch=self.epoch, max_bytes=self.config.max_message_bytes,
                                consumer=c[:64] if isinstance(c, str) and c else None), now)
 
-    def execute(self, effects: Sequence[Effect | NeverNotice], now: int) -> None:
+    def execute(self, effects: Sequence[Effect | NeverNotice | ClaimAnswer], now: int) -> None:
         """Carry out the ledger's (and the gate's) effects, in order."""
         m = self.metrics
         for e in effects:
             if isinstance(e, NeverNotice):
                 self._send_never(e)
+                continue
+            if isinstance(e, ClaimAnswer):
+                self._send_grant(e)
                 continue
             if isinstance(e, Free):
                 if e.reclaimed:
@@ -334,6 +338,12 @@ class PDriver:
                     self._count("send_error")
                     continue
                 self._count("never_sent")
+
+    def _send_grant(self, e: ClaimAnswer) -> None:
+        if self.transport.send(e.peer, encode_grant(self.epoch, e.handle, e.granted)) is not None:
+            self._count("send_error")
+            return
+        self._count("grants_sent" if e.granted else "claims_refused")
 
     def _send_ack(self, a: Ack) -> None:
         for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes,
