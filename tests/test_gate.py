@@ -193,6 +193,7 @@ GATE_CFG = """CONSTANTS
     BugSkipBinding = FALSE
     BugRegisterUnready = FALSE
     BugNoNeverNotice = FALSE
+    BugReadBeforeGrant = FALSE
 INIT Init
 NEXT Next
 INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed

@@ -28,7 +28,8 @@ CONSTANTS
     Chunks,             \* forward passes (chunked prefill) that fill a request's blocks
     BugSkipBinding,     \* BUG: a second consumer of a bound handle is let through
     BugRegisterUnready, \* BUG: a register after an earlier chunk reaches the ledger
-    BugNoNeverNotice    \* BUG: abandoning an unclaimed request tells nobody
+    BugNoNeverNotice,   \* BUG: abandoning an unclaimed request tells nobody
+    BugReadBeforeGrant  \* BUG: a consumer reads before the gate granted its claim
 
 VARIABLES written, aborted, gstate, bound, pstate, cstate, told, untold
 vars == <<written, aborted, gstate, bound, pstate, cstate, told, untold>>
@@ -69,9 +70,11 @@ Present(r, c) ==
               /\ UNCHANGED <<gstate, bound>>
     /\ UNCHANGED <<written, aborted, pstate, untold>>
 
-(* The consumer posts its READ once granted, while the ledger holds the blocks. *)
+(* The consumer posts its READ once granted, while the ledger holds the blocks (D's
+   claiming state: KVConsumer's ReadOnlyGranted). The bug reads without the grant. *)
 Read(r, c) ==
-    /\ cstate[<<r, c>>] = "granted" /\ pstate[r] = "held"
+    /\ cstate[<<r, c>>] = "granted" \/ (BugReadBeforeGrant /\ cstate[<<r, c>>] = "waiting")
+    /\ pstate[r] = "held"
     /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "reading"]
     /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
 

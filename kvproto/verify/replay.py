@@ -36,6 +36,7 @@ from kvproto.lifecycle import (
     Quarantined,
     ReadFailed,
     ReadOk,
+    SendClaim,
     SendRelease,
 )
 from kvproto.verify.oracle import safety_violations
@@ -133,15 +134,17 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
     quarantined: set[str] = set()
     pulled: set[tuple[str, int, int]] = set()
     key_of: dict[str, tuple[str, int, int]] = {}
-    # ReadOnlyGranted: requests admitted with a capability whose claim P has not granted
-    # (a READ of one would race another consumer of the handle).
+    # ReadOnlyGranted: requests admitted with a capability whose claim (a recorded
+    # SendClaim) P has not granted (a READ of one would race another consumer of the
+    # handle); and the requests whose claim was sent.
     ungranted: set[str] = set()
+    claimed: set[str] = set()
     for lineno, ev, recorded in body:
         if isinstance(ev, Admit):
             key_of[ev.request_id] = (ev.params.engine, ev.params.epoch, ev.params.handle)
-            if ev.params.capability:
-                ungranted.add(ev.request_id)
-        elif isinstance(ev, ClaimGranted):
+            if ev.params.capability and ev.request_id not in machine.reqs:
+                ungranted.add(ev.request_id)  # a duplicate admit changes nothing
+        elif isinstance(ev, ClaimGranted) and ev.request_id in claimed:
             ungranted.discard(ev.request_id)
         if isinstance(ev, (ReadOk, ReadFailed)):
             in_flight.discard(ev.request_id)
@@ -149,6 +152,8 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
         for eff in recorded:
             if isinstance(eff, Quarantined):
                 quarantined.add(eff.request_id)
+            elif isinstance(eff, SendClaim):
+                claimed.add(eff.request_id)
             elif isinstance(eff, PostRead):
                 in_flight.add(eff.request_id)
                 if eff.request_id in ungranted:
