@@ -53,7 +53,13 @@ def test_d_fails_a_waiting_request_at_once_on_never() -> None:
 
 
 def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
-    pr = Pair()
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from kvproto.metrics import Metrics, scrape_values
+
+    m = Metrics(labels={"engine": "g1"})
+    pr = Pair(metrics=m)
     try:
         params = pr.prefill("u1", [3, 5], 8, ready=False)
         pr.ds.new_request("u1", params)
@@ -74,6 +80,12 @@ def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
         assert fin.get("failed:never_registered", 0) + fin.get("failed:claim_refused", 0) \
             == 1, fin
         assert pr.p.adapter.gate.counters.get("never_registered", 0) >= 1
+        # the outcome is a label of D's reads counter, never a generic abort
+        vals = scrape_values(generate_latest(m.registry).decode())
+        outcomes = {dict(k[1]).get("outcome"): v for k, v in vals.items()
+                    if k[0] == "kvproto_reads_total" and v}
+        assert set(outcomes) <= {"failed:never_registered", "failed:claim_refused"}, outcomes
+        assert sum(outcomes.values()) == 1 and "failed:aborted" not in outcomes
     finally:
         pr.close()
 
