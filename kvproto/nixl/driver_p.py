@@ -331,7 +331,11 @@ class PDriver:
                 self.observer(e, now)
 
     def _send_never(self, e: NeverNotice) -> None:
-        to = [e.consumer] if e.consumer is not None else sorted(self.peers)
+        # The bound consumer is a D engine: tell each of its ranks that shook hands here
+        # (a rank whose name is the consumer's too), else every known D peer.
+        to = sorted(self.peers) if e.consumer is None else \
+            [p for p, hs in self.peers.items()
+             if p == e.consumer or (hs.extra or {}).get("consumer") == e.consumer]
         for peer in to:
             for buf in encode_never(self.epoch, (e.handle,), self.config.max_message_bytes):
                 if self.transport.send(peer, buf) is not None:

@@ -417,6 +417,9 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                                num_blocks, metrics, identity,
                                fail=self.load_failure_policy == "fail")
             self.dw.rank = (self.tp_rank, self.tp_size, self.kv_heads)
+            # P's gate binds a handle to one consumer: this D engine, whichever of its TP
+            # ranks claims first (the ranks reading one P rank share the binding).
+            self.dw.adapter.consumer_id = f"kvproto-d-{self.engine_id}"
         if metrics is not None and self.opts.metrics_port is not None:
             self._exporter = serve(metrics, self.opts.metrics_port)
             log.info("kvproto: metrics on %s", self._exporter.url)
