@@ -251,3 +251,45 @@ def test_tlc_catches_read_before_grant_and_graph_equality_breaks() -> None:
     whys = {e["why"] for s in tlc.nodes for e in s["eff"]}
     assert {"claim_refused", "never_registered"} <= whys, whys
     assert any(e["k"] == "claim" for s in tlc.nodes for e in s["eff"])
+
+
+# ---------------------------------------------------------------------------
+# The wire round trip through both ports: P's gate answers a claim, D's port feeds it.
+# ---------------------------------------------------------------------------
+
+
+def test_the_gate_answers_claims_and_d_reads_only_after_the_grant() -> None:
+    from kvproto.lifecycle import BlockPool, Ledger
+    from kvproto.lifecycle.gate import ClaimAnswer, Gate
+    from kvproto.port import d_receive, p_receive
+    from kvproto.wire import encode_claim, encode_grant
+
+    cfg = Config()
+    gate = Gate(Ledger(cfg, BlockPool(8)), b"k" * 32, "P0", 7)
+    cap = gate.capability(1)
+    d1, d2 = Consumer("D1", cfg), Consumer("D2", cfg)
+    for i, d in enumerate((d1, d2)):
+        d.handshake_result("P0", True, 0)
+        assert d.admit(f"r{i}", _params(1, cap=cap), 0) == [SendClaim(f"r{i}", "P0", 1, cap)]
+    out = p_receive(gate, "D1", encode_claim(7, 1, cap), 1, known=True, epoch=7,
+                    max_bytes=1 << 16, consumer="D1")
+    assert out == [ClaimAnswer("D1", 1, True)] and gate.consumer(1) == "D1"
+    out2 = p_receive(gate, "D2", encode_claim(7, 1, cap), 2, known=True, epoch=7,
+                     max_bytes=1 << 16, consumer="D2")
+    assert ClaimAnswer("D2", 1, False) in out2 and gate.counters["foreign_consumer"] == 1
+    # D's ports: D1 may read now, D2 fails without reading or releasing
+    got = d_receive(d1, "P0", encode_grant(7, 1, True), 3, known=True, epoch=7,
+                    max_bytes=1 << 16)
+    assert got == [] and d1.state("r0") == "waiting"
+    assert [type(e) for e in d1.schedule("r0", 4)] == [PostRead]
+    got = d_receive(d2, "P0", encode_grant(7, 1, False), 3, known=True, epoch=7,
+                    max_bytes=1 << 16)
+    assert _finished(got) == [("r1", "failed", "claim_refused")]
+    assert not any(isinstance(e, (SendRelease, PostRead)) for e in got)
+    # an answer about a handle D no longer holds is a counted rejection
+    d_receive(d2, "P0", encode_grant(7, 1, True), 5, known=True, epoch=7, max_bytes=1 << 16)
+    assert d2.counters["rejected:claim_answer_unknown"] == 1
+    # a D -> P kind sent to D, or a P -> D kind sent to P, is an unexpected kind
+    p_receive(gate, "D1", encode_grant(7, 1, True), 6, known=True, epoch=7,
+              max_bytes=1 << 16, consumer="D1")
+    assert gate.ledger.counters["rejected:unexpected_kind"] == 1
