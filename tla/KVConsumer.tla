@@ -12,9 +12,9 @@
 (*    operators.                                                          *)
 (* NAMES agree with D_TRANSITIONS and KVLifecycle's D actions: Admit,     *)
 (* HandshakeOk, HandshakeFailed, Schedule, ReadOk, ReadFailed, DAbort,    *)
+(* ClaimGranted, ClaimRefused, Never,                                      *)
 (* DAck (rows ACK/granted: renew; ACK/refused: release, disown,           *)
-(* finish:revoked, or let a READ finish), PeerLost, ClaimResult (events  *)
-(* claim_granted, claim_refused), Never (event never), and DTick, the whole*)
+(* finish:revoked, or let a READ finish), PeerLost, and DTick, the whole  *)
 (* Consumer.tick: rows D_TICK/lease_lost, the ack-silence check           *)
 (* (PEER_LOST rows after peer_timeout, effect drop_peer) and the          *)
 (* heartbeats D sends every HeartbeatInterval. DTickLagOp is the partial  *)
@@ -349,8 +349,10 @@ Init == /\ dst = InitC.dst /\ dlease = InitC.dlease /\ abortPending = InitC.abor
 
 Admit(r) == dst[r] = "new" /\ Become(AdmitOp(Cur, r, 0))
 
-(* P's gate answers r's claim (granted or refused). *)
+(* P's gate answers r's claim: events claim_granted, claim_refused. *)
 ClaimResult(r, ok) == dst[r] = "claiming" /\ Become(ClaimResultOp(Cur, r, ok))
+ClaimGranted(r) == ClaimResult(r, TRUE)
+ClaimRefused(r) == ClaimResult(r, FALSE)
 
 (* P says r will never be registered. *)
 Never(r) == dst[r] \in Active /\ Become(NeverOp(Cur, r))
@@ -388,7 +390,7 @@ Readmit(r) == dst[r] \in {"done", "failed"} /\ Become(ReadmitOp(Cur, r))
 
 Next ==
     \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r) \/ Readmit(r) \/ Never(r)
-                           \/ \E ok \in BOOLEAN : ClaimResult(r, ok)
+                           \/ ClaimGranted(r) \/ ClaimRefused(r)
                            \/ \E b \in BOOLEAN : ReadOk(r, b) \/ ReadFailed(r, b) \/ ReadEnd(r, b)
     \/ \E h \in hbs, R \in SUBSET Requests : DAck(h, R)
     \/ DAckUnknown \/ HandshakeOk \/ HandshakeFailed \/ PeerLost \/ DTick

@@ -354,7 +354,7 @@ ACK: Final = "ack"
 PEER_LOST: Final = "peer_lost"
 D_TICK: Final = "tick"
 CLAIM_GRANTED: Final = "claim_granted"  # P's gate bound the handle to this consumer
-CLAIM_REFUSED: Final = "claim_refused"  # P's gate refused the claim (another consumer...)
+CLAIM_REFUSED: Final = "claim_refused"  # P's gate refused the claim: recompute
 NEVER: Final = "never"  # P will never register the handle (wire ``never``)
 D_EVENTS: Final = (ADMIT, HANDSHAKE_OK, HANDSHAKE_FAILED, SCHEDULE, READ_OK, READ_FAILED,
                    D_ABORT, ACK, PEER_LOST, D_TICK, CLAIM_GRANTED, CLAIM_REFUSED, NEVER)

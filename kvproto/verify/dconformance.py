@@ -178,7 +178,7 @@ class DModel:
                      DAction(f"DAbort_{r}", "abort", r), DAction(f"Readmit_{r}", "readmit", r),
                      DAction(f"Never_{r}", "never", r)]
             if r in self.caps:
-                acts += [DAction(f"ClaimResult_{r}_{str(b).upper()}", "claim", r, b)
+                acts += [DAction(f"{'ClaimGranted' if b else 'ClaimRefused'}_{r}", "claim", r, b)
                          for b in (True, False)]
             for b in (True, False):
                 acts.append(DAction(f"ReadOk_{r}_{str(b).upper()}", "read_ok", r, b))
@@ -216,9 +216,12 @@ class DModel:
                 op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort",
                       "readmit": "Readmit", "never": "Never"}[a.kind]
                 lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
-            elif a.kind in ("read_ok", "read_failed", "read_end", "claim"):
+            elif a.kind == "claim":
+                op = "ClaimGranted" if a.flag else "ClaimRefused"
+                lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
+            elif a.kind in ("read_ok", "read_failed", "read_end"):
                 op = {"read_ok": "ReadOk", "read_failed": "ReadFailed",
-                      "read_end": "ReadEnd", "claim": "ClaimResult"}[a.kind]
+                      "read_end": "ReadEnd"}[a.kind]
                 lines.append(f'{a.label} == {op}("{a.request}", {str(a.flag).upper()}) /\\ TRUE')
             elif a.kind == "ack":
                 ref = "{" + ", ".join(render(r) for r in a.refused) + "}"

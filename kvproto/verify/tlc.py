@@ -613,7 +613,8 @@ _PY = {
     "HandshakeOk": "Consumer.handshake_result (handshake_ok)",
     "HandshakeFailed": "Consumer.handshake_result (handshake_failed)",
     "PeerLost": "Consumer.peer_lost, or ack silence in Consumer.tick (peer_lost)",
-    "ClaimResult": "Consumer.claim_result (claim_granted, claim_refused)",
+    "ClaimGranted": "Consumer.claim_result (claim_granted)",
+    "ClaimRefused": "Consumer.claim_result (claim_refused)",
     "Never": "Consumer.never (never)",
     "Crash": "D rank crashes", "Lose": "network loses a message",
 }
