@@ -40,6 +40,8 @@ from kvproto.lifecycle import (
     Abort,
     Ack,
     Admit,
+    ClaimGranted,
+    ClaimRefused,
     Config,
     ConfigError,
     DAbort,
@@ -58,6 +60,7 @@ from kvproto.lifecycle import (
     HandshakeFailed,
     HandshakeOk,
     Heartbeat,
+    NeverRegistered,
     PeerLost,
     PostRead,
     Quarantined,
@@ -68,6 +71,7 @@ from kvproto.lifecycle import (
     Rejected,
     Release,
     Schedule,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -100,12 +104,13 @@ _D_EVENT_TYPES: Final[dict[str, type]] = {
     "admit": Admit, "handshake_ok": HandshakeOk, "handshake_failed": HandshakeFailed,
     "schedule": Schedule, "read_ok": ReadOk, "read_failed": ReadFailed, "abort": DAbort,
     "ack": DAck, "peer_lost": PeerLost, "tick": DTick, "reject": DReject,
+    "claim_granted": ClaimGranted, "claim_refused": ClaimRefused, "never": NeverRegistered,
 }
 _D_EFFECT_TYPES: Final[dict[str, type]] = {
     "start_handshake": StartHandshake, "post_read": PostRead, "send_done": SendDone,
     "send_release": SendRelease, "send_heartbeat": SendHeartbeat, "finished": Finished,
     "drop_peer": DropPeer, "rejected": DRejected, "quarantined": Quarantined,
-    "unquarantined": Unquarantined,
+    "unquarantined": Unquarantined, "send_claim": SendClaim,
 }
 _TYPE_OF: Final = {v: k for table in (_EVENT_TYPES, _EFFECT_TYPES, _D_EVENT_TYPES,
                                       _D_EFFECT_TYPES) for k, v in table.items()}

@@ -3,7 +3,7 @@
 :func:`p_receive` turns one message that arrived at P (the bytes and the peer they came
 from) into the ledger event it stands for, feeds the ledger, and returns the effects for
 the caller to carry out; :func:`d_receive` does the same for one message that arrived at
-a D rank (P's acks and never-registered notices) and its ``Consumer``. The P and D drivers
+a D rank (P's acks, never-registered notices and claim answers) and its ``Consumer``. The P and D drivers
 (:mod:`kvproto.nixl.driver_p`, :mod:`kvproto.nixl.driver_d`) receive through them, over
 NIXL and in the simulator and the fuzzer alike, so every side decodes, rejects and
 dispatches one way: an unknown peer, bytes that do not decode (malformed, truncated,
@@ -24,7 +24,9 @@ from kvproto.lifecycle.gate import Gate, GateEffect
 from kvproto.wire import (
     KIND_ACK,
     KIND_CLAIM,
+    KIND_CLAIM_REFUSED,
     KIND_DONE,
+    KIND_GRANT,
     KIND_HEARTBEAT,
     KIND_NEVER,
     KIND_RELEASE,
@@ -90,14 +92,15 @@ def _through_gate(gate: Gate, peer: str, msg: Message, now: int,
     if msg.kind == KIND_RELEASE:
         return gate.release(peer, msg.handles, msg.expected, now, consumer)
     if msg.kind == KIND_CLAIM:
-        return gate.claim(consumer, msg.handles[0], msg.capability, now)
+        return gate.claim(consumer, msg.handles[0], msg.capability, now, peer)
     return gate.reject("unexpected_kind", peer, msg.kind_name, now)
 
 
 def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: bool,
               epoch: int, max_bytes: int) -> list[DEffect]:
     """Feed one D rank's machine the event one incoming message stands for (an ack of
-    one of its heartbeats); return its effects.
+    one of its heartbeats, a never-registered notice, or the gate's answer to a claim);
+    return its effects.
 
     ``known``: whether ``peer`` is a P engine this rank completed a handshake with (and
     still holds); ``epoch``: that engine's epoch (from its handshake: a message of another
@@ -112,14 +115,20 @@ def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: boo
         log.exception("decoding %d bytes from %s failed", len(buf), peer)
         return consumer.reject("malformed", peer, type(e).__name__, now)
     if msg.kind == KIND_NEVER:
-        # P will never register these handles: each request of this P still waiting for
-        # its READ fails now (D's abort: release, recompute) instead of at its lease end.
+        # P will never register these handles: each request of this P not reading fails
+        # now (never_registered, recompute) instead of at its lease end.
         out: list[DEffect] = []
         for h in msg.handles:
             rid = consumer.request_id(peer, h)
             if rid is not None:
-                out += consumer.abort(rid, now)
+                out += consumer.never(rid, now)
         return out
+    if msg.kind == KIND_GRANT or msg.kind == KIND_CLAIM_REFUSED:
+        # P's gate answered this rank's claim: a claiming request may now read, or fails.
+        rid = consumer.request_id(peer, msg.handles[0])
+        if rid is None:
+            return consumer.reject("claim_answer_unknown", peer, msg.kind_name, now)
+        return consumer.claim_result(rid, msg.kind == KIND_GRANT, now)
     if msg.kind != KIND_ACK:
         return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
     return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

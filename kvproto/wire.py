@@ -40,9 +40,15 @@ KIND_NEVER: Final = 6
 # first consumer that does). Body: the handle, then CAPABILITY_WIRE_BYTES raw bytes.
 KIND_CLAIM: Final = 7
 CAPABILITY_WIRE_BYTES: Final = 16
+# P -> D: the gate's answer to a claim: the handle is bound to this consumer (grant), or
+# the claim was refused (another consumer owns it, a bad capability, the gate is full).
+# Body: the handle.
+KIND_GRANT: Final = 8
+KIND_CLAIM_REFUSED: Final = 9
 KIND_NAMES: Final = {KIND_DONE: "done", KIND_RELEASE: "release", KIND_HEARTBEAT: "heartbeat",
                      KIND_ACK: "ack", KIND_DONE_BATCH: "done", KIND_NEVER: "never",
-                     KIND_CLAIM: "claim"}
+                     KIND_CLAIM: "claim", KIND_GRANT: "grant",
+                     KIND_CLAIM_REFUSED: "claim_refused"}
 
 MAX_HANDLE: Final = (1 << 64) - 1
 MAX_EXPECTED: Final = 0xFFFF
@@ -239,6 +245,15 @@ def encode_claim(epoch: int, handle: int, capability: str) -> bytes:
     return bytes(b) + raw
 
 
+def encode_grant(epoch: int, handle: int, granted: bool) -> bytes:
+    """``grant`` or ``claim_refused`` (P -> D): the gate's answer to a claim of
+    ``handle``."""
+    _check_range("handle", handle, MAX_HANDLE)
+    b = _header(KIND_GRANT if granted else KIND_CLAIM_REFUSED, epoch)
+    _put_varint(b, handle)
+    return bytes(b)
+
+
 def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: int,
                                 max_bytes: int) -> list[bytes]:
     """Reference encoder (the fast ``encode_done_batch`` must match it byte for byte).
@@ -366,6 +381,11 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
         if pos != len(buf):
             raise WireError("trailing_bytes", f"{len(buf) - pos} bytes after the message")
         return Message(kind, ep, (h,), capability=cap)
+    elif kind == KIND_GRANT or kind == KIND_CLAIM_REFUSED:
+        h, pos = _get_varint(buf, pos)
+        if h > MAX_HANDLE:
+            raise WireError("bad_field", "handle above 2**64-1")
+        handles = (h,)
     else:
         raise WireError("unknown_kind", f"message kind {kind}")
     if pos != len(buf):

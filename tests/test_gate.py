@@ -198,6 +198,7 @@ GATE_CFG = """CONSTANTS
     Forgers = {"c3"}
     MayBeFull = TRUE
     BugSkipCapability = FALSE
+    BugReadBeforeGrant = FALSE
 INIT Init
 NEXT Next
 INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed

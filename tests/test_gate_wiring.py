@@ -40,9 +40,10 @@ def test_d_fails_a_waiting_request_at_once_on_never() -> None:
     assert c.state("r4") == "waiting"
     out = d_receive(c, "P", encode_never(7, [4, 99], 1 << 16)[0], 5, known=True, epoch=7,
                     max_bytes=1 << 16)
-    assert [(e.request_id, e.state) for e in out if isinstance(e, Finished)] == \
-        [("r4", "failed")]
-    assert any(isinstance(e, SendRelease) for e in out)
+    assert [(e.request_id, e.state, e.reason) for e in out if isinstance(e, Finished)] == \
+        [("r4", "failed", "never_registered")]
+    assert not any(isinstance(e, SendRelease) for e in out)  # nothing to free on P
+    assert c.finished == {"failed:never_registered": 1}
     # an unknown peer's never is a counted rejection that touches nothing
     tp5 = TransferParams(engine="P", epoch=7, handle=5, blocks=(2,), initial_term=30_000)
     c.admit("r5", tp5, 7)
@@ -52,7 +53,13 @@ def test_d_fails_a_waiting_request_at_once_on_never() -> None:
 
 
 def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
-    pr = Pair()
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from kvproto.metrics import Metrics, scrape_values
+
+    m = Metrics(labels={"engine": "g1"})
+    pr = Pair(metrics=m)
     try:
         params = pr.prefill("u1", [3, 5], 8, ready=False)
         pr.ds.new_request("u1", params)
@@ -66,12 +73,19 @@ def test_unready_register_is_refused_and_d_fails_in_one_round_trip() -> None:
         d = pr.d.adapter
         pr.pump(lambda: d.machine.request("u1") is None and "u1" not in d.params,
                 timeout=10.0)
-        # D's claim was answered with a never notice (D aborts the request), or its
-        # heartbeat's ack refused the handle (revoked): not at its lease end (lease_lost,
-        # which is what happens without the gate)
+        # D's claim was answered with a never notice (never_registered) or refused
+        # (claim_refused): not at its lease end (lease_lost, which is what happens
+        # without the gate)
         fin = d.machine.finished
-        assert fin.get("failed:aborted", 0) + fin.get("failed:revoked", 0) == 1, fin
+        assert fin.get("failed:never_registered", 0) + fin.get("failed:claim_refused", 0) \
+            == 1, fin
         assert pr.p.adapter.gate.counters.get("never_registered", 0) >= 1
+        # the outcome is a label of D's reads counter, never a generic abort
+        vals = scrape_values(generate_latest(m.registry).decode())
+        outcomes = {dict(k[1]).get("outcome"): v for k, v in vals.items()
+                    if k[0] == "kvproto_reads_total" and v}
+        assert set(outcomes) <= {"failed:never_registered", "failed:claim_refused"}, outcomes
+        assert sum(outcomes.values()) == 1 and "failed:aborted" not in outcomes
     finally:
         pr.close()
 
@@ -110,7 +124,7 @@ def test_a_second_consumer_of_the_same_params_is_refused_never_served() -> None:
         pr.step()
         gate = pr.p.adapter.gate
         handle = params["kvproto"]["handle"]
-        pr.pump(lambda: gate.consumer(handle) is not None)  # D1 claimed (first heartbeat)
+        pr.pump(lambda: gate.consumer(handle) is not None)  # D1 claimed (at admit)
         assert gate.consumer(handle) == pr.d.adapter.consumer_id
         # the retry reaches D2 with the same (now someone else's) params
         ds2.new_request("x-retry", params)
@@ -129,7 +143,8 @@ def test_a_second_consumer_of_the_same_params_is_refused_never_served() -> None:
             pr.step()
             time.sleep(0.001)
         assert m2.request("x-retry") is None, "D2 still waits on a handle bound to D1"
-        assert m2.finished.get("failed:revoked", 0) == 1, m2.finished
+        # D2's claim is refused: it never reads (it waited for the grant) and recomputes
+        assert m2.finished.get("failed:claim_refused", 0) == 1, m2.finished
         assert gate.counters.get("foreign_consumer", 0) >= 1, gate.counters
         assert pr.p.adapter.ledger.counters.get("rejected:foreign_consumer", 0) >= 1
         assert d2.counters().get("reads_ok", 0) == 0  # never served

@@ -369,6 +369,8 @@ def test_fan_in_two_readers_and_siblings() -> None:
     try:
         for d in (d0, d1):
             d.add_engine(p.name, p.host, p.port)
+            # two TP ranks of one D engine: one consumer for P's gate (both claims granted)
+            d.consumer_id = "D-engine"
         fan = prefill(p, "fan", 3, expected=2)
         # n=3 siblings sharing the same prompt blocks; D reads one member only.
         blocks = p.allocate(2)

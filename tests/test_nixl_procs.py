@@ -200,7 +200,7 @@ def test_malformed_notification_from_live_peer_cross_process(procs: list[Proc]) 
     params = register(p, "m", 2)
     d.conn.send(("admit", "m", params.to_dict(), "m", None))  # admitted, never scheduled
     wait_stats(p, lambda s: dname in s["peers"])
-    for junk in (b"not a kvproto message", b"KV\x01\x08" + params.epoch.to_bytes(4, "big"),
+    for junk in (b"not a kvproto message", b"KV\x01\x0a" + params.epoch.to_bytes(4, "big"),
                  b"KV\x01"):
         d.conn.send(("send_raw", pname, junk))
     s = wait_stats(p, lambda s: sum(v for k, v in s["ledger"].items()

@@ -73,6 +73,13 @@ D_SCRIPTS: dict[int, list[tuple[str, tuple[Any, ...]]]] = {
     -6: [("handshake_result", ("P0", True)), ("admit", (1, 30_000)), ("admit", (2, 30_000)),
          ("schedule", ("r1",)), ("tick", (9000,)), ("schedule", ("r2",)),
          ("read_result", ("r1", True, False, True))],  # overdue READ: group given up
+    -7: [("admit", (4, 12_000, True)), ("handshake_result", ("P0", True)),
+         ("schedule", ("r4",)), ("claim_result", ("r4", True)), ("schedule", ("r4",)),
+         ("admit", (5, 12_000, True)), ("claim_result", ("r5", False)),
+         ("admit", (1, 12_000, True)), ("never", ("r1",)), ("never", ("r4",))],  # claims
+    -8: [("admit", (4, 12_000)), ("never", ("r4",)), ("handshake_result", ("P0", True)),
+         ("admit", (5, 12_000)), ("schedule", ("r5",)),
+         ("read_result", ("r5", False, False, True))],  # never while handshaking; error
 }
 SEEDS = [*P_SCRIPTS, *range(60)]
 D_SEEDS = [*D_SCRIPTS, *range(60)]
@@ -185,7 +192,7 @@ def d_ops(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
         if rng.random() < 0.3:
             ops.append(("time", (rng.choice((1000, 4000)),)))  # events arrive between ticks
         if op < 0.2:
-            ops.append(("admit", (i, rng.choice((12_000, 12_000, 4000)))))
+            ops.append(("admit", (i, rng.choice((12_000, 12_000, 4000)), rng.random() < 0.4)))
         elif op < 0.3:
             ops.append(("handshake_result", ("P0", rng.random() < 0.7)))
         elif op < 0.45:
@@ -199,6 +206,10 @@ def d_ops(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
             ops.append(("ack", (rng.random(), rng.random())))
         elif op < 0.78:
             ops.append(("peer_lost", ("P0",)))
+        elif op < 0.84:
+            ops.append(("claim_result", (rid, rng.random() < 0.75)))
+        elif op < 0.86:
+            ops.append(("never", (rid,)))
         else:
             ops.append(("tick", (rng.choice((500, 2000, 4000)),)))
     return ops
@@ -218,8 +229,9 @@ def drive_d(cls: type[Consumer], seed: int,
                 now += args[0]
                 continue
             if op == "admit":
-                i, term = args
-                p = TransferParams("P0", 1, i, (i,), term, 1, "g" if i <= 3 else None)
+                i, term, *cap = args
+                p = TransferParams("P0", 1, i, (i,), term, 1, "g" if i <= 3 else None,
+                                   capability="ab" * 16 if cap and cap[0] else "")
                 out = c.admit(f"r{i}", p, now)
             elif op == "handshake_result":
                 out = c.handshake_result(args[0], args[1], now, "refused")

@@ -5,10 +5,16 @@ read_grace. D fails the load at the deadline (its blocks are reported as load er
 the request's blocks out of vLLM's hands until the transfer ended (stuck_reads is 1 in the
 meantime), then vLLM recomputes it ("recompute" policy): the output equals D's own local
 generation of the prompt. P is never told done or release for it and frees by lease. A
-second load with the same transfer params is refused (second_pull) and recomputed."""
+second load with the same transfer params is refused (second_pull) and recomputed.
+
+A second D engine with kv_load_failure_policy "fail" (the same P, started together) shows
+the other path: the overdue READ ends its request with an error (no tokens, no hang),
+its blocks stay quarantined until the transfer ended and then go back (no block lost),
+P frees by lease, and the engine still serves plain requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +40,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pd(workdir: Path) -> Iterator[h.PD]:
+def engines(workdir: Path) -> Iterator[tuple[h.PD, h.PD]]:
+    """P with two D engines, one per kv_load_failure_policy ("recompute", "fail"),
+    started together; each D's READs hang for HOLD seconds."""
     wd = workdir
     model = str(h.build_tiny_model(wd / "model").path)
     # A lease long enough that a first handshake on a loaded machine still fits it.
@@ -42,12 +50,50 @@ def pd(workdir: Path) -> Iterator[h.PD]:
     d_lease = {**sc.lease_config(LEASE), "max_read_time": 1.0, "read_grace": 1.0}
     kw["d_extra"] = {**kw["d_extra"], "lease": d_lease, "test_hold_read_s": HOLD}
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="s", **kw)
-    p, d = h.start_engines([p_spec, d_spec])
-    pair = h.PD(p, d)
+    ktc = dict(d_spec.kv_transfer_config or {})
+    ktc["kv_load_failure_policy"] = "fail"
+    ktc["kv_connector_extra_config"] = {**ktc["kv_connector_extra_config"],
+                                        "journal": str(wd / "Dsf.jsonl")}
+    f_spec = dataclasses.replace(d_spec, name="Dsf", kv_transfer_config=ktc,
+                                 log_path=str(wd / "Dsf.log"))
+    p, d, f = h.start_engines([p_spec, d_spec, f_spec])
     try:
-        yield pair
+        yield h.PD(p, d), h.PD(p, f)
     finally:
-        pair.close()
+        for e in (f, d, p):
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def pd(engines: tuple[h.PD, h.PD]) -> h.PD:
+    return engines[0]
+
+
+def test_fail_policy_ends_a_stuck_read_with_an_error_and_loses_no_block(
+        engines: tuple[h.PD, h.PD]) -> None:
+    pf = engines[1]
+    plain = pf.d.generate({"f-plain": PROMPTS["s1"]}, max_tokens=MAX_TOKENS)
+    p_base = int(pf.p.stats()["free_blocks"])
+    d_base = int(pf.d.stats()["free_blocks"])
+    res = pf.prefill("f0", PROMPTS["s0"])
+    pf.submit_decode("f0", PROMPTS["s0"], res, max_tokens=MAX_TOKENS)
+    end = time.monotonic() + 60.0
+    while _stat(pf.d, "stuck_reads") < 1:
+        assert time.monotonic() < end, pf.d.connector_stats()
+        assert "f0" not in pf.d.results, "finished before its READ went overdue"
+        pf.d.poll(0.2)
+    out = pf.d.wait(["f0"], 120)["f0"]
+    # "fail": the request ends with an error, never with tokens from blocks not read
+    assert out.finish_reasons[:1] == ["error"] or out.error, out
+    assert out.tokens == [], out
+    # the quarantine ends with the transfer, and the blocks go back to the engine
+    ok, _, _ = sc.wait_free(pf.d, d_base, HOLD + 60.0)
+    assert ok and _stat(pf.d, "stuck_reads") == 0, (pf.d.stats(), pf.d.connector_stats())
+    assert _stat(pf.d, "read_timeouts") >= 1, pf.d.connector_stats()
+    ok, _, _ = sc.wait_free(pf.p, p_base, 4 * LEASE + 20.0)  # P frees by lease
+    assert ok, pf.p.stats()
+    again = pf.d.generate({"f-again": PROMPTS["s1"]}, max_tokens=MAX_TOKENS)
+    assert again["f-again"].tokens == plain["f-plain"].tokens
 
 
 def _stat(e: h.Engine, key: str) -> float:

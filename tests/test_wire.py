@@ -252,7 +252,7 @@ def test_wrong_version_is_rejected() -> None:
     assert reason_of(header(KIND_DONE, version=VERSION + 1) + b"\x01\x01") == "version"
 
 
-@pytest.mark.parametrize("kind", [0, 8, 255])
+@pytest.mark.parametrize("kind", [0, 10, 255])
 def test_unknown_kind_is_rejected(kind: int) -> None:
     assert reason_of(header(kind) + b"\x01\x01") == "unknown_kind"
 
@@ -651,3 +651,14 @@ def test_check_peer_at_unequal_tp_compares_segment_kinds_not_rank_bytes() -> Non
         with pytest.raises(WireError) as info:
             wire.check_peer(hs, "producer", Layout(1024, 8192, bad, 1, 2), ident)
         assert info.value.reason == "layout_mismatch"
+
+
+def test_grant_and_claim_refused_roundtrip() -> None:
+    from kvproto.wire import KIND_CLAIM_REFUSED, KIND_GRANT, decode, encode_grant
+
+    g = decode(encode_grant(7, 300, True), epoch=7)
+    assert (g.kind, g.handles, g.kind_name) == (KIND_GRANT, (300,), "grant")
+    r = decode(encode_grant(7, 5, False), epoch=7)
+    assert (r.kind, r.handles, r.kind_name) == (KIND_CLAIM_REFUSED, (5,), "claim_refused")
+    assert reason_of(encode_grant(7, 5, True) + b"\x00") == "trailing_bytes"
+    assert reason_of(encode_grant(7, 5, True)[:-1]) == "truncated"

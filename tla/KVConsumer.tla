@@ -12,6 +12,7 @@
 (*    operators.                                                          *)
 (* NAMES agree with D_TRANSITIONS and KVLifecycle's D actions: Admit,     *)
 (* HandshakeOk, HandshakeFailed, Schedule, ReadOk, ReadFailed, DAbort,    *)
+(* ClaimGranted, ClaimRefused, Never,                                      *)
 (* DAck (rows ACK/granted: renew; ACK/refused: release, disown,           *)
 (* finish:revoked, or let a READ finish), PeerLost, and DTick, the whole  *)
 (* Consumer.tick: rows D_TICK/lease_lost, the ack-silence check           *)
@@ -40,7 +41,7 @@
 (*                                                                         *)
 (* ABSTRACTION (Python -> TLA+): dst[r] = Consumer.state(r), or the state *)
 (* of its Finished effect once it left the machine; dlease[r] = lease end *)
-(* - now while waiting or handshaking, else 0; abortPending[r] =          *)
+(* - now while waiting, handshaking or claiming, else 0; abortPending[r] =*)
 (* Consumer.abort_pending(r); owner[g] = Consumer.group_owner(engine, g)  *)
 (* or "none"; peer = Consumer.peer_state(engine); hbs = {[seq, rs: the    *)
 (* requests of its handles, age: now - sent_at] : the outstanding         *)
@@ -48,11 +49,13 @@
 (* Consumer.next_heartbeat_at - now); heard = min(now - last_heard,       *)
 (* PeerTimeout + 1) while the peer is ready, else 0; eff =                *)
 (* the effects of the last step as records (SendHeartbeat as one          *)
-(* [k |-> "heartbeat"], DropPeer as [k |-> "drop_peer"]).                 *)
+(* [k |-> "heartbeat"], DropPeer as [k |-> "drop_peer"]); mayRead (ghost) *)
+(* = the requests admitted without a capability or granted by P.          *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 
 CONSTANTS Requests, GroupOf, NoGroup, TermOf, ExpOf,
+          CapOf,      \* CapOf[r]: r's params carry a capability (TransferParams.capability # "")
           MaxDelay, MaxReadTime, ClockDrift, HeartbeatInterval, LeaseExtension, PeerTimeout,
           ReadGrace,  \* Config.read_grace: a READ is overdue MaxReadTime + ReadGrace after its post
           DBug        \* "none"; a mutant's name (MC_dbug_*.cfg): see DBug below
@@ -64,16 +67,21 @@ CONSTANTS Requests, GroupOf, NoGroup, TermOf, ExpOf,
    inflight (ghost): READs the transport has not reported ended; pulls (ghost): READs
    posted per request. The ended-load memory is dst[r] \in {"done", "failed"} (ASSUME
    quarantine.MAX_ENDED >= number of requests: never evicted in these models). *)
+(* CLAIMS (spec/PROTOCOL.md, "D waits for P's grant"). A request whose params carry a
+   capability presents it to P's gate (effect claim) and stays "claiming" until the gate
+   answers: ClaimGranted (it may read), ClaimRefused (it fails, claim_refused), or Never
+   (never_registered). mayRead (ghost): requests that may read, i.e. those without a
+   capability, and those whose claim P granted. *)
 VARIABLES dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff,
-          rdl, quar, inflight, pulls
+          rdl, quar, inflight, pulls, mayRead
 vars == <<dst, dlease, abortPending, owner, peer, hbs, hbWait, heard, eff,
-          rdl, quar, inflight, pulls>>
+          rdl, quar, inflight, pulls, mayRead>>
 
 Groups == {GroupOf[r] : r \in Requests} \ {NoGroup}
-DStates == {"new", "handshaking", "waiting", "reading", "done", "failed"}
+DStates == {"new", "handshaking", "claiming", "waiting", "reading", "done", "failed"}
 PeerStates == {"unknown", "handshaking", "ready"}   \* lifecycle.PEER_STATES
-Active == {"handshaking", "waiting", "reading"}
-Idle == {"waiting", "handshaking"}                  \* a lease D still checks
+Active == {"handshaking", "claiming", "waiting", "reading"}
+Idle == {"waiting", "handshaking", "claiming"}      \* a lease D still checks
 Pulling == {"waiting", "reading"}                   \* named in heartbeats and acks
 Max(a, b) == IF a >= b THEN a ELSE b
 Min(a, b) == IF a <= b THEN a ELSE b
@@ -90,17 +98,19 @@ DropPeer == E("drop_peer", "", "")
 (* The machine's state as one record, and an action that makes a record the state. *)
 Cur == [dst |-> dst, dlease |-> dlease, abortPending |-> abortPending, owner |-> owner,
         peer |-> peer, hbs |-> hbs, hbWait |-> hbWait, heard |-> heard, eff |-> eff,
-        rdl |-> rdl, quar |-> quar, inflight |-> inflight, pulls |-> pulls]
+        rdl |-> rdl, quar |-> quar, inflight |-> inflight, pulls |-> pulls,
+        mayRead |-> mayRead]
 Become(C) == /\ dst' = C.dst /\ dlease' = C.dlease /\ abortPending' = C.abortPending
              /\ owner' = C.owner /\ peer' = C.peer /\ hbs' = C.hbs /\ hbWait' = C.hbWait
              /\ heard' = C.heard /\ eff' = C.eff
              /\ rdl' = C.rdl /\ quar' = C.quar /\ inflight' = C.inflight /\ pulls' = C.pulls
+             /\ mayRead' = C.mayRead
 
 InitC == [dst |-> [r \in Requests |-> "new"], dlease |-> [r \in Requests |-> 0],
           abortPending |-> [r \in Requests |-> FALSE], owner |-> [g \in Groups |-> "none"],
           peer |-> "unknown", hbs |-> {}, hbWait |-> 0, heard |-> 0, eff |-> {},
           rdl |-> [r \in Requests |-> 0], quar |-> {}, inflight |-> {},
-          pulls |-> [r \in Requests |-> 0]]
+          pulls |-> [r \in Requests |-> 0], mayRead |-> {r \in Requests : ~CapOf[r]}]
 
 (* An event that changes nothing (Python counts it: duplicate admit, schedule of a
    request not waiting, a READ result for one not reading, abort of an unknown one). *)
@@ -129,7 +139,13 @@ Shift(C, k) ==
               !.hbWait = Max(0, C.hbWait - k),
               !.heard = IF C.peer = "ready" THEN Min(C.heard + k, PeerTimeout + 1) ELSE 0]
 
-(* event admit: rows ADMIT/lease_short, peer_ready, peer_unknown (start or join).
+(* The state a request enters once P is known: claiming (effect claim) when its params
+   carry a capability, else waiting. DBug "read_before_grant" is the mutant that skips
+   the claim: it waits (and reads) without P's grant. *)
+Claims(r) == CapOf[r] /\ DBug # "read_before_grant"
+Known(r) == IF Claims(r) THEN "claiming" ELSE "waiting"
+
+(* event admit: rows ADMIT/lease_short, peer_ready, claim, peer_unknown (start or join).
    late: how far the admit's own time lies behind D's clock (Consumer.admit keeps the
    earlier time: its read check uses it, and the lease runs from it). *)
 AdmitOp(C, r, late) ==
@@ -138,16 +154,33 @@ AdmitOp(C, r, late) ==
          IF ~ReadFits(l)
          THEN [C EXCEPT !.dst[r] = "failed", !.eff = {Release(r), Finish(r, "lease_short")}]
          ELSE IF C.peer = "ready"
-         THEN [C EXCEPT !.dst[r] = "waiting", !.dlease[r] = l - late, !.eff = {}]
+         THEN [C EXCEPT !.dst[r] = Known(r), !.dlease[r] = l - late,
+                        !.eff = IF Claims(r) THEN {E("claim", r, "")} ELSE {}]
          ELSE [C EXCEPT !.dst[r] = "handshaking", !.dlease[r] = l - late,
                         !.peer = "handshaking",
                         !.eff = IF C.peer = "unknown" THEN {E("handshake", "", "")} ELSE {}]
 
-(* event handshake_ok: row HANDSHAKE_OK/ok; P is heard from now *)
+(* event handshake_ok: rows HANDSHAKE_OK/ok, claim; P is heard from now *)
 HandshakeOkOp(C) ==
-    [C EXCEPT !.peer = "ready", !.heard = 0, !.eff = {},
-              !.dst = [q \in Requests |-> IF C.dst[q] = "handshaking" THEN "waiting"
+    [C EXCEPT !.peer = "ready", !.heard = 0,
+              !.eff = {E("claim", q, "") : q \in {q \in Requests : C.dst[q] = "handshaking"
+                                                               /\ Claims(q)}},
+              !.dst = [q \in Requests |-> IF C.dst[q] = "handshaking" THEN Known(q)
                                           ELSE C.dst[q]]]
+
+(* events claim_granted, claim_refused: rows CLAIM_GRANTED/granted (the request may
+   read), CLAIM_REFUSED/refused (finish claim_refused; no release: the handle is not
+   this consumer's). An answer for a request not claiming changes nothing. *)
+ClaimResultOp(C, r, ok) ==
+    IF C.dst[r] # "claiming" THEN NoOp(C)
+    ELSE IF ok THEN [C EXCEPT !.dst[r] = "waiting", !.mayRead = @ \cup {r}, !.eff = {}]
+    ELSE Leave(C, {r}, "failed", "claim_refused", FALSE)
+
+(* event never: rows NEVER/idle (finish never_registered; no release: P holds nothing),
+   NEVER/in_flight (the READ reports its own end). *)
+NeverOp(C, r) ==
+    IF C.dst[r] \in Idle THEN Leave(C, {r}, "failed", "never_registered", FALSE)
+    ELSE NoOp(C)
 
 (* event handshake_failed: row HANDSHAKE_FAILED/failed (no release: P expires);
    the finish reason is the event's *)
@@ -205,8 +238,9 @@ ReadFailedOp(C, r, fenced) ==
 ReadmitOp(C, r) ==
     IF C.dst[r] \notin {"done", "failed"} THEN NoOp(C)
     ELSE IF DBug = "second_pull"
-    THEN [C EXCEPT !.dst[r] = "waiting", !.dlease[r] = TermOf[r] - MaxDelay,
-                   !.abortPending[r] = FALSE, !.eff = {}]
+    THEN [C EXCEPT !.dst[r] = Known(r), !.dlease[r] = TermOf[r] - MaxDelay,
+                   !.abortPending[r] = FALSE,
+                   !.eff = IF Claims(r) THEN {E("claim", r, "")} ELSE {}]
     ELSE [C EXCEPT !.eff = {Finish(r, "second_pull")}]
 
 (* event abort (D): rows D_ABORT/idle, in_flight *)
@@ -311,9 +345,17 @@ Init == /\ dst = InitC.dst /\ dlease = InitC.dlease /\ abortPending = InitC.abor
         /\ owner = InitC.owner /\ peer = InitC.peer /\ hbs = InitC.hbs
         /\ hbWait = InitC.hbWait /\ heard = InitC.heard /\ eff = InitC.eff
         /\ rdl = InitC.rdl /\ quar = InitC.quar /\ inflight = InitC.inflight
-        /\ pulls = InitC.pulls
+        /\ pulls = InitC.pulls /\ mayRead = InitC.mayRead
 
 Admit(r) == dst[r] = "new" /\ Become(AdmitOp(Cur, r, 0))
+
+(* P's gate answers r's claim: events claim_granted, claim_refused. *)
+ClaimResult(r, ok) == dst[r] = "claiming" /\ Become(ClaimResultOp(Cur, r, ok))
+ClaimGranted(r) == ClaimResult(r, TRUE)
+ClaimRefused(r) == ClaimResult(r, FALSE)
+
+(* P says r will never be registered. *)
+Never(r) == dst[r] \in Active /\ Become(NeverOp(Cur, r))
 
 HandshakeOk == peer = "handshaking" /\ Become(HandshakeOkOp(Cur))
 
@@ -347,7 +389,8 @@ ReadEnd(r, b) == r \in quar /\ Become(IF b THEN ReadOkOp(Cur, r, TRUE) ELSE Read
 Readmit(r) == dst[r] \in {"done", "failed"} /\ Become(ReadmitOp(Cur, r))
 
 Next ==
-    \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r) \/ Readmit(r)
+    \/ \E r \in Requests : Admit(r) \/ Schedule(r) \/ DAbort(r) \/ Readmit(r) \/ Never(r)
+                           \/ ClaimGranted(r) \/ ClaimRefused(r)
                            \/ \E b \in BOOLEAN : ReadOk(r, b) \/ ReadFailed(r, b) \/ ReadEnd(r, b)
     \/ \E h \in hbs, R \in SUBSET Requests : DAck(h, R)
     \/ DAckUnknown \/ HandshakeOk \/ HandshakeFailed \/ PeerLost \/ DTick
@@ -364,6 +407,7 @@ TypeOK ==
     /\ rdl \in [Requests -> Int]
     /\ quar \subseteq Requests /\ inflight \subseteq Requests
     /\ pulls \in [Requests -> Nat]
+    /\ mayRead \subseteq Requests
 
 (* D's promises: one member of a group read (at most one owner, and only an owner
    reads); release is never an effect of a step that leaves a READ in flight; only a
@@ -379,4 +423,8 @@ HbOnlyWhenReady == hbs # {} => peer = "ready"
 NoQuarantinedReuse == \A r \in inflight : dst[r] = "reading" \/ r \in quar
 (* No second pull: each request (engine, epoch, handle) is read at most once on D. *)
 NoSecondPull == \A r \in Requests : pulls[r] <= 1
+(* One consumer per handle, D's half: a request whose params carry a capability is read
+   only after P's gate granted its claim (the handle is bound to this consumer), so
+   KVGate's NoFreeUnderRead holds per claimant. *)
+ReadOnlyGranted == \A r \in Requests : pulls[r] > 0 => r \in mayRead
 =============================================================================

@@ -42,7 +42,8 @@ CONSTANTS
     BugNoNeverNotice,   \* BUG: abandoning an unclaimed request tells nobody
     Forgers,            \* consumers that never got the params (wrong capability)
     MayBeFull,          \* the gate's records may be full (other handles' bindings)
-    BugSkipCapability   \* BUG: a wrong capability binds like the right one
+    BugSkipCapability,  \* BUG: a wrong capability binds like the right one
+    BugReadBeforeGrant  \* BUG: a consumer reads before the gate granted its claim
 
 ASSUME Forgers \subseteq Consumers /\ MayBeFull \in BOOLEAN
 
@@ -101,9 +102,11 @@ Present(r, c) ==
               /\ UNCHANGED <<gstate, bound>>
     /\ UNCHANGED <<written, aborted, pstate, untold>>
 
-(* The consumer posts its READ once granted, while the ledger holds the blocks. *)
+(* The consumer posts its READ once granted, while the ledger holds the blocks (D's
+   claiming state: KVConsumer's ReadOnlyGranted). The bug reads without the grant. *)
 Read(r, c) ==
-    /\ cstate[<<r, c>>] = "granted" /\ pstate[r] = "held"
+    /\ cstate[<<r, c>>] = "granted" \/ (BugReadBeforeGrant /\ cstate[<<r, c>>] = "waiting")
+    /\ pstate[r] = "held"
     /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "reading"]
     /\ UNCHANGED <<written, aborted, gstate, bound, pstate, told, untold>>
 

@@ -18,6 +18,8 @@ from kvproto.lifecycle.config import (
 )
 from kvproto.lifecycle.dvocab import (  # re-exported: D's vocabulary
     Admit,
+    ClaimGranted,
+    ClaimRefused,
     DAbort,
     DAck,
     DEffect,
@@ -29,11 +31,13 @@ from kvproto.lifecycle.dvocab import (  # re-exported: D's vocabulary
     Finished,
     HandshakeFailed,
     HandshakeOk,
+    NeverRegistered,
     PeerLost,
     PostRead,
     ReadFailed,
     ReadOk,
     Schedule,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -48,6 +52,9 @@ from kvproto.lifecycle.quarantine import MAX_ENDED, ReadGuard
 from kvproto.lifecycle.table import (
     ACK,
     ADMIT,
+    CLAIM_GRANTED,
+    CLAIM_REFUSED,
+    CLAIMING,
     D_ABORT,
     D_FAILED,
     D_NEW,
@@ -56,6 +63,7 @@ from kvproto.lifecycle.table import (
     HANDSHAKE_FAILED,
     HANDSHAKE_OK,
     HANDSHAKING,
+    NEVER,
     PEER_HANDSHAKING,
     PEER_LOST,
     PEER_READY,
@@ -76,6 +84,8 @@ __all__ = [
     "MAX_OUTSTANDING_HEARTBEATS",
     "MAX_PEERS",
     "Admit",
+    "ClaimGranted",
+    "ClaimRefused",
     "Consumer",
     "DAbort",
     "DAck",
@@ -90,12 +100,14 @@ __all__ = [
     "HandshakeFailed",
     "HandshakeOk",
     "HeartbeatView",
+    "NeverRegistered",
     "PeerLost",
     "PeerView",
     "PostRead",
     "ReadFailed",
     "ReadOk",
     "Schedule",
+    "SendClaim",
     "SendDone",
     "SendHeartbeat",
     "SendRelease",
@@ -103,6 +115,11 @@ __all__ = [
     "TransferParams",
 ]
 
+
+
+# The states in which a request's lease estimate is checked by tick (no READ in flight,
+# not finished): every one of them may still have to read.
+_IDLE: Final = frozenset((WAITING, HANDSHAKING, CLAIMING))
 
 
 class _DReq:
@@ -284,7 +301,7 @@ class Consumer:
         # Invariant: exactly the keys of _group_owner whose owner's READ landed (the
         # owner is no longer in reqs), in landing order. Cap: max_landed_groups.
         self._groups_landed: OrderedDict[tuple[str, str], None] = OrderedDict()
-        # Invariant: every waiting or handshaking request has an entry at its lease end or
+        # Invariant: every waiting, handshaking or claiming request has an entry at its lease end or
         # earlier (renewals leave it early, tick re-inserts it); other entries are dropped
         # lazily. Cap: rebuilt once above max(2 * requests, HEAP_SLACK) at a finish.
         self._lease_heap: list[tuple[int, str]] = []  # (lease_end, rid); lazy
@@ -440,6 +457,8 @@ class Consumer:
             if hs_peer.state == PEER_UNKNOWN:
                 hs_peer.state = PEER_HANDSHAKING
                 out.append(StartHandshake(p.engine))
+        if row.claim:
+            out.append(SendClaim(r.rid, p.engine, p.handle, p.capability))
         if row.read:
             ms = self.config.ms
             self._rg.posted(r.rid, self.now + ms.max_read_time + ms.read_grace)
@@ -469,7 +488,7 @@ class Consumer:
             if n > 2 * len(self.reqs) and n > HEAP_SLACK:
                 # Compact in place (tick may be iterating this very list).
                 self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
-                                       if q.state in (WAITING, HANDSHAKING)]
+                                       if q.state in _IDLE]
                 heapq.heapify(self._lease_heap)
             peer = self.peers.get(p.engine)
             if peer is not None and peer.reqs.get(p.handle) is r:
@@ -543,6 +562,12 @@ class Consumer:
             return self.peer_lost(ev.engine, ev.now)
         if isinstance(ev, DReject):
             return self.reject(ev.reason, ev.peer, ev.detail, ev.now)
+        if isinstance(ev, ClaimGranted):
+            return self.claim_result(ev.request_id, True, ev.now)
+        if isinstance(ev, ClaimRefused):
+            return self.claim_result(ev.request_id, False, ev.now)
+        if isinstance(ev, NeverRegistered):
+            return self.never(ev.request_id, ev.now)
         raise TypeError(f"not a consumer event: {ev!r}")
 
     # -- events ------------------------------------------------------------------------------
@@ -582,7 +607,7 @@ class Consumer:
         if not self._read_fits(lease_end, now):
             guard = "lease_short"
         elif peer.state == PEER_READY:
-            guard = "peer_ready"
+            guard = "claim" if params.capability else "peer_ready"
         else:
             guard = "peer_unknown"
         self._step(r, ADMIT, guard, out)
@@ -608,7 +633,7 @@ class Consumer:
             peer.last_heard = now
         for r in [r for r in peer.reqs.values() if r.state == HANDSHAKING]:
             if ok:
-                self._step(r, HANDSHAKE_OK, "ok", out)
+                self._step(r, HANDSHAKE_OK, "claim" if r.params.capability else "ok", out)
             else:
                 self._step(r, HANDSHAKE_FAILED, "failed", out, reason=reason)
         return self._emit(HandshakeOk(engine, now) if ok else HandshakeFailed(engine, reason, now),
@@ -731,13 +756,48 @@ class Consumer:
                 self._step(r, ACK, "granted", out, lease_end=lease_end)
         return self._emit(ev, out)
 
+    def claim_result(self, rid: str, granted: bool, now: int) -> list[DEffect]:
+        """P's gate answered this consumer's claim of ``rid``'s handle: granted (the
+        request may read) or refused (recompute; nothing is sent to P). An answer for a
+        request not claiming is counted (``claim_answer_unexpected``) and changes
+        nothing."""
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
+        out: list[DEffect] = []
+        r = self.reqs.get(rid)
+        if r is None or r.state != CLAIMING:
+            self._count("claim_answer_unexpected")
+        elif granted:
+            self._step(r, CLAIM_GRANTED, "granted", out)
+        else:
+            self._count("claim_refused")
+            self._step(r, CLAIM_REFUSED, "refused", out)
+        return self._emit(ClaimGranted(rid, now) if granted else ClaimRefused(rid, now), out)
+
+    def never(self, rid: str, now: int) -> list[DEffect]:
+        """P will never register ``rid``'s handle: a request not reading fails now
+        (``never_registered``); a READ in flight reports its own end."""
+        clk = self._clock(now)
+        if clk is None:
+            return []
+        now = clk
+        out: list[DEffect] = []
+        r = self.reqs.get(rid)
+        if r is None:
+            self._count("never_unknown")
+        else:
+            self._step(r, NEVER, "in_flight" if r.state == READING else "idle", out)
+        return self._emit(NeverRegistered(rid, now), out)
+
     def _lose_peer(self, peer: _Peer, out: list[DEffect]) -> None:
         peer.state = PEER_UNKNOWN
         peer.outstanding.clear()
         for r in list(peer.reqs.values()):
             if r.state == READING:
                 self._step(r, PEER_LOST, "in_flight", out)
-            elif r.state in (WAITING, HANDSHAKING):
+            elif r.state in _IDLE:
                 self._step(r, PEER_LOST, "lost", out)
 
     def peer_lost(self, engine: str, now: int) -> list[DEffect]:
@@ -771,7 +831,7 @@ class Consumer:
             budget -= 1
             _, rid = heapq.heappop(heap)
             r = self.reqs.get(rid)
-            if r is None or r.state not in (WAITING, HANDSHAKING):
+            if r is None or r.state not in _IDLE:
                 continue
             if self._read_fits(r.lease_end, now):
                 heapq.heappush(heap, (r.lease_end, rid))  # renewed since: re-insert

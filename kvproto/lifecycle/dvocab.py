@@ -57,6 +57,17 @@ class StartHandshake:
 
 
 @dataclass(slots=True, unsafe_hash=True)
+class SendClaim:
+    """Effect: present ``capability`` for ``handle`` to P's gate (wire ``claim``); P
+    answers with a grant or a refusal (wire ``grant``), or ``never``."""
+
+    request_id: str
+    engine: str
+    handle: int
+    capability: str
+
+
+@dataclass(slots=True, unsafe_hash=True)
 class PostRead:
     request_id: str
     engine: str
@@ -116,7 +127,7 @@ class DRejected:
     detail: str
 
 
-DEffect = (StartHandshake | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
+DEffect = (StartHandshake | SendClaim | PostRead | SendDone | SendRelease | SendHeartbeat | Finished
            | DropPeer | DRejected | Quarantined | Unquarantined)
 
 
@@ -190,6 +201,30 @@ class PeerLost:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimGranted:
+    """P's gate granted this consumer's claim of the request's handle."""
+
+    request_id: str
+    now: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRefused:
+    """P's gate refused this consumer's claim of the request's handle."""
+
+    request_id: str
+    now: int
+
+
+@dataclass(frozen=True, slots=True)
+class NeverRegistered:
+    """P said it will never register the request's handle (wire ``never``)."""
+
+    request_id: str
+    now: int
+
+
+@dataclass(frozen=True, slots=True)
 class DTick:
     now: int
 
@@ -207,4 +242,4 @@ class DReject:
 
 
 DEvent = (Admit | HandshakeOk | HandshakeFailed | Schedule | ReadOk | ReadFailed | DAbort
-          | DAck | PeerLost | DTick | DReject)
+          | DAck | PeerLost | DTick | DReject | ClaimGranted | ClaimRefused | NeverRegistered)

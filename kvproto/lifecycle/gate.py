@@ -162,7 +162,17 @@ class NeverNotice:
     consumer: str | None
 
 
-GateEffect = Effect | NeverNotice
+@dataclass(frozen=True, slots=True)
+class ClaimAnswer:
+    """Effect: answer ``peer``'s claim of ``handle``: ``granted`` (the handle is bound to
+    its consumer: it may read) or refused (it recomputes). D reads only after a grant."""
+
+    peer: str
+    handle: int
+    granted: bool
+
+
+GateEffect = Effect | NeverNotice | ClaimAnswer
 
 
 def _pass_only(row: GateRow | None) -> bool:
@@ -349,12 +359,17 @@ class Gate:
     # are refused and counted (row present/foreign; a refused heartbeat handle is refused
     # in its ack, so that consumer fails the request at once). A heartbeat about a
     # never-registered handle is refused in its ack too (row present/never).
-    def claim(self, consumer: str, handle: int, cap: str, now: int) -> list[GateEffect]:
+    # The claim is answered (``ClaimAnswer`` to the sending ``peer``): D posts its READ
+    # only once granted, so only the bound consumer ever reads the handle's blocks.
+    def claim(self, consumer: str, handle: int, cap: str, now: int,
+              peer: str = "") -> list[GateEffect]:
         out: list[GateEffect] = []
-        if not self.present(consumer, handle, cap, out):
+        granted = self.present(consumer, handle, cap, out)
+        if not granted:
             for e in out:
                 if isinstance(e, Rejected):
                     self.ledger.reject(e.reason, consumer[:64], e.detail, now)
+        out.append(ClaimAnswer(peer or consumer, handle, granted))
         return out
 
     def _foreign(self, consumer: str | None, handle: int, now: int) -> bool:

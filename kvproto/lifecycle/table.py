@@ -55,7 +55,8 @@ class Fx(NamedTuple):
     abort_grace)), ``count`` (arg: a counter), ``reject`` (arg: the rejection reason).
 
     D kinds: ``track`` (watch the lease end), ``handshake`` (start or join the handshake
-    with P), ``read`` (own the sibling group, post the READ), ``renew`` (lease end :=
+    with P), ``claim`` (present the handle's capability to P's gate and wait for its
+    answer), ``read`` (own the sibling group, post the READ), ``renew`` (lease end :=
     max(lease end, heartbeat send time + term - drift)), ``abort_pending`` (remember a
     client abort until the READ ends), ``send_done`` (tell P done, unless the notification
     rode on the READ), ``send_release``, ``disown`` (give up the group's ownership),
@@ -73,7 +74,7 @@ class Fx(NamedTuple):
 
 P_FX_KINDS: Final = frozenset({"hold", "free", "cascade", "stage", "renew", "refuse", "grace",
                                "count", "reject"})
-D_FX_KINDS: Final = frozenset({"track", "handshake", "read", "renew", "abort_pending",
+D_FX_KINDS: Final = frozenset({"track", "handshake", "claim", "read", "renew", "abort_pending",
                                "send_done", "send_release", "disown", "quarantine", "finish"})
 
 
@@ -104,6 +105,7 @@ class Transition:
     grace: bool = field(init=False, default=False)
     track: bool = field(init=False, default=False)
     handshake: bool = field(init=False, default=False)
+    claim: bool = field(init=False, default=False)
     read: bool = field(init=False, default=False)
     abort_pending: bool = field(init=False, default=False)
     send_done: bool = field(init=False, default=False)
@@ -140,7 +142,7 @@ class Transition:
 
 _FX_FIELD: Final[dict[str, str]] = {
     **{k: k for k in ("hold", "free", "cascade", "stage", "renew", "refuse", "grace", "reject",
-                      "finish", "track", "handshake", "read", "abort_pending", "send_done",
+                      "finish", "track", "handshake", "claim", "read", "abort_pending", "send_done",
                       "send_release", "disown", "quarantine")},
     "count": "counter",
 }
@@ -287,7 +289,9 @@ def _check_d_row(row: Transition) -> str | None:
         return "done and failed are final; nothing returns to new"
     if (row.finish is not None) != (row.dst in (D_DONE, D_FAILED)):
         return "exactly the rows that enter done or failed finish the request"
-    if row.dst not in (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED):
+    if row.read and row.src != WAITING:
+        return "only a waiting request (its claim granted, or none needed) reads"
+    if row.dst not in (WAITING, HANDSHAKING, CLAIMING, READING, D_DONE, D_FAILED):
         return f"{row.dst!r} is not a D state"
     return None
 
@@ -330,10 +334,11 @@ P_TABLE: Final[Table] = make_table(P_TRANSITIONS)
 
 WAITING: Final = "waiting"  # admitted (maybe queued behind D's scheduler), P engine known
 HANDSHAKING: Final = "handshaking"  # P engine not yet known: handshake in progress
+CLAIMING: Final = "claiming"  # capability presented to P's gate: waiting for its grant
 READING: Final = "reading"  # a READ is in flight
 D_DONE: Final = "done"  # KV is local (pulled, or served from a sibling's prefix)
 D_FAILED: Final = "failed"  # gave up: recompute locally; P was told (release) where possible
-D_STATES: Final = (WAITING, HANDSHAKING, READING, D_DONE, D_FAILED)
+D_STATES: Final = (WAITING, HANDSHAKING, CLAIMING, READING, D_DONE, D_FAILED)
 
 # D events. TLA+ action names (tla/KVLifecycle.tla) are these names in CamelCase, with a
 # "D" prefix where P already uses the bare name (DAbort, DAck, DTick); the Python event
@@ -348,8 +353,11 @@ D_ABORT: Final = "abort"
 ACK: Final = "ack"
 PEER_LOST: Final = "peer_lost"
 D_TICK: Final = "tick"
+CLAIM_GRANTED: Final = "claim_granted"  # P's gate bound the handle to this consumer
+CLAIM_REFUSED: Final = "claim_refused"  # P's gate refused the claim: recompute
+NEVER: Final = "never"  # P will never register the handle (wire ``never``)
 D_EVENTS: Final = (ADMIT, HANDSHAKE_OK, HANDSHAKE_FAILED, SCHEDULE, READ_OK, READ_FAILED,
-                   D_ABORT, ACK, PEER_LOST, D_TICK)
+                   D_ABORT, ACK, PEER_LOST, D_TICK, CLAIM_GRANTED, CLAIM_REFUSED, NEVER)
 
 D_NEW: Final = "new"  # pseudo-state before admit
 
@@ -365,8 +373,12 @@ _RELEASE_FAIL = ("send_release", "disown")  # give up: tell P, give up the group
 D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(D_NEW, ADMIT, "peer_ready", WAITING, "track", "transfer params received; P engine handshaken"),
     _T(D_NEW, ADMIT, "peer_unknown", HANDSHAKING, _fx("track", "handshake"), "start (or join) the handshake with P"),
+    _T(D_NEW, ADMIT, "claim", CLAIMING, _fx("track", "claim"), "P engine handshaken; the params carry a capability: present it, read only once P grants it"),
     _T(D_NEW, ADMIT, "lease_short", D_FAILED, _fx("send_release", "finish:lease_short"), "params arrived with too little lease left"),
     _T(HANDSHAKING, HANDSHAKE_OK, "ok", WAITING, "", "P known; heartbeats start"),
+    _T(HANDSHAKING, HANDSHAKE_OK, "claim", CLAIMING, "claim", "P known; present the capability, read only once P grants it"),
+    _T(CLAIMING, CLAIM_GRANTED, "granted", WAITING, "", "P's gate bound the handle to this consumer: it may read; heartbeats start"),
+    _T(CLAIMING, CLAIM_REFUSED, "refused", D_FAILED, "finish:claim_refused", "P's gate refused the claim (another consumer owns the handle, a bad capability, the gate is full): recompute; no release (the handle is not this consumer's)"),
     _T(HANDSHAKING, HANDSHAKE_FAILED, "failed", D_FAILED, "finish", "handshake, version or layout mismatch: recompute"),
     _T(WAITING, SCHEDULE, "lease_covers_read", READING, "read", "own the group, post the READ with the done notification attached"),
     _T(WAITING, SCHEDULE, "lease_short", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_short"), "lease less max READ time and drift does not cover a READ"),
@@ -378,6 +390,7 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(READING, READ_FAILED, "error", D_FAILED, _fx(*_RELEASE_FAIL, "finish:transfer_error"), "transfer error; handle no longer in flight"),
     _T(WAITING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D before the READ"),
     _T(HANDSHAKING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D during the handshake"),
+    _T(CLAIMING, D_ABORT, "idle", D_FAILED, _fx(*_RELEASE_FAIL, "finish:aborted"), "client abort on D while its claim is unanswered"),
     _T(READING, D_ABORT, "in_flight", READING, "abort_pending", "never release under an in-flight READ: wait for it"),
     _T(WAITING, ACK, "granted", WAITING, "renew", "lease end := heartbeat send time + granted term"),
     _T(READING, ACK, "granted", READING, "renew", "lease end := heartbeat send time + granted term"),
@@ -385,9 +398,14 @@ D_TRANSITIONS: Final[tuple[Transition, ...]] = (
     _T(READING, ACK, "refused", READING, "", "the READ started under a valid lease; let it finish"),
     _T(WAITING, PEER_LOST, "lost", D_FAILED, "finish:peer_lost", "P disconnected or fell silent (peer_timeout)"),
     _T(HANDSHAKING, PEER_LOST, "lost", D_FAILED, "finish:peer_lost", "P disconnected or fell silent (peer_timeout)"),
+    _T(CLAIMING, PEER_LOST, "lost", D_FAILED, "finish:peer_lost", "P disconnected or fell silent (peer_timeout)"),
     _T(READING, PEER_LOST, "in_flight", READING, "", "the READ will report its own failure"),
     _T(WAITING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
     _T(HANDSHAKING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "lease can no longer cover a READ and no renewal came"),
+    _T(CLAIMING, D_TICK, "lease_lost", D_FAILED, _fx(*_RELEASE_FAIL, "finish:lease_lost"), "no grant came while the initial lease could cover a READ (heartbeats start at the grant)"),
+    *(_T(s, NEVER, "idle", D_FAILED, "finish:never_registered", "P will never register the handle (its prefill aborted or failed): recompute now; no release (nothing to free)")
+      for s in (WAITING, HANDSHAKING, CLAIMING)),
+    _T(READING, NEVER, "in_flight", READING, "", "the READ reports its own end (the stamps fence blocks P never registered)"),
     _T(READING, D_TICK, "read_overdue", D_FAILED, _fx("disown", "quarantine", "finish:read_timeout"), "READ in flight past max_read_time + read_grace: fail it, quarantine its local blocks until the transfer ends; no release (the READ may still touch P's blocks)"),
 )
 

@@ -6,6 +6,9 @@ Effects and what they become:
 
 * ``StartHandshake`` -> a non-blocking handshake with that P engine (its own attempt,
   deadline, retries with exponential backoff), so one dead P never delays another;
+* ``SendClaim``      -> the wire ``claim`` of the handle's capability; P's gate answers
+  (``grant`` or ``claim_refused``, through the port) and the request reads only once
+  granted;
 * ``PostRead``       -> a block-granular READ of the data. READs queued for the same P
   engine between two ``poll`` calls are posted as one transfer; when it completes, one
   READ fetches the generation stamps of every request whose data landed, and they are
@@ -51,6 +54,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from kvproto.lifecycle import (
+    CLAIMING,
     D_DONE,
     D_NEW,
     HANDSHAKING,
@@ -67,6 +71,7 @@ from kvproto.lifecycle import (
     Finished,
     PostRead,
     Quarantined,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -110,7 +115,7 @@ PhaseHook = Callable[[str, str], None]
 
 _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
 # Machine states in which a schedule intent is kept and retried by ``poll``.
-_RETRY = frozenset((WAITING, HANDSHAKING, D_NEW))
+_RETRY = frozenset((WAITING, HANDSHAKING, CLAIMING, D_NEW))
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
@@ -182,7 +187,6 @@ class DDriver:
         # This rank's consumer (its D engine): P's gate binds a handle to the first
         # consumer that presents its capability; the ranks of one engine share it.
         self.consumer_id = name
-        self._claimed: set[str] = set()  # request ids whose capability was presented
         self.identity = dict(identity or {})
         if peer_timeout is not None:  # kept for callers: the machine reads the config
             config = replace(config, peer_timeout=peer_timeout)
@@ -268,7 +272,8 @@ class DDriver:
             self._apply(machine.schedule(rid, now), now)
             st = machine.state(rid)
         if st in _RETRY:
-            # Retried by poll: after the handshake, or while a sibling's READ is in flight.
+            # Retried by poll: after the handshake, the claim's grant, or while a
+            # sibling's READ is in flight.
             self._want[rid] = None
 
     def abort(self, rid: str) -> None:
@@ -319,7 +324,7 @@ class DDriver:
                 self._apply(self.machine.schedule(rid, now), now)
                 if self.machine.state(rid) != WAITING:  # else: a sibling is in flight
                     self._want.pop(rid, None)
-            elif st not in (HANDSHAKING, D_NEW):
+            elif st not in _RETRY:
                 del self._want[rid]
 
     # -- effects -----------------------------------------------------------------------
@@ -390,7 +395,6 @@ class DDriver:
     def _finished(self, f: Finished, now: int = 0) -> None:
         rid = f.request_id
         p = self.params.pop(rid, None)
-        self._claimed.discard(rid)
         if self._want:
             self._want.pop(rid, None)
         info = self._done_info.pop(rid, None)
@@ -457,7 +461,6 @@ class DDriver:
         e = self.engines.get(hb.engine)
         if e is None or e.state != PEER_READY:
             return
-        self._claim(e.name, e.epoch, hb.handles)
         msgs = encode_heartbeat(e.epoch, hb.seq, hb.handles, hb.expected,
                                 self.config.max_message_bytes)
         if len(msgs) != 1:  # pragma: no cover - the chunk size makes this impossible
@@ -468,21 +471,23 @@ class DDriver:
         if self.metrics is not None:
             self.metrics.heartbeat(len(hb.handles))
 
-    def _claim(self, engine: str, epoch: int, handles: Sequence[int]) -> None:
-        """Present the capability of each handle not presented yet (before its first
-        heartbeat: P's gate binds the handle to this rank's consumer)."""
-        for h in handles:
-            rid = self.machine.request_id(engine, h)
-            p = self.params.get(rid) if rid is not None else None
-            if rid is None or p is None or not p.capability or rid in self._claimed:
-                continue
-            self._claimed.add(rid)
-            try:
-                buf = encode_claim(epoch, h, p.capability)
-            except ValueError:
-                self._count("bad_capability")
-                continue
-            self._send("claim", engine, buf)
+    def _x_claim(self, eff: SendClaim, now: int) -> None:
+        """Present the handle's capability to P's gate (the machine waits in ``claiming``
+        for the answer; an answer that never comes is bounded by the lease check). A
+        capability that cannot be encoded is P's bad params: counted, and the claim
+        is refused locally (recompute)."""
+        e = self.engines.get(eff.engine)
+        p = self.params.get(eff.request_id)
+        epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
+        if e is None or e.state != PEER_READY:
+            return  # the peer is gone: its loss fails the request
+        try:
+            buf = encode_claim(epoch, eff.handle, eff.capability)
+        except ValueError:
+            self._count("bad_capability")
+            self._apply(self.machine.claim_result(eff.request_id, False, now), now)
+            return
+        self._send("claim", eff.engine, buf)
 
     def _flush_releases(self) -> None:
         if not self._releases:
@@ -932,6 +937,7 @@ class DDriver:
 # Effect type -> what executes it (one dict look-up per effect on D's hot path).
 DDriver._run = {
     StartHandshake: DDriver._x_handshake,
+    SendClaim: DDriver._x_claim,
     PostRead: DDriver._post_read,
     SendHeartbeat: DDriver._send_heartbeat,
     SendRelease: DDriver._x_release,

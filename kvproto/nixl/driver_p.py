@@ -59,7 +59,7 @@ from kvproto.lifecycle import (
     Rejected,
     TransferParams,
 )
-from kvproto.lifecycle.gate import Gate, NeverNotice
+from kvproto.lifecycle.gate import ClaimAnswer, Gate, NeverNotice
 from kvproto.nixl.checksum import CHECKSUMS_KEY
 from kvproto.nixl.driver import Accept, PeerError, PTransport, Refuse
 from kvproto.port import now_ms, p_receive
@@ -70,6 +70,7 @@ from kvproto.wire import (
     check_peer,
     decode_handshake,
     encode_ack,
+    encode_grant,
     encode_never,
 )
 
@@ -295,12 +296,15 @@ class PDriver:
                                epoch=self.epoch, max_bytes=self.config.max_message_bytes,
                                consumer=c[:64] if isinstance(c, str) and c else None), now)
 
-    def execute(self, effects: Sequence[Effect | NeverNotice], now: int) -> None:
+    def execute(self, effects: Sequence[Effect | NeverNotice | ClaimAnswer], now: int) -> None:
         """Carry out the ledger's (and the gate's) effects, in order."""
         m = self.metrics
         for e in effects:
             if isinstance(e, NeverNotice):
                 self._send_never(e)
+                continue
+            if isinstance(e, ClaimAnswer):
+                self._send_grant(e)
                 continue
             if isinstance(e, Free):
                 if e.reclaimed:
@@ -327,13 +331,23 @@ class PDriver:
                 self.observer(e, now)
 
     def _send_never(self, e: NeverNotice) -> None:
-        to = [e.consumer] if e.consumer is not None else sorted(self.peers)
+        # The bound consumer is a D engine: tell each of its ranks that shook hands here
+        # (a rank whose name is the consumer's too), else every known D peer.
+        to = sorted(self.peers) if e.consumer is None else \
+            [p for p, hs in self.peers.items()
+             if p == e.consumer or (hs.extra or {}).get("consumer") == e.consumer]
         for peer in to:
             for buf in encode_never(self.epoch, (e.handle,), self.config.max_message_bytes):
                 if self.transport.send(peer, buf) is not None:
                     self._count("send_error")
                     continue
                 self._count("never_sent")
+
+    def _send_grant(self, e: ClaimAnswer) -> None:
+        if self.transport.send(e.peer, encode_grant(self.epoch, e.handle, e.granted)) is not None:
+            self._count("send_error")
+            return
+        self._count("grants_sent" if e.granted else "claims_refused")
 
     def _send_ack(self, a: Ack) -> None:
         for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes,

@@ -1,7 +1,7 @@
 """A seeded fault shim for D's outgoing notifications, for fault campaigns only.
 
 ``NotificationFaults`` is a ``DDriver`` out-hook: every notification D sends to a P engine
-(done, release, heartbeat) passes through it and is sent once (the common case),
+(done, release, heartbeat, claim) passes through it and is sent once (the common case),
 dropped, duplicated, or held back and sent after a later notification to the same
 engine (delayed and reordered; a held notification that no later one follows is never
 sent, a loss counted as ``delay``). It only changes what the network would do anyway: the

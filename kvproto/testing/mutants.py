@@ -37,6 +37,13 @@ documented hook: ``sweep_leases``, ``refuses_load``), caught by D journal valida
 * ``second_pull`` -- ``refuses_load`` never refuses: a load of a request that ended on D
   is read again. Caught by the replay's ``NoSecondPull``; KVConsumer's
   ``DBug = "second_pull"`` breaks ``NoSecondPull`` under TLC.
+* ``read_before_grant`` -- the admit/claim and handshake_ok/claim rows go straight to
+  ``waiting`` without the ``claim`` effect: D reads a handle whose claim P's gate has
+  not granted (it may be bound to another consumer: a router retry, a hedge). Caught by
+  the replay's ``ReadOnlyGranted``, by graph equality and TLC's trace validation (an
+  effect the spec does not have); KVConsumer's ``DBug = "read_before_grant"`` breaks
+  ``ReadOnlyGranted`` and KVGate's ``BugReadBeforeGrant`` breaks ``NoFreeUnderRead``
+  (per claimant) under TLC (model ``bug_read_before_grant``).
 
 One coverage mutant (``COVERAGE_MUTANTS``, a ``Coverage`` subclass overriding its
 documented hook ``part_guard``): ``drop_region`` -- a part whose READ missed one of its
@@ -66,16 +73,21 @@ from dataclasses import dataclass, replace
 
 from kvproto.lifecycle import (
     ABORT,
+    ADMIT,
+    D_NEW,
     D_TABLE,
     D_TICK,
     DONE,
     FREED,
+    HANDSHAKE_OK,
+    HANDSHAKING,
     HEARTBEAT,
     MAX_CAP,
     P_TABLE,
     READING,
     RELEASE,
     UNREGISTERED,
+    WAITING,
     Consumer,
     DEffect,
     Effect,
@@ -180,6 +192,13 @@ EarlyReleaseConsumer = Consumer.with_rows(
     replace(_OVERDUE, effects=tuple(f for f in _OVERDUE.effects if f.kind != "quarantine")))
 
 
+# D mutant: a request whose params carry a capability waits (and reads) without
+# presenting it and without P's grant (row change only).
+ReadBeforeGrantConsumer = Consumer.with_rows(
+    replace(D_TABLE[(D_NEW, ADMIT, "claim")], dst=WAITING, effects=(Fx("track"),)),
+    replace(D_TABLE[(HANDSHAKING, HANDSHAKE_OK, "claim")], dst=WAITING, effects=()))
+
+
 class ForgetsEndedConsumer(Consumer):
     """D mutant: the no-second-pull check (hook ``refuses_load``) never refuses."""
 
@@ -205,6 +224,9 @@ D_MUTANTS: dict[str, DMutant] = {m.name: m for m in (
     DMutant("second_pull", ForgetsEndedConsumer,
             "a load of a request that already ended on D is pulled again",
             frozenset({"NoSecondPull"})),
+    DMutant("read_before_grant", ReadBeforeGrantConsumer,
+            "D reads a handle whose claim P's gate has not granted",
+            frozenset({"ReadOnlyGranted"})),
 )}
 
 

@@ -46,6 +46,7 @@ from kvproto.lifecycle import (
     Finished,
     PostRead,
     Quarantined,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -121,7 +122,7 @@ class DAction:
     label: str  # the TLA+ operator name of the generated action
     kind: str  # admit | schedule | abort | read_ok | read_failed | handshake_ok | ...
     request: str = ""
-    flag: bool = False  # read_ok: notification attached; read_failed: fenced
+    flag: bool = False  # read_ok: notification attached; read_failed: fenced; claim: granted
     age: int = 0  # ack: the acknowledged heartbeat was sent this many units ago
     refused: tuple[str, ...] = ()  # ack: the requests P refuses to renew
 
@@ -143,6 +144,7 @@ class DModel:
     read_grace: int = 1  # a READ is overdue max_read_time + read_grace after its post
     acks: bool = True  # ack actions: of every outstanding heartbeat, with each refused set
     refusals: tuple[tuple[str, ...], ...] | None = None  # None: every subset of requests
+    caps: tuple[str, ...] = ()  # requests whose params carry a capability (they claim)
     doc: str = ""
 
     def config(self) -> Config:
@@ -156,7 +158,8 @@ class DModel:
 
     def params(self, r: str) -> TransferParams:
         return TransferParams(ENGINE, 1, self.handle(r), (self.handle(r),),
-                              self.term_of[r] * UNIT_MS, 1, self.group_of[r])
+                              self.term_of[r] * UNIT_MS, 1, self.group_of[r],
+                              capability="ab" * 16 if r in self.caps else "")
 
     def handle(self, r: str) -> int:
         return self.requests.index(r) + 1
@@ -172,7 +175,11 @@ class DModel:
         acts: list[DAction] = []
         for r in self.requests:
             acts += [DAction(f"Admit_{r}", "admit", r), DAction(f"Schedule_{r}", "schedule", r),
-                     DAction(f"DAbort_{r}", "abort", r), DAction(f"Readmit_{r}", "readmit", r)]
+                     DAction(f"DAbort_{r}", "abort", r), DAction(f"Readmit_{r}", "readmit", r),
+                     DAction(f"Never_{r}", "never", r)]
+            if r in self.caps:
+                acts += [DAction(f"{'ClaimGranted' if b else 'ClaimRefused'}_{r}", "claim", r, b)
+                         for b in (True, False)]
             for b in (True, False):
                 acts.append(DAction(f"ReadOk_{r}_{str(b).upper()}", "read_ok", r, b))
                 acts.append(DAction(f"ReadFailed_{r}_{str(b).upper()}", "read_failed", r, b))
@@ -202,11 +209,15 @@ class DModel:
                  "EXTENDS KVConsumer",
                  f"CGroupOf == {tfun(self.group_of, lambda g: render(g or 'none'))}",
                  f"CTermOf == {tfun(self.term_of, str)}",
-                 "CExpOf == [r \\in Requests |-> 1]"]
+                 "CExpOf == [r \\in Requests |-> 1]",
+                 f"CCapOf == {tfun({r: r in self.caps for r in self.requests}, lambda b: str(b).upper())}"]
         for a in self.actions():
-            if a.kind in ("admit", "schedule", "abort", "readmit"):
+            if a.kind in ("admit", "schedule", "abort", "readmit", "never"):
                 op = {"admit": "Admit", "schedule": "Schedule", "abort": "DAbort",
-                      "readmit": "Readmit"}[a.kind]
+                      "readmit": "Readmit", "never": "Never"}[a.kind]
+                lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
+            elif a.kind == "claim":
+                op = "ClaimGranted" if a.flag else "ClaimRefused"
                 lines.append(f'{a.label} == {op}("{a.request}") /\\ TRUE')
             elif a.kind in ("read_ok", "read_failed", "read_end"):
                 op = {"read_ok": "ReadOk", "read_failed": "ReadFailed",
@@ -232,6 +243,7 @@ class DModel:
             "    GroupOf <- CGroupOf",
             "    TermOf <- CTermOf",
             "    ExpOf <- CExpOf",
+            "    CapOf <- CCapOf",
             "    HeartbeatInterval = 1",
             f"    LeaseExtension = {self.lease_extension}",
             f"    PeerTimeout = {self.peer_timeout}",
@@ -243,7 +255,7 @@ class DModel:
             "INIT Init",
             "NEXT ConfNext",
             "INVARIANT TypeOK OneReadPerGroup NoReleaseUnderRead HbOnlyWhenReady",
-            "INVARIANT NoQuarantinedReuse NoSecondPull",
+            "INVARIANT NoQuarantinedReuse NoSecondPull ReadOnlyGranted",
             "",
         ])
 
@@ -255,8 +267,9 @@ D_MODELS: Final[dict[str, DModel]] = {m.name: m for m in (
                "heartbeats, acks that grant or refuse r1, ack silence"),
     DModel("group2_noack", ("r1", "r2"), {"r1": "g", "r2": "g"}, {"r1": 3, "r2": 3},
            acks=False, doc="group2 without acks (heartbeats and ack silence only): small"),
-    DModel("solo", ("r1",), {"r1": None}, {"r1": 3},
-           doc="one request: heartbeats, every ack, ack silence: small"),
+    DModel("solo", ("r1",), {"r1": None}, {"r1": 3}, caps=("r1",),
+           doc="one request whose params carry a capability: its claim granted or "
+               "refused, never registered, heartbeats, every ack, ack silence: small"),
     DModel("mixed3", ("r1", "r2", "r3"), {"r1": "g", "r2": "g", "r3": None},
            {"r1": 3, "r2": 2, "r3": 1}, max_read_time=1,
            doc="a group of two and a request whose term is too short to read"),
@@ -269,6 +282,7 @@ class _DNode:
     now: int
     gone: dict[str, tuple[str, ...]]  # rid -> (state,) once it left the machine
     pulls: dict[str, int] = field(default_factory=dict)  # rid -> READs posted
+    granted: set[str] = field(default_factory=set)  # ghost: claims P granted
 
 
 def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
@@ -278,6 +292,8 @@ def _effects(out: Sequence[DEffect]) -> frozenset[Value]:
             recs.append(mk_fn({"k": "handshake", "r": "", "why": ""}))
         elif isinstance(e, PostRead):
             recs.append(mk_fn({"k": "read", "r": e.request_id, "why": ""}))
+        elif isinstance(e, SendClaim):
+            recs.append(mk_fn({"k": "claim", "r": e.request_id, "why": ""}))
         elif isinstance(e, Quarantined):
             recs.append(mk_fn({"k": "quarantine", "r": e.request_id, "why": ""}))
         elif isinstance(e, Unquarantined):
@@ -311,8 +327,8 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
         st = n.gone[r][0] if r in n.gone else c.state(r)
         dst[r] = st
         le = c.lease_end(r)
-        lease[r] = (le - now) // UNIT_MS if le is not None and st in ("waiting", "handshaking") \
-            else 0
+        lease[r] = (le - now) // UNIT_MS \
+            if le is not None and st in ("waiting", "handshaking", "claiming") else 0
         pend[r] = c.abort_pending(r)
         rd = c.read_deadline(r)
         rdl[r] = (rd - now) // UNIT_MS if rd is not None else 0
@@ -336,7 +352,9 @@ def _abstract(m: DModel, n: _DNode, eff: frozenset[Value]) -> Fn:
                    "owner": mk_fn(owner), "peer": c.peer_state(ENGINE), "hbs": hbs,
                    "hbWait": int(hb_wait), "heard": int(heard), "eff": eff,
                    "rdl": mk_fn(rdl), "quar": frozenset(quar), "inflight": frozenset(inflight),
-                   "pulls": mk_fn(pulls)})
+                   "pulls": mk_fn(pulls),
+                   "mayRead": frozenset(r for r in m.requests
+                                        if r not in m.caps or r in n.granted)})
     assert isinstance(state, Fn)
     return state
 
@@ -353,7 +371,8 @@ def _enabled(m: DModel, s: Fn, a: DAction) -> bool:
     if a.kind == "abort":
         pend = s["abortPending"]
         assert isinstance(pend, Fn)
-        return dst[a.request] in ("handshaking", "waiting", "reading") and not pend[a.request]
+        return dst[a.request] in ("handshaking", "claiming", "waiting", "reading") \
+            and not pend[a.request]
     if a.kind in ("read_ok", "read_failed"):
         return dst[a.request] == "reading"
     if a.kind == "read_end":
@@ -362,6 +381,10 @@ def _enabled(m: DModel, s: Fn, a: DAction) -> bool:
         return a.request in quar
     if a.kind == "readmit":
         return dst[a.request] in ("done", "failed")
+    if a.kind == "claim":
+        return dst[a.request] == "claiming"
+    if a.kind == "never":
+        return dst[a.request] in ("handshaking", "claiming", "waiting", "reading")
     if a.kind in ("handshake_ok", "handshake_failed"):
         return peer == "handshaking"
     if a.kind == "peer_lost":
@@ -392,6 +415,12 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
         out = c.read_result(r, a.flag, now)
     elif a.kind == "readmit":
         out = c.admit(r + READMIT, m.params(r), now)
+    elif a.kind == "claim":
+        if a.flag and c.state(r) == "claiming":
+            n.granted.add(r)
+        out = c.claim_result(r, a.flag, now)
+    elif a.kind == "never":
+        out = c.never(r, now)
     elif a.kind == "handshake_ok":
         out = c.handshake_result(ENGINE, True, now)
     elif a.kind == "handshake_failed":
@@ -433,7 +462,8 @@ def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
         for a in acts:
             if not _enabled(m, s, a):
                 continue
-            n = _DNode(base.c.clone(), base.now, dict(base.gone), dict(base.pulls))
+            n = _DNode(base.c.clone(), base.now, dict(base.gone), dict(base.pulls),
+                       set(base.granted))
             t = _abstract(m, n, _effects(_apply(m, n, a)))
             if t not in g:
                 if g.number_of_nodes() >= max_states:
@@ -465,7 +495,8 @@ def explore_tlc_d(m: DModel, workdir: Path | None = None) -> nx.MultiDiGraph:
 
 # KVConsumer's DBug mutants and the invariant TLC must find broken for each.
 D_BUGS: Final[dict[str, str]] = {"early_release": "NoQuarantinedReuse",
-                                 "second_pull": "NoSecondPull"}
+                                 "second_pull": "NoSecondPull",
+                                 "read_before_grant": "ReadOnlyGranted"}
 
 
 def check_d_bug(m: DModel, bug: str) -> TlcResult:

@@ -37,6 +37,8 @@ from typing import Final
 
 from kvproto.lifecycle import (
     Admit,
+    ClaimGranted,
+    ClaimRefused,
     Consumer,
     DAbort,
     DAck,
@@ -46,12 +48,14 @@ from kvproto.lifecycle import (
     Finished,
     HandshakeFailed,
     HandshakeOk,
+    NeverRegistered,
     PeerLost,
     PostRead,
     Quarantined,
     ReadFailed,
     ReadOk,
     Schedule,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -104,8 +108,8 @@ def journal_engines(rows: Sequence[Row]) -> list[str]:
 
 
 def _effect_engine(eff: DEffect, engine_of: dict[str, str], c: Consumer) -> str | None:
-    if isinstance(eff, (StartHandshake, PostRead, SendDone, SendRelease, SendHeartbeat,
-                        DropPeer, Quarantined, Unquarantined)):
+    if isinstance(eff, (StartHandshake, PostRead, SendClaim, SendDone, SendRelease,
+                        SendHeartbeat, DropPeer, Quarantined, Unquarantined)):
         return eff.engine
     if isinstance(eff, Finished):
         r = c.request(eff.request_id)
@@ -122,7 +126,8 @@ def split_rows(reader: str, config: Config, rows: Sequence[Row]) -> list[Project
     engine_of: dict[str, str] = {}  # request id -> the engine of its latest admission
     for i, (lineno, ev, effs) in enumerate(rows):
         own: str | None = event_engine(ev)
-        if isinstance(ev, (Schedule, ReadOk, ReadFailed, DAbort)):
+        if isinstance(ev, (Schedule, ReadOk, ReadFailed, DAbort, ClaimGranted, ClaimRefused,
+                           NeverRegistered)):
             r = c.request(ev.request_id)
             own = r.params.engine if r is not None else engine_of.get(ev.request_id)
         if isinstance(ev, Admit):

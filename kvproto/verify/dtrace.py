@@ -33,6 +33,8 @@ from kvproto.lifecycle import (
     MAX_OUTSTANDING_HEARTBEATS,
     PEER_READY,
     Admit,
+    ClaimGranted,
+    ClaimRefused,
     Consumer,
     DAbort,
     DAck,
@@ -44,12 +46,14 @@ from kvproto.lifecycle import (
     Finished,
     HandshakeFailed,
     HandshakeOk,
+    NeverRegistered,
     PeerLost,
     PostRead,
     Quarantined,
     ReadFailed,
     ReadOk,
     Schedule,
+    SendClaim,
     SendDone,
     SendHeartbeat,
     SendRelease,
@@ -67,7 +71,7 @@ from kvproto.verify.trace import (
 
 # KVConsumer's variables (the trace module works on a record of them).
 D_VARS: Final = ("dst", "dlease", "abortPending", "owner", "peer", "hbs", "hbWait", "heard",
-                 "eff", "rdl", "quar", "inflight", "pulls")
+                 "eff", "rdl", "quar", "inflight", "pulls", "mayRead")
 NOBODY: Final = "-"  # a request never admitted: what an unknown id or handle names
 
 
@@ -96,6 +100,7 @@ class _Adm:
     group: str | None
     term: int
     expected: int
+    cap: bool = False  # its params carry a capability (it claims before it reads)
 
 
 class _Names:
@@ -107,6 +112,7 @@ class _Names:
         self.by_handle: dict[int, str] = {}  # handle -> latest name
         self.final: dict[str, str] = {}  # name -> state of its Finished effect
         self.pulls: dict[str, int] = {}  # name -> READs posted
+        self.granted: set[str] = set()  # names whose claim P granted (ghost mayRead)
 
     def live(self, c: Consumer, rid: str) -> str:
         n = self.by_rid.get(rid)
@@ -125,7 +131,8 @@ class _Names:
             return self.by_rid.get(holder, NOBODY)
         name = f"q{len(self.adm) + 1}"
         p = ev.params
-        self.adm[name] = _Adm(name, ev.request_id, p.handle, p.group, p.initial_term, p.expected)
+        self.adm[name] = _Adm(name, ev.request_id, p.handle, p.group, p.initial_term, p.expected,
+                              bool(p.capability))
         self.by_rid[ev.request_id] = name
         self.by_handle[p.handle] = name
         return name
@@ -166,8 +173,10 @@ class _DTraceBuilder:
 
     # -- the abstraction function of KVConsumer.tla's header ---------------------------
     def record(self, c: Consumer, names: _Names, reqs: Sequence[str],
-               final: dict[str, str], pulls_of: dict[str, int], now: int) -> str:
-        """KVConsumer's record of ``c`` (this engine's part) at time ``now``."""
+               final: dict[str, str], pulls_of: dict[str, int], now: int,
+               granted: set[str]) -> str:
+        """KVConsumer's record of ``c`` (this engine's part) at time ``now``; ``granted``:
+        the names whose claim P granted (the ghost ``mayRead``)."""
         cfg = self.cfg
         dst: list[tuple[str, str]] = []
         dlease: list[tuple[str, str]] = []
@@ -188,7 +197,7 @@ class _DTraceBuilder:
                 else:
                     st = c.state(a.rid)
                     end = c.lease_end(a.rid)
-                    if st in ("waiting", "handshaking") and end is not None:
+                    if st in ("waiting", "handshaking", "claiming") and end is not None:
                         le = end - now
                     ap = c.abort_pending(a.rid)
                     due = c.read_deadline(a.rid)
@@ -228,6 +237,8 @@ class _DTraceBuilder:
             "hbs": "{" + ", ".join(hbs) + "}", "hbWait": str(hb_wait), "heard": str(heard),
             "eff": "{}", "rdl": _fn(rdl), "quar": _set(quar), "inflight": _set(inflight),
             "pulls": _fn(pulls),
+            "mayRead": _set(_s(n) for n in reqs
+                            if (a_ := names.adm.get(n)) is None or not a_.cap or n in granted),
         }
         return "[" + ", ".join(f"{k} |-> {fields[k]}" for k in D_VARS) + "]"
 
@@ -265,6 +276,11 @@ class _DTraceBuilder:
             flag = ev.notif_attached if isinstance(ev, ReadOk) else \
                 ev.fenced if isinstance(ev, ReadFailed) else False
             f.update(type=_s(typ), r=_s(r), flag="TRUE" if flag else "FALSE")
+        elif isinstance(ev, (ClaimGranted, ClaimRefused)):
+            f.update(type='"claim"', r=_s(names.live(c, ev.request_id)),
+                     flag="TRUE" if isinstance(ev, ClaimGranted) else "FALSE")
+        elif isinstance(ev, NeverRegistered):
+            f.update(type='"never"', r=_s(names.live(c, ev.request_id)))
         elif isinstance(ev, DAck):
             f.update(type='"ack"', seq=str(ev.seq), term=str(ev.term),
                      ref=_set(_s(names.handle(h)) for h in ev.refused),
@@ -293,6 +309,8 @@ class _DTraceBuilder:
                 eff.append('[k |-> "handshake", r |-> "", why |-> ""]')
             elif isinstance(e, PostRead):
                 eff.append(f'[k |-> "read", r |-> {_s(who(e.request_id))}, why |-> ""]')
+            elif isinstance(e, SendClaim):
+                eff.append(f'[k |-> "claim", r |-> {_s(who(e.request_id))}, why |-> ""]')
             elif isinstance(e, SendDone):
                 eff.append(f'[k |-> "done", r |-> {_s(who(e.request_id))}, why |-> ""]')
             elif isinstance(e, SendRelease):
@@ -360,6 +378,7 @@ class _DTraceBuilder:
                 self.start_at = at
                 self.final = dict(names.final)
                 self.pulls = dict(names.pulls)
+                self.granted = set(names.granted)
                 self.offset = offset
                 self.steps: list[str] = []
                 self.lines: list[int] = []
@@ -372,8 +391,9 @@ class _DTraceBuilder:
             reqs |= {nm for nm, a in names.adm.items() if a.group in groups}
             reqs.add(NOBODY)
             order = sorted(reqs, key=lambda x: (len(x), x))
-            start = self.record(sg.snapshot, names, order, sg.final, sg.pulls, sg.start_at)
-            end = self.record(c, names, order, names.final, names.pulls, at)
+            start = self.record(sg.snapshot, names, order, sg.final, sg.pulls, sg.start_at,
+                                sg.granted)
+            end = self.record(c, names, order, names.final, names.pulls, at, names.granted)
             constants = {
                 **fixed,
                 "Requests": _set(_s(x) for x in order),
@@ -382,6 +402,8 @@ class _DTraceBuilder:
                 "TermOf": _fn([(_s(x), str(a.term) if (a := names.adm.get(x))
                                 else "0") for x in order]),
                 "ExpOf": _fn([(_s(x), str(a.expected) if (a := names.adm.get(x)) else "0")
+                              for x in order]),
+                "CapOf": _fn([(_s(x), "TRUE" if (a := names.adm.get(x)) and a.cap else "FALSE")
                               for x in order]),
                 "StartC": start,
                 "EndC": end,
@@ -411,6 +433,10 @@ class _DTraceBuilder:
                     raise TraceError(f"line {lineno}: more than {MAX_OUTSTANDING_HEARTBEATS} "
                                      "heartbeats await an ack: outside the spec's assumptions")
                 text, touched = self.step(c, names, ev, mine, dt, late)
+                if isinstance(ev, ClaimGranted) and c.state(ev.request_id) == "claiming":
+                    gn = names.live(c, ev.request_id)
+                    if gn != NOBODY:
+                        names.granted.add(gn)
                 cur.steps.append(text)
                 cur.lines.append(lineno)
                 cur.admitted += [t_ for t_ in touched if t_ not in cur.start_names]

@@ -110,6 +110,10 @@ _TLC: Final[tuple[TlcModel, ...]] = (
     TlcModel("bug_no_never_notice", "MC_bug_no_never_notice.cfg",
           "BUG: an aborted prefill whose params left tells no consumer: D waits for a "
           "timeout", expect="NeverToldAtOnce", module="MC_gate"),
+    TlcModel("bug_read_before_grant", "MC_bug_read_before_grant.cfg",
+          "BUG: D reads before the gate granted its claim (a router retry's READ races "
+          "the bound consumer, whose done frees the blocks under it)",
+          expect="NoFreeUnderRead", module="MC_gate"),
 )
 
 

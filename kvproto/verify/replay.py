@@ -25,6 +25,7 @@ from kvproto.lifecycle import (
     R_EXPIRED,
     Admit,
     BlockPool,
+    ClaimGranted,
     Config,
     Consumer,
     DTick,
@@ -35,6 +36,7 @@ from kvproto.lifecycle import (
     Quarantined,
     ReadFailed,
     ReadOk,
+    SendClaim,
     SendRelease,
 )
 from kvproto.verify.oracle import safety_violations
@@ -119,7 +121,8 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
               out: IO[str] | None, max_reports: int) -> ReplayResult:
     """Replay one D rank's journal. Besides the effects, checks what D promises P: no
     release for a request whose READ is in flight, and at most one READ posted per
-    sibling group (per P engine) unless the previous one failed; and its bounded tick
+    sibling group (per P engine) unless the previous one failed; no READ of a request
+    whose claim P has not granted (ReadOnlyGranted); and its bounded tick
     (TickBounded: no recorded tick fails more leases than ``max_tick_work``)."""
     machine = Consumer(str(header["reader"]), config)
     res = ReplayResult()
@@ -131,17 +134,31 @@ def _replay_d(header: dict[str, Any], config: Config, body: Iterator[tuple[int, 
     quarantined: set[str] = set()
     pulled: set[tuple[str, int, int]] = set()
     key_of: dict[str, tuple[str, int, int]] = {}
+    # ReadOnlyGranted: requests admitted with a capability whose claim (a recorded
+    # SendClaim) P has not granted (a READ of one would race another consumer of the
+    # handle); and the requests whose claim was sent.
+    ungranted: set[str] = set()
+    claimed: set[str] = set()
     for lineno, ev, recorded in body:
         if isinstance(ev, Admit):
             key_of[ev.request_id] = (ev.params.engine, ev.params.epoch, ev.params.handle)
+            if ev.params.capability and ev.request_id not in machine.reqs:
+                ungranted.add(ev.request_id)  # a duplicate admit changes nothing
+        elif isinstance(ev, ClaimGranted) and ev.request_id in claimed:
+            ungranted.discard(ev.request_id)
         if isinstance(ev, (ReadOk, ReadFailed)):
             in_flight.discard(ev.request_id)
             quarantined.discard(ev.request_id)
         for eff in recorded:
             if isinstance(eff, Quarantined):
                 quarantined.add(eff.request_id)
+            elif isinstance(eff, SendClaim):
+                claimed.add(eff.request_id)
             elif isinstance(eff, PostRead):
                 in_flight.add(eff.request_id)
+                if eff.request_id in ungranted:
+                    res.violations.append(f"line {lineno}: ReadOnlyGranted: READ of "
+                                          f"{eff.request_id} before P granted its claim")
                 load = key_of.get(eff.request_id)
                 if load is not None and load in pulled \
                         and not machine.counters.get("ended_memory_evicted"):

@@ -613,6 +613,9 @@ _PY = {
     "HandshakeOk": "Consumer.handshake_result (handshake_ok)",
     "HandshakeFailed": "Consumer.handshake_result (handshake_failed)",
     "PeerLost": "Consumer.peer_lost, or ack silence in Consumer.tick (peer_lost)",
+    "ClaimGranted": "Consumer.claim_result (claim_granted)",
+    "ClaimRefused": "Consumer.claim_result (claim_refused)",
+    "Never": "Consumer.never (never)",
     "Crash": "D rank crashes", "Lose": "network loses a message",
 }
 

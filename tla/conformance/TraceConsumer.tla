@@ -45,9 +45,10 @@ CONSTANTS
 
 (* A step:
    [type |-> "admit"|"readmit"|"handshake_ok"|"handshake_failed"|"schedule"|"read_ok"|"read_failed"
-             |"abort"|"ack"|"peer_lost"|"tick"|"reject",
+             |"abort"|"ack"|"peer_lost"|"tick"|"reject"|"claim"|"never",
     dt   |-> time units since the previous event, late |-> (admit) units behind the clock,
-    r    |-> request, flag |-> notification attached (read_ok) / fenced (read_failed),
+    r    |-> request, flag |-> notification attached (read_ok) / fenced (read_failed)
+            / granted (claim: claim_granted or claim_refused),
     why  |-> handshake_failed's reason,
     seq, term, ref, pen |-> (ack) sequence number, granted term, refused and pending
             requests,
@@ -89,6 +90,8 @@ Successor(ev, C0) ==
       [] ev.type = "tick" -> DTickLagOp(C0, Late(ev, C0), Batches(ev))
       [] ev.type = "reject" -> NoOp(C0)
       [] ev.type = "readmit" -> ReadmitOp(C0, ev.r)
+      [] ev.type = "claim" -> ClaimResultOp(C0, ev.r, ev.flag)
+      [] ev.type = "never" -> NeverOp(C0, ev.r)
 
 (* "" when the recorded effects are the spec's, else why not. *)
 Check(ev, C0, C1) ==
