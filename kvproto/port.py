@@ -92,7 +92,13 @@ def _through_gate(gate: Gate, peer: str, msg: Message, now: int,
     if msg.kind == KIND_RELEASE:
         return gate.release(peer, msg.handles, msg.expected, now, consumer)
     if msg.kind == KIND_CLAIM:
-        return gate.claim(consumer, msg.handles[0], msg.capability, now, peer)
+        hs = msg.handles
+        if len(hs) == 1:
+            return gate.claim(consumer, hs[0], msg.capability, now, peer)
+        claimed: list[GateEffect] = []  # a claim batch: one claim event per handle, in order
+        for h, cap in zip(hs, msg.capabilities, strict=True):
+            claimed += gate.claim(consumer, h, cap, now, peer)
+        return claimed
     return gate.reject("unexpected_kind", peer, msg.kind_name, now)
 
 
@@ -124,11 +130,17 @@ def d_receive(consumer: Consumer, peer: str, buf: bytes, now: int, *, known: boo
                 out += consumer.never(rid, now)
         return out
     if msg.kind == KIND_GRANT or msg.kind == KIND_CLAIM_REFUSED:
-        # P's gate answered this rank's claim: a claiming request may now read, or fails.
-        rid = consumer.request_id(peer, msg.handles[0])
-        if rid is None:
-            return consumer.reject("claim_answer_unknown", peer, msg.kind_name, now)
-        return consumer.claim_result(rid, msg.kind == KIND_GRANT, now)
+        # P's gate answered this rank's claims: each claiming request may now read, or
+        # fails; an answer about a handle this rank does not hold is a counted rejection.
+        granted = msg.kind == KIND_GRANT
+        answers: list[DEffect] = []
+        for h in msg.handles:
+            rid = consumer.request_id(peer, h)
+            if rid is None:
+                answers += consumer.reject("claim_answer_unknown", peer, msg.kind_name, now)
+            else:
+                answers += consumer.claim_result(rid, granted, now)
+        return answers
     if msg.kind != KIND_ACK:
         return consumer.reject("unexpected_kind", peer, msg.kind_name, now)
     return consumer.ack(peer, msg.seq, msg.term_ms, msg.handles, now, msg.pending)

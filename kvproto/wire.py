@@ -76,7 +76,15 @@ class Message(NamedTuple):
     seq: int = 0
     term_ms: int = 0  # ack only: the granted lease term, milliseconds
     pending: tuple[int, ...] = ()  # ack only: handles not registered yet (not renewed)
-    capability: str = ""  # claim only: the capability as lowercase hex
+    capability: str = ""  # claim only: every handle's capability, lowercase hex, in order
+    # (``2 * CAPABILITY_WIRE_BYTES`` digits each: ``capabilities`` splits them)
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """A claim's capabilities, one per handle, in order."""
+        n = 2 * CAPABILITY_WIRE_BYTES
+        c = self.capability
+        return tuple(c[i:i + n] for i in range(0, len(c), n))
 
     @property
     def kind_name(self) -> str:
@@ -236,22 +244,53 @@ def encode_never(epoch: int, handles: Iterable[int], max_bytes: int) -> list[byt
 def encode_claim(epoch: int, handle: int, capability: str) -> bytes:
     """``claim`` (D -> P): present ``capability`` (hex, ``2 * CAPABILITY_WIRE_BYTES``
     digits) for ``handle``."""
-    _check_range("handle", handle, MAX_HANDLE)
+    return encode_claims(epoch, [(handle, capability)], 1 << 30)[0]
+
+
+def claim_bytes(capability: str) -> bytes:
+    """A capability's wire bytes; ValueError when it is not ``CAPABILITY_WIRE_BYTES``
+    bytes of hex."""
     raw = bytes.fromhex(capability)
     if len(raw) != CAPABILITY_WIRE_BYTES:
         raise ValueError(f"a capability is {CAPABILITY_WIRE_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def encode_claims(epoch: int, claims: Sequence[tuple[int, str]], max_bytes: int) -> list[bytes]:
+    """``claim`` (D -> P) of several handles at once: (handle, capability) pairs in
+    order, chunked so that no message exceeds ``max_bytes`` (each pair is one varint and
+    ``CAPABILITY_WIRE_BYTES`` raw bytes). Raises ValueError on a bad capability."""
+    out: list[bytes] = []
     b = _header(KIND_CLAIM, epoch)
-    _put_varint(b, handle)
-    return bytes(b) + raw
+    head = len(b)
+    for h, cap in claims:
+        _check_range("handle", h, MAX_HANDLE)
+        raw = claim_bytes(cap)
+        item = bytearray()
+        _put_varint(item, h)
+        item += raw
+        if len(b) > head and len(b) + len(item) > max_bytes - _RESERVE:
+            out.append(bytes(b))
+            b = _header(KIND_CLAIM, epoch)
+        b += item
+    if len(b) > head:
+        out.append(bytes(b))
+    return out
 
 
 def encode_grant(epoch: int, handle: int, granted: bool) -> bytes:
     """``grant`` or ``claim_refused`` (P -> D): the gate's answer to a claim of
     ``handle``."""
-    _check_range("handle", handle, MAX_HANDLE)
-    b = _header(KIND_GRANT if granted else KIND_CLAIM_REFUSED, epoch)
-    _put_varint(b, handle)
-    return bytes(b)
+    return encode_grants(epoch, [handle], granted, 1 << 30)[0]
+
+
+def encode_grants(epoch: int, handles: Iterable[int], granted: bool,
+                  max_bytes: int) -> list[bytes]:
+    """``grant`` or ``claim_refused`` (P -> D) of several handles at once (the gate's
+    answers to one consumer's claims: a count, then the handles), chunked so that no
+    message exceeds ``max_bytes``."""
+    return _batched(KIND_GRANT if granted else KIND_CLAIM_REFUSED, epoch, (), handles,
+                    max_bytes)
 
 
 def encode_done_batch_reference(epoch: int, handles: Iterable[int], expected: int,
@@ -371,21 +410,25 @@ def decode_reference(buf: bytes, *, max_bytes: int = 1 << 20,
             pend, pos = _get_handles(buf, pos)
             pending = tuple(pend)
     elif kind == KIND_CLAIM:
-        h, pos = _get_varint(buf, pos)
-        if h > MAX_HANDLE:
-            raise WireError("bad_field", "handle above 2**64-1")
-        if len(buf) - pos < CAPABILITY_WIRE_BYTES:
-            raise WireError("truncated", "claim without its capability")
-        cap = buf[pos:pos + CAPABILITY_WIRE_BYTES].hex()
-        pos += CAPABILITY_WIRE_BYTES
-        if pos != len(buf):
-            raise WireError("trailing_bytes", f"{len(buf) - pos} bytes after the message")
-        return Message(kind, ep, (h,), capability=cap)
+        hs_c: list[int] = []
+        caps: list[str] = []
+        while True:  # (handle, capability) pairs to the end: at least one
+            h, pos = _get_varint(buf, pos)
+            if h > MAX_HANDLE:
+                raise WireError("bad_field", "handle above 2**64-1")
+            if len(buf) - pos < CAPABILITY_WIRE_BYTES:
+                raise WireError("truncated", "claim without its capability")
+            hs_c.append(h)
+            caps.append(buf[pos:pos + CAPABILITY_WIRE_BYTES].hex())
+            pos += CAPABILITY_WIRE_BYTES
+            if pos >= len(buf):
+                break
+        return Message(kind, ep, tuple(hs_c), capability="".join(caps))
     elif kind == KIND_GRANT or kind == KIND_CLAIM_REFUSED:
-        h, pos = _get_varint(buf, pos)
-        if h > MAX_HANDLE:
-            raise WireError("bad_field", "handle above 2**64-1")
-        handles = (h,)
+        hs, pos = _get_handles(buf, pos)
+        if not hs:
+            raise WireError("bad_field", f"a {KIND_NAMES[kind]} names no handle")
+        handles = tuple(hs)
     else:
         raise WireError("unknown_kind", f"message kind {kind}")
     if pos != len(buf):

@@ -38,11 +38,16 @@ def test_head_slice_descriptors_cut_each_segment() -> None:
             r.head_slice(*bad)
 
 
-def test_p_tp1_to_d_tp2_reads_each_ranks_head_and_frees_after_both() -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="VRAM variant needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_p_tp1_to_d_tp2_reads_each_ranks_head_and_frees_after_both(device: str) -> None:
     top = Topology(1, 2, 2)
     assert [top.sources(d)[0].p_head for d in (0, 1)] == [0, 1] and top.readers(0) == 2
-    p_kv = [torch.randn(NB, 2, BS, HS2) for _ in range(2)]  # two layers
-    d_kv = [[torch.zeros(NB, 1, BS, HS2) for _ in range(2)] for _ in range(2)]
+    p_kv = [torch.randn(NB, 2, BS, HS2, device=device) for _ in range(2)]  # two layers
+    d_kv = [[torch.zeros(NB, 1, BS, HS2, device=device) for _ in range(2)] for _ in range(2)]
     p = ProducerAdapter(uniq("P"), CFG, num_blocks=NB, block_bytes=1, kv_tensors=p_kv,
                         identity=IDENT, strict_pool=False)
     ds = [ConsumerAdapter(uniq(f"D{d}"), CFG, num_blocks=NB, block_bytes=1,

@@ -259,7 +259,9 @@ def test_unknown_kind_is_rejected(kind: int) -> None:
 
 @pytest.mark.parametrize("buf", sample_messages())
 def test_trailing_bytes_are_rejected(buf: bytes) -> None:
-    assert reason_of(buf + b"\x00") == "trailing_bytes"
+    # A claim is (handle, capability) pairs to its end: a stray byte is a cut pair.
+    want = "truncated" if wire.decode(buf).kind == wire.KIND_CLAIM else "trailing_bytes"
+    assert reason_of(buf + b"\x00") == want
 
 
 def test_non_canonical_varint_is_rejected() -> None:
@@ -662,3 +664,25 @@ def test_grant_and_claim_refused_roundtrip() -> None:
     assert (r.kind, r.handles, r.kind_name) == (KIND_CLAIM_REFUSED, (5,), "claim_refused")
     assert reason_of(encode_grant(7, 5, True) + b"\x00") == "trailing_bytes"
     assert reason_of(encode_grant(7, 5, True)[:-1]) == "truncated"
+
+
+def test_claims_and_answers_batch_and_chunk() -> None:
+    from kvproto.wire import KIND_CLAIM, KIND_GRANT, decode, encode_claims, encode_grants
+
+    caps = [f"{i:032x}" for i in range(1, 41)]
+    claims = [(1000 + i, c) for i, c in enumerate(caps)]
+    one = encode_claims(7, claims, 4096)
+    assert len(one) == 1
+    m = decode(one[0], epoch=7)
+    assert (m.kind, m.handles, m.capabilities) == (KIND_CLAIM, tuple(h for h, _ in claims),
+                                                   tuple(caps))
+    parts = encode_claims(7, claims, 128)  # small messages: chunked, order kept
+    assert len(parts) > 1 and all(len(b) <= 128 for b in parts)
+    got = [(h, c) for b in parts for h, c in zip(decode(b).handles, decode(b).capabilities,
+                                                  strict=True)]
+    assert got == claims
+    with pytest.raises(ValueError):
+        encode_claims(7, [(1, "ab")], 4096)  # not a capability: never sent
+    g = encode_grants(7, [9, 3, 5], True, 4096)
+    assert [decode(b).handles for b in g] == [(3, 5, 9)] and decode(g[0]).kind == KIND_GRANT
+    assert reason_of(bytes(g[0][:-2]) + b"\x00") in ("truncated", "bad_field")

@@ -95,8 +95,9 @@ from kvproto.wire import (
     Handshake,
     WireError,
     check_peer,
+    claim_bytes,
     decode_handshake,
-    encode_claim,
+    encode_claims,
     encode_done_batch,
     encode_heartbeat,
     encode_release,
@@ -116,6 +117,7 @@ PhaseHook = Callable[[str, str], None]
 _SENT = {k: ("sent:" + k, "sent_bytes:" + k) for k in ("done", "release", "heartbeat")}
 # Machine states in which a schedule intent is kept and retried by ``poll``.
 _RETRY = frozenset((WAITING, HANDSHAKING, CLAIMING, D_NEW))
+WANT_RESCAN_MS = 10  # the longest a request that may read waits for poll to notice it
 
 # Refusals/decoding failures that retrying cannot fix.
 _FINAL = {"version": "version_mismatch", "layout_mismatch": "layout_mismatch",
@@ -217,6 +219,10 @@ class DDriver:
         self._held_local: dict[str, list[int]] = {}
         self._releases: dict[tuple[str, int, int], list[int]] = {}
         self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
+        # SendClaim, batched per (engine, epoch): one claim message per P engine and poll
+        self._claims: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        self._want_dirty = False  # an event since the last rescan of _want
+        self._want_scan_at = 0  # ms of the last rescan
         self._out: list[Completion] = []
         self._done_info: dict[str, tuple[int, float]] = {}
         # Requests whose local blocks the machine quarantined; and those whose quarantine
@@ -275,6 +281,7 @@ class DDriver:
             # Retried by poll: after the handshake, the claim's grant, or while a
             # sibling's READ is in flight.
             self._want[rid] = None
+            self._want_dirty = True
 
     def abort(self, rid: str) -> None:
         now = now_ms(self.clock)
@@ -299,18 +306,31 @@ class DDriver:
     # -- step loop ---------------------------------------------------------------------
     def poll(self) -> list[Completion]:
         now = now_ms(self.clock)
+        reads_before = len(self.reads)
         for e in list(self.engines.values()):
             if e.state == PEER_HANDSHAKING:
                 self._progress_handshake(e, now)
+                if e.state != PEER_HANDSHAKING:
+                    self._want_dirty = True
             elif e.state == PEER_READY:
                 self._check_peer(e, now)
         self._poll_reads(now)
         self._poll_notifs(now)
         if now >= self.machine.next_deadline():  # else the tick would change nothing
             self._apply(self.machine.tick(now), now)
-        self._schedule_ready(now)
+            self._want_dirty = True
+        if len(self.reads) != reads_before:  # a READ ended: a sibling may read now
+            self._want_dirty = True
+        # Requests waiting for a handshake, a grant or a sibling's READ move only on
+        # such events: rescan them then, and at least every WANT_RESCAN_MS (a bound on
+        # any move this misses), not on every poll (O(waiting) each).
+        if self._want and (self._want_dirty or now - self._want_scan_at >= WANT_RESCAN_MS):
+            self._want_dirty = False
+            self._want_scan_at = now
+            self._schedule_ready(now)
         if self._post_queue:  # READs scheduled during this poll
             self._post_queued(now)
+        self._flush_claims()
         self._flush_dones()
         self._flush_releases()
         self._reap()
@@ -473,21 +493,34 @@ class DDriver:
 
     def _x_claim(self, eff: SendClaim, now: int) -> None:
         """Present the handle's capability to P's gate (the machine waits in ``claiming``
-        for the answer; an answer that never comes is bounded by the lease check). A
-        capability that cannot be encoded is P's bad params: counted, and the claim
-        is refused locally (recompute)."""
+        for the answer; an answer that never comes is bounded by the lease check).
+        Batched: every claim of one poll goes out in one claim message per P engine
+        (``_flush_claims``). A capability that cannot be encoded is P's bad params:
+        counted, and the claim is refused locally (recompute)."""
         e = self.engines.get(eff.engine)
         p = self.params.get(eff.request_id)
         epoch = p.epoch if p is not None else self._epoch_of(eff.engine)
         if e is None or e.state != PEER_READY:
             return  # the peer is gone: its loss fails the request
         try:
-            buf = encode_claim(epoch, eff.handle, eff.capability)
+            claim_bytes(eff.capability)
         except ValueError:
             self._count("bad_capability")
             self._apply(self.machine.claim_result(eff.request_id, False, now), now)
             return
-        self._send("claim", eff.engine, buf)
+        self._claims.setdefault((eff.engine, epoch), []).append((eff.handle, eff.capability))
+
+    def _flush_claims(self) -> None:
+        if not self._claims:
+            return
+        pending, self._claims = self._claims, {}
+        for (engine, epoch), claims in pending.items():
+            e = self.engines.get(engine)
+            if e is None or e.state != PEER_READY:
+                continue  # the peer is gone: its loss fails the requests
+            for m in encode_claims(epoch, claims, self.config.max_message_bytes):
+                if not self._send("claim", engine, m):
+                    break
 
     def _flush_releases(self) -> None:
         if not self._releases:
@@ -908,6 +941,8 @@ class DDriver:
             return
         machine = self.machine
         mb = self.config.max_message_bytes
+        if notifs:  # a grant, a refusal or a never may move a waiting request
+            self._want_dirty = True
         for name, m in notifs:
             e = self.engines.get(name)
             known = e is not None and e.state == PEER_READY

@@ -70,7 +70,7 @@ from kvproto.wire import (
     check_peer,
     decode_handshake,
     encode_ack,
-    encode_grant,
+    encode_grants,
     encode_never,
 )
 
@@ -128,6 +128,8 @@ class PDriver:
         self.counters: dict[str, int] = {}
         self.metrics: Metrics | None = metrics
         self._reg_at: dict[int, int] = {}  # handle -> registration time, ms (metrics only)
+        # The gate's claim answers of one poll, per (D rank, granted): one message each.
+        self._grants: dict[tuple[str, bool], list[int]] = {}
         if self.metrics is not None:
             pool, ledger = self.pool, self.ledger
             self.metrics.track_holdings(lambda: pool.held_count, lambda: ledger.held_requests)
@@ -266,6 +268,7 @@ class PDriver:
             for m2 in (hook(peer, m) if hook is not None else (m,)):
                 n += 1
                 self._on_message(peer, m2, now)
+        self._flush_grants()
         # Tick only when the ledger says something can be due (an expiry or a staged
         # message's age limit); other events carry the time anyway. This keeps the
         # journal to the events that matter instead of one tick per poll.
@@ -344,10 +347,22 @@ class PDriver:
                 self._count("never_sent")
 
     def _send_grant(self, e: ClaimAnswer) -> None:
-        if self.transport.send(e.peer, encode_grant(self.epoch, e.handle, e.granted)) is not None:
-            self._count("send_error")
+        """Batched: the gate's answers of one poll go out in one message per D rank and
+        kind (``_flush_grants``, at the end of the poll that read the claims)."""
+        self._grants.setdefault((e.peer, e.granted), []).append(e.handle)
+
+    def _flush_grants(self) -> None:
+        if not self._grants:
             return
-        self._count("grants_sent" if e.granted else "claims_refused")
+        pending, self._grants = self._grants, {}
+        mb = self.config.max_message_bytes
+        for (peer, granted), handles in pending.items():
+            for buf in encode_grants(self.epoch, handles, granted, mb):
+                if self.transport.send(peer, buf) is not None:
+                    self._count("send_error")
+                    break
+            else:
+                self._count("grants_sent" if granted else "claims_refused", len(handles))
 
     def _send_ack(self, a: Ack) -> None:
         for buf in encode_ack(self.epoch, a.seq, a.term, a.refused, self.config.max_message_bytes,
