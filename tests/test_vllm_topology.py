@@ -79,6 +79,30 @@ def test_replicated_heads_pair_unequal_tp_sizes_whole_block() -> None:
     assert out.params.generations == (2, 0, 0)
     for d in (0, 1):
         assert d_params(base, None, d, 2, 1) == base
+
+
+def test_every_p_rank_mints_the_capability_of_its_own_gate() -> None:
+    """One consumer per handle at every P rank: each rank's entry carries the capability
+    of the handle under that rank's gate key (engine and epoch bound in), so D rank r
+    claims at the P rank it reads and that rank binds the handle; a rank without a key
+    (or a params without a handle) carries none."""
+    from kvproto.lifecycle.gate import capability
+
+    keys = [bytes([r + 1]) * 32 for r in range(2)]
+    peers = {r: RankPeer(f"p{r}", 10 + r, "h", 4000 + r, keys[r]) for r in range(2)}
+    d = encode_ranks(peers, RankMirrors(8), BLOCKS, 1, [2], handle=9)
+    rp = parse_ranks(d, _base())
+    assert rp is not None
+    want = [capability(keys[r], f"p{r}", 10 + r, 9) for r in range(2)]
+    assert [r.params.capability for r in rp.ranks] == want and want[0] != want[1]
+    assert d_params(_base(), rp, 1, 2, 1).params.capability == want[1]
+    assert all(e["capability"] == "" for e in encode_ranks(peers, RankMirrors(8), BLOCKS, 1,
+                                                           [2])["ranks"])
+    bad = {**d, "ranks": [{**d["ranks"][0], "capability": "XYZ"}, d["ranks"][1]]}
+    with pytest.raises(ParamsError, match="capability"):
+        parse_ranks(bad, _base())
+
+
 @pytest.mark.parametrize("bad", [
     "x", {"p_tp": 2}, {**_ranks(), "p_tp": 3}, {**_ranks(), "kv_heads": 0},
     {**_ranks(), "layers": []}, {**_ranks(), "ranks": [{"engine": "p0"}, {}]},

@@ -161,6 +161,7 @@ from kvproto.lifecycle.topology import heads_of
 from kvproto.vllm import groups as kvgroups
 from kvproto.vllm.dcover import RankReads, covered_layers, heads_outermost
 from kvproto.vllm.sched import (
+    PARAMS_KEY,
     ConnectorOptions,
     DScheduler,
     Orders,
@@ -595,7 +596,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:
-        self._rank_peers = {r: RankPeer(m.engine, m.epoch, m.host, m.port)
+        self._rank_peers = {r: RankPeer(m.engine, m.epoch, m.host, m.port,
+                                        bytes.fromhex(m.cap_key or ""))
                             for r, m in metadata.items()
                             if isinstance(m, KVProtoHandshakeMetadata) and m.engine}
         m = metadata.get(0)
@@ -690,8 +692,10 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             # pair by them), for one KV cache group (several are refused at start-up at
             # TP > 1; at TP 1 D takes the map's axes from its own groups, which the
             # handshake's identity pins equal to P's).
+            handle = (out.get(PARAMS_KEY) or {}).get("handle")
             out[RANKS_KEY] = encode_ranks(self._rank_peers, self._mirrors, list(block_ids[0]),
-                                          self.kv_heads, self._layers())
+                                          self.kv_heads, self._layers(),
+                                          handle if isinstance(handle, int) else None)
         return (out is not None), out
 
     def _layers(self) -> list[int]:

@@ -31,6 +31,7 @@ from typing import Any, Final
 
 from kvproto.errors import UsageError
 from kvproto.lifecycle import TransferParams
+from kvproto.lifecycle.gate import capability
 from kvproto.lifecycle.topology import MAX_TP, Topology, TopologyError
 from kvproto.vllm.sched import (
     MAX_NAME,
@@ -108,14 +109,27 @@ class RankPeer:
     epoch: int
     host: str
     port: int
+    cap_key: bytes = b""  # the rank's gate key (same engine, never sent out)
+
+
+def _rank_capability(p: RankPeer, handle: int | None) -> str:
+    """The capability of ``handle`` at P rank ``p``'s gate ("" without a key or handle:
+    that rank's params then bind nothing)."""
+    if handle is None or len(p.cap_key) < 16:
+        return ""
+    return capability(p.cap_key, p.engine, p.epoch, handle)
 
 
 def encode_ranks(peers: Mapping[int, RankPeer], mirrors: RankMirrors, blocks: Sequence[int],
-                 kv_heads: int, layers: Sequence[int]) -> dict[str, Any]:
-    """The ``RANKS_KEY`` value of P's transfer params (see the module docstring)."""
+                 kv_heads: int, layers: Sequence[int], handle: int | None = None
+                 ) -> dict[str, Any]:
+    """The ``RANKS_KEY`` value of P's transfer params (see the module docstring). Every
+    rank's entry carries the capability of ``handle`` at that rank's own gate: each P
+    rank binds the handle to the first consumer that claims it there."""
     return {"p_tp": len(peers), "kv_heads": kv_heads, "layers": list(layers),
             "ranks": [{"engine": p.engine, "epoch": p.epoch, "host": p.host,
-                       "port": p.port, "generations": mirrors.gens(r, blocks)}
+                       "port": p.port, "generations": mirrors.gens(r, blocks),
+                       "capability": _rank_capability(p, handle)}
                       for r, p in sorted(peers.items())]}
 
 
@@ -168,11 +182,16 @@ def parse_ranks(d: Any, base: RemoteParams) -> RankParams | None:
                 for g in gens):
             raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}]: one generation per "
                                             "block")
+        cap = r.get("capability", "")
+        if not isinstance(cap, str) or len(cap) > 64 \
+                or any(ch not in "0123456789abcdef" for ch in cap):
+            raise ParamsError("bad_params", f"{RANKS_KEY}.ranks[{i}]: capability must be "
+                                            "at most 64 lowercase hex digits")
         tp = TransferParams(engine=engine, epoch=epoch, handle=base.params.handle,
                             blocks=base.params.blocks,
                             initial_term=base.params.initial_term,
                             expected=base.params.expected, group=base.params.group,
-                            generations=tuple(gens))
+                            generations=tuple(gens), capability=cap)
         out.append(RemoteParams(tp, host, port, base.num_tokens))
     n_tp, n_heads = int(p_tp or 0), int(heads or 0)  # checked above
     try:
