@@ -371,10 +371,23 @@ async def router_status(st: Stack) -> dict[str, Any]:
 async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str,
                 interval: float = 0.05) -> Any:
     """Poll ``check`` until it returns a true value; fail after ``timeout`` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
-        last = await check()
+        try:
+            last = await check()
+        except httpx.TransportError as e:
+            # a poll that could not reach a server on a loaded 2-core machine is a
+            # "not yet"; the deadline still bounds the wait, and a server that stays
+            # unreachable fails the check with this error as its last observation
+            last = None
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not reached in {timeout:.0f} s "
+                                     f"(last poll failed: {type(e).__name__}: {e})") from e
+            await asyncio.sleep(max(interval, 0.5))
+            continue
         if last:
             return last
         if time.monotonic() > deadline:
