@@ -164,8 +164,9 @@ def test_fuzzer_finds_nothing_in_the_real_machine() -> None:
     assert cfuzz.fuzz(2000) is None
 
 
-def test_fuzzer_catches_drop_region() -> None:
-    m = COVERAGE_MUTANTS["drop_region"]
+@pytest.mark.parametrize("name", ["drop_region", "one_part"])
+def test_fuzzer_catches_the_coverage_mutants(name: str) -> None:
+    m = COVERAGE_MUTANTS[name]
     assert set(vars(m.coverage_cls)) - {"__module__", "__doc__", "__qualname__",
                                         "__annotations__", "__firstlineno__",
                                         "__static_attributes__"} == {"part_guard"}
