@@ -47,7 +47,7 @@ class Pair:
     """Two P ranks (ProducerAdapters, TP 2) and one D worker (TP 1)."""
 
     def __init__(self, device: str, kv_heads: int,
-                 coverage: Coverage | None = None) -> None:
+                 coverage: Coverage | None = None, slices: bool = True) -> None:
         ident = {"num_kv_heads": str(kv_heads), "weights": "test"}
         p_heads = max(kv_heads // 2, 1)
         self.p_kv = [[torch.randn(NB, p_heads, BS, HS2, device=device) for _ in range(LAYERS)]
@@ -59,10 +59,10 @@ class Pair:
         self.dw = DWorker(ConnectorOptions(config=CFG), uniq("D"), self.d_kv, NB,
                           identity=ident)
         self.dw.reads = RankReads(0, 1, kv_heads, {(i, 0) for i in range(LAYERS)}, (LAYERS,),
-                                  coverage=coverage, slices=True)
+                                  coverage=coverage, slices=slices)
         self.polled = [True, True]  # which P ranks pump() polls
 
-    def admit(self, rid: str, kv_heads: int) -> list[TransferParams]:
+    def admit(self, rid: str, kv_heads: int, load: bool = True) -> list[TransferParams]:
         params: list[TransferParams] = []
         for p in self.ps:
             tp = p.register(rid, BLOCKS, expected=1,
@@ -76,7 +76,7 @@ class Pair:
                       for p, tp in zip(self.ps, params, strict=True)]}
         self.dw.apply(Orders(admits=[AdmitOrder(rid, params[0], self.ps[0].host,
                                                 self.ps[0].port, ranks)],
-                             loads=[LoadOrder(rid, LOCAL)]))
+                             loads=[LoadOrder(rid, LOCAL)] if load else []))
         return params
 
     def pump(self, until: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -206,3 +206,22 @@ def test_orphan_p_rank_is_released_once_the_request_ended(device: str) -> None:
     finally:
         pair.close()
 
+
+
+def test_refused_request_is_released_at_every_p_rank_it_names() -> None:
+    """D cannot cut head slices (its KV layout or checksums forbid them): the split
+    request is refused before any READ (``tp_refused``, reported ended so vLLM
+    recomputes), and each P rank it would have read hears a release and frees as
+    ``released``, not by lease expiry."""
+    pair = Pair("cpu", kv_heads=2, slices=False)
+    try:
+        pair.admit("r1", 2, load=False)
+        _, _, ended = pair.dw.take()
+        assert ended == ["r1"]
+        pair.pump(lambda: all(p.pool.held_count == 0 for p in pair.ps), timeout=2.0)
+        assert [frees(p) for p in pair.ps] == [{"released": 1}] * 2
+        c = pair.dw.counters()
+        assert c["tp_refused"] == 1 and c["tp_refused_released"] == 2
+        assert c["reads_ok"] == 0 and c["fenced_reads"] == 0
+    finally:
+        pair.close()

@@ -193,6 +193,35 @@ class RankReads:
                 orphans.append(AdmitOrder(ad.request_id, rp.params, rp.host, rp.port))
         return Plan(tuple(parts), tuple(orphans), need)
 
+    def refused_releases(self, ad: AdmitOrder) -> tuple[AdmitOrder, ...]:
+        """For a request whose plan this rank refused (``TopologyUnsupported``: its
+        params were valid): the admit orders of the P ranks it would have read, and on
+        D rank 0 the orphaned ones, each with the reader count of the TP ratio, so that
+        the worker releases them (each P rank hears one release per D rank that would
+        have read it, and frees as ``released`` once all did). Empty when the params do
+        not parse (``ParamsError``): a release must name a P rank and handle D can
+        trust, and bad params name neither."""
+        base = RemoteParams(ad.params, ad.host, ad.port, 1)
+        try:
+            ranks = parse_ranks(ad.ranks, base)
+            p_tp = ranks.p_tp if ranks is not None else 1
+            if ranks is not None and ranks.kv_heads != self.kv_heads:
+                return ()
+            top = Topology(p_tp, self.d_tp, self.kv_heads)
+        except (ParamsError, UsageError):
+            return ()
+        want = [s.p_rank for s in top.sources(self.d_rank)]
+        if self.d_rank == 0:
+            want += list(top.orphans())
+        out = []
+        for p in want:
+            rp = rank_params(base, ranks, p)
+            params = rp.params
+            if top.readers(p) > params.expected:
+                params = replace(params, expected=top.readers(p))
+            out.append(AdmitOrder(ad.request_id, params, rp.host, rp.port))
+        return tuple(out)
+
     def expect(self, rid: str, need: dict[int, frozenset[Region]]) -> bool:
         """Event ``expect`` with the request's region map (its parts are the map's P
         ranks); False: the request cannot be complete (no region, or the machine is

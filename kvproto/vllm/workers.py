@@ -20,6 +20,7 @@ from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
 from kvproto.port import now_ms
 from kvproto.vllm.dcover import RankReads
 from kvproto.vllm.sched import (
+    AdmitOrder,
     ConnectorOptions,
     Orders,
     ParamsError,
@@ -275,6 +276,8 @@ class DWorker:
             except (TopologyUnsupported, ParamsError) as e:
                 log.warning("kvproto: request %s: %s; %s", rid, e, self.outcome)
                 self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
+                if isinstance(e, TopologyUnsupported):
+                    self._release_refused(ad)
                 self._ended(rid)
                 continue
             keys = tuple((pt.order.params.engine, pt.order.params.epoch,
@@ -338,6 +341,23 @@ class DWorker:
             for prid in self._parts(rid):  # its orphans are released once they ended
                 a.abort(prid)
         self._drain(a.poll())
+
+    def _release_refused(self, ad: AdmitOrder) -> None:
+        """A request refused per request with valid params: tell the P ranks this rank
+        would have read (and, on rank 0, the orphaned ones) that it never will. Each
+        goes through a Consumer entry admitted and aborted at once: the machine sends
+        ``release`` (held while the P rank's handshake runs; lost, and P frees by lease
+        expiry, if that handshake fails). The entries' completions are not reported."""
+        a = self.adapter
+        for o in self.reads.refused_releases(ad):
+            erid = f"{ad.request_id}#r:{o.params.engine}"
+            if a.state(erid) != "new":
+                continue
+            a.add_engine(o.params.engine, o.host, o.port)
+            a.admit(erid, o.params)
+            a.abort(erid)
+            self.stats["tp_refused_released"] = self.stats.get("tp_refused_released",
+                                                               0.0) + 1
 
     def _parts(self, rid: str) -> list[str]:
         """The Consumer entries of ``rid``'s running parts (``rid`` itself when it was
