@@ -189,5 +189,6 @@ def test_tlc_checks_coverage_and_catches_drop_region() -> None:
 
     ok = check_model(TLC_MODELS["coverage"], workers=1)
     assert ok.as_expected and ok.result.result == "ok", ok.summary
-    bug = check_model(TLC_MODELS["bug_drop_region"], workers=1)
-    assert bug.as_expected and bug.violated == "Coverage", bug.summary
+    for name in ("bug_drop_region", "bug_one_part"):
+        bug = check_model(TLC_MODELS[name], workers=1)
+        assert bug.as_expected and bug.violated == "Coverage", (name, bug.summary)

@@ -53,7 +53,7 @@ with a region never read (Coverage). Caught by the coverage fuzzer
 ``bug_drop_region``). ``one_part`` -- a part read and verified completes the request
 while other parts (P ranks) are pending: a P TP 2 -> D TP 1 request with split heads is
 served after one P rank's READ, the other rank's heads never read (Coverage). Caught by
-the coverage fuzzer, by the join tests (``tests/test_vllm_dcover.py``) and by the NIXL
+the coverage fuzzer, by TLC (model ``bug_one_part``), by the join tests (``tests/test_vllm_dcover.py``) and by the NIXL
 test where the second part is fenced (``tests/test_nixl_split.py``).
 
 P's gate (``kvproto.lifecycle.gate``) has its own mutants, ``GATE_MUTANTS`` in
