@@ -167,3 +167,22 @@ def test_several_groups_at_tp1_take_the_map_from_d_own_groups() -> None:
     rr2 = RankReads(0, 1, 1, covered_layers([*groups[0], "b.0", "b.1"], groups), (2, 3))
     need = rr2.plan(_admit("r", None)).need
     assert rr2.expect("r", need) and not rr2.finish("r", True)  # b.2 never read
+
+
+def test_refused_plans_name_the_p_ranks_to_release_and_bad_params_none() -> None:
+    """A plan refused with valid params (no slices here) names every P rank this rank
+    would have read, with the TP ratio's reader count; params that fail validation (P's
+    KV heads differ) name none: a release must name a P rank D can trust."""
+    rr = RankReads(0, 1, 2, {(0, 0)}, (1,))
+    ad = _admit("r", 2, heads=2, layers=1)
+    with pytest.raises(TopologyUnsupported):
+        rr.plan(ad)
+    assert [(o.params.engine, o.params.expected) for o in rr.refused_releases(ad)] == \
+        [("p0", 1), ("p1", 1)]
+    rr2 = RankReads(1, 2, 2, {(0, 0)}, (1,))  # P TP 1 -> D TP 2: rank 1 of 2 readers
+    assert [(o.params.engine, o.params.expected)
+            for o in rr2.refused_releases(_admit("r", None))] == [("p0", 2)]
+    bad = _admit("r", 2, heads=1, layers=1)
+    with pytest.raises(ParamsError):
+        rr.plan(bad)
+    assert rr.refused_releases(bad) == ()
