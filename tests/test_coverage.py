@@ -164,8 +164,9 @@ def test_fuzzer_finds_nothing_in_the_real_machine() -> None:
     assert cfuzz.fuzz(2000) is None
 
 
-def test_fuzzer_catches_drop_region() -> None:
-    m = COVERAGE_MUTANTS["drop_region"]
+@pytest.mark.parametrize("name", ["drop_region", "one_part"])
+def test_fuzzer_catches_the_coverage_mutants(name: str) -> None:
+    m = COVERAGE_MUTANTS[name]
     assert set(vars(m.coverage_cls)) - {"__module__", "__doc__", "__qualname__",
                                         "__annotations__", "__firstlineno__",
                                         "__static_attributes__"} == {"part_guard"}
@@ -188,5 +189,6 @@ def test_tlc_checks_coverage_and_catches_drop_region() -> None:
 
     ok = check_model(TLC_MODELS["coverage"], workers=1)
     assert ok.as_expected and ok.result.result == "ok", ok.summary
-    bug = check_model(TLC_MODELS["bug_drop_region"], workers=1)
-    assert bug.as_expected and bug.violated == "Coverage", bug.summary
+    for name in ("bug_drop_region", "bug_one_part"):
+        bug = check_model(TLC_MODELS[name], workers=1)
+        assert bug.as_expected and bug.violated == "Coverage", (name, bug.summary)

@@ -49,9 +49,13 @@ def test_plan_pairs_ranks_and_derives_readers_from_the_tp_ratio(
         p_tp: int, d_tp: int, readers: int, orphan: int) -> None:
     for d in range(d_tp):
         rr = _reads(d, d_tp)
-        ad, part, need = rr.plan(_admit("r", p_tp))
+        plan = rr.plan(_admit("r", p_tp))
+        [pt] = plan.parts
+        part, ad, need = pt.p_rank, pt.order, plan.need
         assert part == (d if p_tp == d_tp else 0)
         assert ad.params.engine == f"p{part}"
+        assert [o.params.engine for o in plan.orphans] == (["p1"] if orphan and d == 0
+                                                           else [])
         assert ad.params.expected == readers  # from the TP ratio, not a knob
         assert set(need) == {part} and need[part] == {Region(part, i, 0) for i in range(2)}
         assert rr.counters.get("orphan", 0) == (orphan if d == 0 else 0)
@@ -62,23 +66,59 @@ def test_split_heads_p_tp1_to_d_tp2_read_head_slices() -> None:
     and both D ranks announce 2 readers; without slice support it is refused."""
     for d in (0, 1):
         rr = RankReads(d, 2, 2, {(0, 0), (1, 0)}, (2,), slices=True)
-        ad, part, _ = rr.plan(_admit("r", 1, heads=2))
-        assert part == 0 and ad.params.expected == 2
-        assert rr.slice_of["p0"] == (2, d, 1)
+        [pt] = rr.plan(_admit("r", 1, heads=2)).parts
+        assert pt.p_rank == 0 and pt.order.params.expected == 2
+        assert rr.slice_of["p0"] == ((2, d, 1), None, 0)
     with pytest.raises(TopologyUnsupported):  # heads not outermost, or checksums on
         _reads(1, 2, heads=2).plan(_admit("r", None))
 
 
-def test_plans_needing_several_p_ranks_and_bad_maps_are_refused() -> None:
-    with pytest.raises(TopologyUnsupported):  # P TP 2 -> D TP 1, heads split on P
-        RankReads(0, 1, 2, {(0, 0)}, (1,), slices=True).plan(_admit("r", 2, heads=2))
+def test_split_heads_p_tp2_to_d_tp1_read_both_p_ranks_into_local_slices() -> None:
+    """P TP 2 -> D TP 1 with 2 KV heads: D reads both P ranks (two parts, each with its
+    own rank's params, expected 1, and its own stamp slot set), whole P blocks landing
+    in head 0 and head 1 of D's block; the map has both parts. Without slice support
+    the plan is refused."""
+    rr = RankReads(0, 1, 2, {(0, 0)}, (1,), slices=True)
+    plan = rr.plan(_admit("r", 2, heads=2, layers=1))
+    assert [(pt.p_rank, pt.order.params.engine, pt.remote, pt.local, pt.stamps)
+            for pt in plan.parts] == [(0, "p0", None, (2, 0, 1), 0),
+                                      (1, "p1", None, (2, 1, 1), 1)]
+    assert all(pt.order.params.expected == 1 for pt in plan.parts) and not plan.orphans
+    assert set(plan.need) == {0, 1}
+    assert rr.slice_of == {"p0": (None, (2, 0, 1), 0), "p1": (None, (2, 1, 1), 1)}
+    with pytest.raises(TopologyUnsupported):  # heads not outermost, or checksums on
+        RankReads(0, 1, 2, {(0, 0)}, (1,)).plan(_admit("r", 2, heads=2))
     with pytest.raises(ParamsError):  # P's KV heads differ from D's
         _reads(0, 2, heads=2).plan(_admit("r", 2, heads=1))
 
 
+def _join(rr: RankReads, rid: str, outcomes: list[tuple[int, bool]]
+          ) -> list[tuple[bool | None, tuple[int, ...]]]:
+    plan = rr.plan(_admit(rid, 2, heads=2, layers=1))
+    assert rr.expect(rid, plan.need)
+    return [rr.finish_part(rid, p, ok) for p, ok in outcomes]
+
+
+def test_split_request_is_complete_only_when_every_part_was_read() -> None:
+    """The join: one part read is not enough (pending), both make it complete; a failed
+    (fenced) part makes it incomplete whatever the order, and cancels the other part."""
+    rr = RankReads(0, 1, 2, {(0, 0)}, (1,), slices=True)
+    assert _join(rr, "a", [(0, True), (1, True)]) == [(None, ()), (True, ())]
+    assert _join(rr, "b", [(0, True), (1, False)]) == [(None, ()), (False, ())]
+    assert _join(rr, "c", [(1, False), (0, True)]) == [(False, (0,)), (False, ())]
+    assert rr.counters["coverage_complete"] == 1 and len(rr) == 0
+
+
+def test_one_part_mutant_completes_after_one_part_and_is_caught() -> None:
+    """The coverage mutant ``one_part`` reports a split request complete once one part
+    was read; the join check above fails it."""
+    rr = RankReads(0, 1, 2, {(0, 0)}, (1,), slices=True,
+                   coverage=COVERAGE_MUTANTS["one_part"].coverage_cls())
+    assert _join(rr, "a", [(0, True), (1, False)])[0] == (True, ())  # served: caught
+
+
 def _served(rr: RankReads, rid: str, ad: AdmitOrder, pulled: bool = True) -> bool:
-    _, part, need = rr.plan(ad)
-    assert rr.expect(rid, part, need)
+    assert rr.expect(rid, rr.plan(ad).need)
     return rr.finish(rid, pulled)
 
 
@@ -108,10 +148,8 @@ def test_drop_region_mutant_serves_a_missing_region_and_is_caught() -> None:
 
 def test_coverage_cap_fails_closed() -> None:
     rr = _reads(0, 1, coverage=Coverage(max_requests=1))
-    _, part, need = rr.plan(_admit("a", 1))
-    assert rr.expect("a", part, need)
-    _, part, need = rr.plan(_admit("b", 1))
-    assert not rr.expect("b", part, need)
+    assert rr.expect("a", rr.plan(_admit("a", 1)).need)
+    assert not rr.expect("b", rr.plan(_admit("b", 1)).need)
     assert rr.counters["coverage_coverage_full"] == 1
     assert rr.finish("b", True) is False  # never tracked: not complete
     rr.drop("a")
@@ -124,8 +162,27 @@ def test_several_groups_at_tp1_take_the_map_from_d_own_groups() -> None:
     that D registered is covered."""
     groups = [["a.0", "a.1"], ["b.0", "b.1", "b.2"]]
     rr = RankReads(0, 1, 1, covered_layers([*groups[0], *groups[1]], groups), (2, 3))
-    _, part, need = rr.plan(_admit("r", None))
-    assert len(need[part]) == 5 and rr.expect("r", part, need) and rr.finish("r", True)
+    need = rr.plan(_admit("r", None)).need
+    assert len(need[0]) == 5 and rr.expect("r", need) and rr.finish("r", True)
     rr2 = RankReads(0, 1, 1, covered_layers([*groups[0], "b.0", "b.1"], groups), (2, 3))
-    _, part, need = rr2.plan(_admit("r", None))
-    assert rr2.expect("r", part, need) and not rr2.finish("r", True)  # b.2 never read
+    need = rr2.plan(_admit("r", None)).need
+    assert rr2.expect("r", need) and not rr2.finish("r", True)  # b.2 never read
+
+
+def test_refused_plans_name_the_p_ranks_to_release_and_bad_params_none() -> None:
+    """A plan refused with valid params (no slices here) names every P rank this rank
+    would have read, with the TP ratio's reader count; params that fail validation (P's
+    KV heads differ) name none: a release must name a P rank D can trust."""
+    rr = RankReads(0, 1, 2, {(0, 0)}, (1,))
+    ad = _admit("r", 2, heads=2, layers=1)
+    with pytest.raises(TopologyUnsupported):
+        rr.plan(ad)
+    assert [(o.params.engine, o.params.expected) for o in rr.refused_releases(ad)] == \
+        [("p0", 1), ("p1", 1)]
+    rr2 = RankReads(1, 2, 2, {(0, 0)}, (1,))  # P TP 1 -> D TP 2: rank 1 of 2 readers
+    assert [(o.params.engine, o.params.expected)
+            for o in rr2.refused_releases(_admit("r", None))] == [("p0", 2)]
+    bad = _admit("r", 2, heads=1, layers=1)
+    with pytest.raises(ParamsError):
+        rr.plan(bad)
+    assert rr.refused_releases(bad) == ()

@@ -166,7 +166,8 @@ def test_tp2_late_d_is_fenced_and_recomputed(pair: Pair) -> None:
 def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
     """P TP 2 -> D TP 1 (E): E reads P rank 0's blocks whole (the one KV head), and
     reports each load complete only through its coverage machine; P rank 1's blocks are
-    read by no D rank: they expire by lease and E counts them ``orphan``."""
+    read by no D rank: E counts them ``orphan`` and releases them once the request
+    ended, so P rank 1 frees them as ``released``, never by lease expiry."""
     p, e = pair.pd.p, pair.e
     baseline = int(p.stats()["free_blocks"])
     before = e.connector_stats()
@@ -187,8 +188,10 @@ def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
     assert ok, "P rank 1's orphaned blocks did not come back"
     rank0, rank1 = (_frees(j) for j in _rank_journals(pair))
     pulled = {rid.split("-")[0] for rid in rank0.get("transferred", set())}
-    orphaned = {rid.split("-")[0] for rid in rank1.get("expired", set())}
-    assert set(H21) <= pulled and set(H21) <= orphaned, (rank0, rank1)
+    released = {rid.split("-")[0] for rid in rank1.get("released", set())}
+    expired = {rid.split("-")[0] for rid in rank1.get("expired", set())}
+    assert set(H21) <= pulled and set(H21) <= released, (rank0, rank1)
+    assert not set(H21) & expired, rank1
 
 
 def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:

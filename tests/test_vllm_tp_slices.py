@@ -1,13 +1,20 @@
-"""End to end with head-slice READs: P TP 1 -> D TP 2 on a model with 2 KV heads (split
-on D: rank d holds head d), real vLLM engines (CPU build). vLLM's CPU KV tensors are (N,
-H, block size, 2 x head size): P's blocks hold both heads, each D rank's one; each D rank
-reads its head of every P block (one NIXL descriptor per layer segment and block).
+"""End to end with head-slice READs on a model with 2 KV heads, real vLLM engines (CPU
+build), both directions. vLLM's CPU KV tensors are (N, H, block size, 2 x head size).
 
-Two engines: S (TP 1, kvproto as P; it first gives the single-engine reference under
-other request ids) and T (TP 2, kvproto as D). Checks: T's greedy outputs equal the
-reference token for token; each D rank pulled every request (its journal: finished
-``pulled``, never recomputed); S's ledger frees each request as ``transferred`` only
-after both D ranks were done; every journal passes ``kvproto validate``.
+* P TP 1 -> D TP 2 (heads split on D: rank d holds head d): P's blocks hold both heads,
+  each D rank's one; each D rank reads its head of every P block (one NIXL descriptor
+  per layer segment and block).
+* P TP 2 -> D TP 1 (heads split on P): D's one rank reads both P ranks, one part per P
+  rank, each rank's whole blocks landing in its head of D's blocks; served only once
+  both parts were read and verified.
+
+Two engines, each running kvproto in both roles: S (TP 1; it first gives the
+single-engine reference under other request ids) and T (TP 2). Checks: the greedy
+outputs equal the reference token for token in both directions; every D rank pulled
+every request (its journal: finished ``pulled``, never recomputed); S's ledger frees each
+request as ``transferred`` only after both D ranks were done, and each of T's P ranks
+frees each request on the done of its own part; every journal passes ``kvproto
+validate``.
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ pytestmark = [pytest.mark.vllm,
 
 MAX_TOKENS = 8
 PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(6, seed=41))}
+SPLIT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=42))}  # P TP 2 -> D TP 1
 FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
 
 
+Run = tuple[Path, sc.Outcome, int, h.PD, dict[str, list[int]]]
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, sc.Outcome, int]]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     wd = tmp_path_factory.mktemp("vllm_tp_slices")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=2).path)
     s_spec, t_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="S",
@@ -42,7 +53,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, sc.Out
     t_spec.tensor_parallel_size = 2
     [s] = h.start_engines([s_spec], timeout=600)
     try:
-        ref = sc.reference_outputs(s, {f"ref-{k}": v for k, v in PROMPTS.items()},
+        ref = sc.reference_outputs(s, {f"ref-{k}": v for k, v in {**PROMPTS, **SPLIT}.items()},
                                    max_tokens=MAX_TOKENS)
         reference = {k[4:]: v for k, v in ref.items()}
         [t] = h.start_engines([t_spec], timeout=600)  # one at a time on 2 cores
@@ -51,7 +62,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, sc.Out
             baseline = int(s.stats()["free_blocks"])
             out = sc.correctness(pd, PROMPTS, reference, max_tokens=MAX_TOKENS)
             ok, _, _ = sc.wait_free(s, baseline, FREE_TIMEOUT)
-            yield wd, out, int(ok)
+            yield wd, out, int(ok), pd, reference
         finally:
             pd.close()
     except BaseException:
@@ -65,9 +76,8 @@ def _effects(journal: Path) -> Iterator[dict[str, object]]:
         yield {"event": rec.get("event", {}), "effects": rec.get("effects", [])}
 
 
-def test_p_tp1_to_d_tp2_head_slices_token_for_token(
-        run: tuple[Path, sc.Outcome, int]) -> None:
-    wd, out, freed = run
+def test_p_tp1_to_d_tp2_head_slices_token_for_token(run: Run) -> None:
+    wd, out, freed, _, _ = run
     assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
     assert out.requests == len(PROMPTS) and out.tokens == len(PROMPTS) * MAX_TOKENS
     assert freed, "S did not free its blocks"
@@ -91,9 +101,53 @@ def test_p_tp1_to_d_tp2_head_slices_token_for_token(
     assert set(PROMPTS) <= transferred
 
 
-def test_slice_journals_validate(run: tuple[Path, sc.Outcome, int]) -> None:
+def _frees(journal: Path) -> dict[str, set[str]]:
+    """Request ids (prefix before "-") freed per reason in one P rank's journal."""
+    out: dict[str, set[str]] = {}
+    for rec in _effects(journal):
+        for e in rec["effects"]:  # type: ignore[attr-defined]
+            if e.get("type") == "free":
+                out.setdefault(str(e["reason"]), set()).add(str(e["request_id"]).split("-")[0])
+    return out
+
+
+def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run) -> None:
+    """T (TP 2) prefills, S (TP 1) decodes: S reads each request from both of T's ranks
+    (two parts), lands each rank's head in its half of the block, and serves it only
+    through its coverage join; never refused, never recomputed."""
+    wd, _, _, pd, reference = run
+    t, s = pd.d, pd.p
+    baseline = int(t.stats()["free_blocks"])
+    before = s.connector_stats()
+    out = sc.correctness(h.PD(t, s), SPLIT, reference, max_tokens=MAX_TOKENS)
+    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+    assert out.requests == len(SPLIT) and out.tokens == len(SPLIT) * MAX_TOKENS
+    after = s.connector_stats()
+
+    def grew(k: str) -> float:
+        return float(after.get(k, 0)) - float(before.get(k, 0))
+
+    seen = {k: (before.get(k), v) for k, v in after.items()
+            if any(w in k for w in ("cover", "reads", "tp_", "fenced"))}
+    assert grew("coverage_complete") == len(SPLIT), seen  # both parts pulled
+    assert grew("reads_failed") == 0 and grew("tp_refused") == 0, seen
+    ok, _, _ = sc.wait_free(t, baseline, FREE_TIMEOUT)
+    assert ok, "T did not free its blocks"
+    for name in ("DS.jsonl", "DS.tp1.jsonl"):  # each P rank: freed on its own part's done
+        assert set(SPLIT) <= _frees(wd / name).get("transferred", set()), name
+    parts: dict[str, set[str]] = {}
+    for rec in _effects(wd / "PS.consumer.jsonl"):
+        for e in rec["effects"]:  # type: ignore[attr-defined]
+            if e.get("type") == "finished" and e.get("reason") == "pulled":
+                rid = str(e["request_id"])
+                parts.setdefault(rid.split("-")[0], set()).add(rid.partition("#")[2])
+    assert all(len(parts.get(k, ())) == 2 for k in SPLIT), parts  # two parts each
+
+
+def test_slice_journals_validate(run: Run) -> None:
     wd = run[0]
-    js = [wd / n for n in ("PS.jsonl", "DS.consumer.jsonl", "DS.tp1.consumer.jsonl")]
+    js = [wd / n for n in ("PS.jsonl", "DS.consumer.jsonl", "DS.tp1.consumer.jsonl",
+                           "DS.jsonl", "DS.tp1.jsonl", "PS.consumer.jsonl")]
     run_ = subprocess.run([sys.executable, "-m", "kvproto.cli", "validate",
                            *map(str, js)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})

@@ -17,13 +17,17 @@
 (* as the part read. TLC then finds a request reported complete with a    *)
 (* region never read (Coverage).                                          *)
 (*                                                                         *)
+(* BugOnePart: a part read and verified completes the request while other *)
+(* parts are pending (the mutant one_part): a split request served after  *)
+(* one P rank's READ. TLC finds Coverage violated.                        *)
+(*                                                                         *)
 (* ABSTRACTION (Python -> TLA+): cst[r] = Coverage.state(r); got[r] =     *)
 (* Coverage.read(r) while covering, what its CoverageDone named after;    *)
 (* left[r] = Coverage.pending(r); ceff = the effects of the last step.    *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 
-CONSTANTS Requests, Parts, Layers, Groups, NeedOf, BugDropRegion
+CONSTANTS Requests, Parts, Layers, Groups, NeedOf, BugDropRegion, BugOnePart
 
 VARIABLES cst, got, left, ceff
 cvars == <<cst, got, left, ceff>>
@@ -72,9 +76,10 @@ PartRead(r, p, S) ==
                 /\ ceff' = {Done(r, FALSE, "short")} \cup (IF rest # {} THEN {Cancel(r)} ELSE {})
                 /\ UNCHANGED got
            ELSE /\ got' = [got EXCEPT ![r] = read]
-                /\ left' = [left EXCEPT ![r] = rest]
-                /\ cst' = [cst EXCEPT ![r] = IF rest = {} THEN "complete" ELSE "covering"]
-                /\ ceff' = IF rest = {} THEN {Done(r, TRUE, "complete")} ELSE {}
+                /\ left' = [left EXCEPT ![r] = IF BugOnePart THEN {} ELSE rest]
+                /\ cst' = [cst EXCEPT ![r] = IF rest = {} \/ BugOnePart THEN "complete"
+                                                                  ELSE "covering"]
+                /\ ceff' = IF rest = {} \/ BugOnePart THEN {Done(r, TRUE, "complete")} ELSE {}
 
 (* event part_failed: row PART_FAILED/failed *)
 PartFailed(r, p) ==

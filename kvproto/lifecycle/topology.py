@@ -16,8 +16,10 @@ contiguous heads (one ``Source`` per P rank it reads: heads of one rank are cont
 both sides); ``readers(p)`` is how many distinct D ranks read P rank p -- the expected
 reader count of p's requests, which P's ledger waits for before it frees as
 ``transferred``. ``orphans()`` are the P ranks no D rank reads (replicated heads on P, a
-smaller D): their blocks are never pulled, P frees them by lease expiry, and D counts
-them (``orphan``).
+smaller D): their blocks are never pulled; D counts them (``orphan``) and releases them
+once the request ended on D (``kvproto.vllm.dcover``), so P frees them as ``released``.
+A D rank whose plan has several sources (P TP 2 -> D TP 1 with split heads) reads each
+as its own part; the coverage machine (``kvproto.lifecycle.coverage``) joins them.
 
 Pure and O(d_tp * heads) once at construction (both sizes capped at ``MAX_TP``); every
 query after that is a lookup.

@@ -183,8 +183,9 @@ class DTransport(Protocol):
         """Release a finished transfer (one whose release fails is kept and retried by
         ``reap``)."""
 
-    def landed_stamps(self, local: Sequence[int]) -> list[int]:
-        """The stamps a finished stamp READ left in the local slots ``local``."""
+    def landed_stamps(self, local: Sequence[int], engine: str = "") -> list[int]:
+        """The stamps a finished stamp READ from P engine ``engine`` left in the local
+        slots ``local`` (of the slot set that engine's stamp READs land in)."""
 
     def landed_sums(self, local: Sequence[int]) -> list[int]:
         """The checksums a finished stamp READ with ``sums`` left in the local checksum

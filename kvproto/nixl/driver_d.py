@@ -878,7 +878,7 @@ class DDriver:
         """Compare every request's stamps with its params (fail closed) and finish it."""
         t = self.transport
         t.release(b.xfer)
-        got = t.landed_stamps(b.local)
+        got = t.landed_stamps(b.local, b.reads[0].engine)  # the engine's slot set
         rds = b.reads
         reads = self.reads
         machine = self.machine

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -235,9 +236,46 @@ class NixlDTransport:
         # an engine absent here is read whole. Set before the engine's handshake; at most
         # one entry per P engine this rank reads.
         self.slices: dict[str, tuple[int, int, int]] = {}
+        # The mirror image, for P engines whose blocks fill only some of the heads of this
+        # rank's block (P TP 2 -> D TP 1 with split heads: one part per P rank): P engine
+        # -> (this rank's KV heads per block, first head, heads) its READs land in, and
+        # the stamp slot set its stamp READs land in (0: the region's own slots; part k
+        # of a request has set k, so that two parts of one request, which share local
+        # blocks, never share a stamp slot). Set before the engine's handshake; one
+        # entry per P engine. Local slices and slot sets are built once per value
+        # (at most one per head range and part of this rank's plan).
+        self.local_slices: dict[str, tuple[int, int, int]] = {}
+        self.stamp_set: dict[str, int] = {}
+        self._local_sets: dict[tuple[tuple[int, int, int] | None, int], tuple[Any, Any]] = {}
+        self._slot_sets: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._local_bytes: dict[str, int] = {}  # engine -> bytes of one local (sliced) block
 
     def layout(self) -> Layout:
         return self.region.layout(self.tp_rank, self.tp_size)
+
+    def _slots(self, k: int) -> torch.Tensor:
+        """Stamp slot set ``k`` (stamps, then checksum slots: 2 per local block)."""
+        if k == 0:
+            return self.region.slots
+        got = self._slot_sets.get(k)
+        if got is None:
+            t = torch.zeros_like(self.region.slots)
+            got = self._slot_sets[k] = (t, self.agent.register_memory([t]))
+        return got[0]
+
+    def _local_set(self, engine: str) -> tuple[Any, Any]:
+        """The local (KV, stamp) dlists the READs of ``engine`` land in."""
+        ls, k = self.local_slices.get(engine), self.stamp_set.get(engine, 0)
+        if ls is None and k == 0:
+            return self.local_kv, self.local_gen
+        got = self._local_sets.get((ls, k))
+        if got is None:
+            region = self.region.as_remote()
+            if ls is not None:
+                region = region.head_slice(*ls)
+            region = replace(region, gen_addr=int(self._slots(k).data_ptr()))
+            got = self._local_sets[(ls, k)] = prep_blocks(self.agent, "", region)
+        return got
 
     def _remote(self, engine: str) -> _Remote:
         r = self.remotes.get(engine)
@@ -289,9 +327,22 @@ class NixlDTransport:
                             f"P seals {str(algo)[:32]!r} checksums, which this D cannot "
                             f"compute over {self.region.mem} (kvproto.nixl.checksum)",
                             final=True)
-        if sl is not None and region.block_bytes != self.block_bytes:
+        ls = self.local_slices.get(engine)
+        want = self.block_bytes
+        if ls is not None:
+            try:
+                want = self.region.as_remote().head_slice(*ls).block_bytes
+            except ValueError as e:
+                raise PeerError("layout_mismatch", f"local head slice: {e}",
+                                final=True) from None
+        try:
+            self._local_set(engine)  # built once, before any READ of the engine
+        except Exception as e:
+            raise PeerError("metadata", error_name(e), final=False) from e
+        if (sl is not None or ls is not None) and region.block_bytes != want:
             raise PeerError("layout_mismatch", f"head slice of {region.block_bytes} B, "
-                            f"local block {self.block_bytes} B", final=True)
+                            f"local (slice of a) block {want} B", final=True)
+        self._local_bytes[engine] = want
         md_name = metadata_agent_name(hs.agent_metadata)
         if md_name != engine:  # checked before loading: never replace another agent's
             raise PeerError("handshake_wrong_peer", f"metadata of {str(md_name)[:64]!r}",
@@ -329,20 +380,21 @@ class NixlDTransport:
         r = self.remotes.get(engine)
         if r is None or r.region is None or r.remote_kv is None or r.remote_gen is None:
             return None, "error:peer_gone"
+        local_kv, local_gen = self._local_set(engine)
         if stamps and sums:  # descriptor num_blocks + b: block b's checksum slot
             n, rn = self.num_blocks, r.region.num_blocks
-            x = Xfer.make_read(self.agent, self.local_gen, [*local, *(n + b for b in local)],
+            x = Xfer.make_read(self.agent, local_gen, [*local, *(n + b for b in local)],
                                r.remote_gen, [*remote, *(rn + b for b in remote)], b"", 0)
         elif stamps:
-            x = Xfer.make_read(self.agent, self.local_gen, local, r.remote_gen, remote, b"", 0)
+            x = Xfer.make_read(self.agent, local_gen, local, r.remote_gen, remote, b"", 0)
         else:
             if self.region.segments or r.region.segments:  # engine caches: descriptor indices
                 li: Sequence[int] = self.region.block_index(local)
                 ri: Sequence[int] = r.region.block_index(remote)
             else:
                 li, ri = local, remote
-            x = Xfer.make_read(self.agent, self.local_kv, li, r.remote_kv, ri, b"",
-                               len(local) * self.region.block_bytes)
+            x = Xfer.make_read(self.agent, local_kv, li, r.remote_kv, ri, b"",
+                               len(local) * self._local_bytes.get(engine, self.block_bytes))
         if isinstance(x, str):
             return None, x
         st: str = x.post()
@@ -377,7 +429,14 @@ class NixlDTransport:
         r = self.remotes.get(engine)
         return self.region.block_sums(local, r.sum_algo if r is not None else None)
 
-    def landed_stamps(self, local: Sequence[int]) -> list[int]:
+    def landed_stamps(self, local: Sequence[int], engine: str = "") -> list[int]:
+        k = self.stamp_set.get(engine, 0) if engine else 0
+        if k:  # a part's own slot set
+            gen = self._slots(k)[:self.num_blocks]
+            if gen.is_cuda:
+                idx = torch.tensor(list(local), dtype=torch.int64, device=gen.device)
+                return [int(g) for g in gen[idx].tolist()]
+            return [int(g) for g in gen[list(local)].tolist()]
         gv = self._gen_view
         if gv is None:  # pragma: no cover - VRAM
             got: list[int] = self.region.gen[torch.tensor(
@@ -418,4 +477,17 @@ class NixlDTransport:
             if r.client is not None:
                 r.client.close()
                 r.client = None
+        for kv, gen in self._local_sets.values():
+            for h in (kv, gen):
+                try:
+                    self.agent.release_dlist_handle(h)
+                except Exception as ex:  # pragma: no cover - teardown
+                    log.debug("release_dlist_handle: %s", error_name(ex))
+        self._local_sets.clear()
+        for _, reg in self._slot_sets.values():
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as ex:  # pragma: no cover - teardown
+                log.debug("deregister_memory: %s", error_name(ex))
+        self._slot_sets.clear()
         self.region.close()

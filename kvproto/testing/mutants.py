@@ -45,12 +45,16 @@ documented hook: ``sweep_leases``, ``refuses_load``), caught by D journal valida
   ``ReadOnlyGranted`` and KVGate's ``BugReadBeforeGrant`` breaks ``NoFreeUnderRead``
   (per claimant) under TLC (model ``bug_read_before_grant``).
 
-One coverage mutant (``COVERAGE_MUTANTS``, a ``Coverage`` subclass overriding its
-documented hook ``part_guard``): ``drop_region`` -- a part whose READ missed one of its
+Two coverage mutants (``COVERAGE_MUTANTS``, a ``Coverage`` subclass overriding its
+documented hook ``part_guard``). ``drop_region`` -- a part whose READ missed one of its
 regions (one layer of one P rank) still counts as read, so D reports the request complete
 with a region never read (Coverage). Caught by the coverage fuzzer
 (``kvproto.testing.cfuzz``), by the coverage graph equality and by TLC (model
-``bug_drop_region``).
+``bug_drop_region``). ``one_part`` -- a part read and verified completes the request
+while other parts (P ranks) are pending: a P TP 2 -> D TP 1 request with split heads is
+served after one P rank's READ, the other rank's heads never read (Coverage). Caught by
+the coverage fuzzer, by TLC (model ``bug_one_part``), by the join tests (``tests/test_vllm_dcover.py``) and by the NIXL
+test where the second part is fenced (``tests/test_nixl_split.py``).
 
 P's gate (``kvproto.lifecycle.gate``) has its own mutants, ``GATE_MUTANTS`` in
 ``kvproto.testing.gatefuzz`` (``skip_binding``, ``register_unready``,
@@ -289,6 +293,18 @@ class DropRegionCoverage(Coverage):
         return "more_parts" if pending else "all_read"
 
 
+class OnePartCoverage(Coverage):
+    """Coverage mutant: a part read and verified completes the request although other
+    parts are pending (hook ``part_guard``), as a join that serves a split request (P
+    TP 2 -> D TP 1 with split heads) after one P rank's READ."""
+
+    def part_guard(self, need: Mapping[int, frozenset[Region]], part: int,
+                   got: frozenset[Region], read: frozenset[Region], pending: int) -> str:
+        if not need[part] <= got:
+            return "short"
+        return "all_read"  # BUG: the pending parts are not waited for
+
+
 @dataclass(frozen=True)
 class CoverageMutant:
     name: str
@@ -301,4 +317,8 @@ COVERAGE_MUTANTS: dict[str, CoverageMutant] = {m.name: m for m in (
     CoverageMutant("drop_region", DropRegionCoverage,
                    "a part whose READ missed one region counts as read: complete with a "
                    "region never read", frozenset({"Coverage"})),
+    CoverageMutant("one_part", OnePartCoverage,
+                   "a request read from several P ranks completes once one part was "
+                   "read: served with the other parts' heads never read",
+                   frozenset({"Coverage"})),
 )}

@@ -570,7 +570,7 @@ class SimDTransport:
     def release(self, xfer: Any) -> None:
         """Landed transfers hold nothing."""
 
-    def landed_stamps(self, local: Sequence[int]) -> list[int]:
+    def landed_stamps(self, local: Sequence[int], engine: str = "") -> list[int]:
         slots = self.world.local_stamps[self.name]
         return [slots[i] for i in local]
 

@@ -90,6 +90,10 @@ _TLC: Final[tuple[TlcModel, ...]] = (
           "BUG: D's part_read guard ignores one region (mutant drop_region), so a request "
           "is reported complete with a region never read", expect="Coverage",
           module="MC_coverage"),
+    TlcModel("bug_one_part", "MC_bug_one_part.cfg",
+          "BUG: a part read completes the request while other parts are pending (mutant "
+          "one_part), so a split request is reported complete with the other P rank's "
+          "regions never read", expect="Coverage", module="MC_coverage"),
     TlcModel("gate", "MC_gate.cfg",
           "P's gate: 2 requests x 3 consumers holding the same params and 1 without them "
           "(a forger), chunked prefill, aborts after the params left, a gate that may be "

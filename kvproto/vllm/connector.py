@@ -125,12 +125,14 @@ are refused at start-up.
 
 Tensor parallelism (``kvproto.vllm.topology``): one agent and machine per worker rank;
 the params carry every P rank (``RANKS_KEY``); equal TP sizes pair rank r with rank r;
-unequal ones pair when every rank holds the same heads (KV heads replicated on both
-sides); plans that need head slices are refused before any READ. A D rank reports a load
-complete only when its coverage machine saw every region of the request's map read and
-verified (``kvproto.vllm.dcover``).
+unequal ones pair whole blocks when every rank holds the same heads (KV heads replicated
+on both sides), and else read head slices: of P's blocks (P TP 1 -> D TP 2), or several
+P ranks' blocks into one D block, one part per P rank (P TP 2 -> D TP 1). A D rank
+reports a load complete only when its coverage machine saw every region of the request's
+map (every part) read and verified (``kvproto.vllm.dcover``).
 
-Limits of this version: TP sizes whose pairing needs head slices are refused per request; TP > 1 with
+Limits of this version: head slices need block checksums off (else refused per request,
+and released at P); TP > 1 with
 several KV cache groups is refused at start-up; equal block sizes on P and D (a request
 from a P of another block size is refused, counted, and recomputes or fails per policy).
 """

@@ -14,12 +14,19 @@ every rank did, and unions the load errors of all ranks.
   address and the generations of the blocks from *that rank's* stamp mirror
   (``RankMirrors``; ranks bump stamps at their own pace, so one mirror for all ranks
   could pair one rank's stamp with another's bump).
-* D: rank d takes its plan from ``kvproto.lifecycle.topology.Topology`` and pulls from
-  the P rank that holds its heads (``d_params``). This version pulls whole blocks: it
-  pairs equal TP sizes, and different TP sizes whose ranks all hold the same heads (KV
-  heads replicated on both sides, e.g. one KV head); a plan that needs head slices is
-  refused before anything is read (``TopologyUnsupported``, counted ``tp_refused``; the
-  request recomputes or fails per ``kv_load_failure_policy``).
+* D: rank d takes its plan from ``kvproto.lifecycle.topology.Topology``: one *part* per
+  P rank that holds some of its heads (``plan_parts``), each read with that rank's
+  params (``rank_params``). Whole blocks when both hold the same heads (equal TP sizes,
+  KV heads replicated on both sides); a head slice of P's blocks when a P rank holds
+  more heads than D's (P TP 1 -> D TP 2, split heads); and several parts, each P rank's
+  whole blocks landing in the heads of D's block that rank holds, when D's rank holds
+  more heads than one P rank (P TP 2 -> D TP 1, split heads: one READ per P rank and
+  step, each part with its own stamp slots, joined by the coverage machine). Slices
+  need heads outermost within a block on both sides and block checksums off; else the
+  plan is refused before anything is read (``TopologyUnsupported``, counted
+  ``tp_refused``; the request recomputes or fails per ``kv_load_failure_policy``).
+  P ranks no D rank reads (replicated heads, a smaller D) are released by D rank 0 once
+  the request ends on D (``kvproto.vllm.dcover``).
 """
 
 from __future__ import annotations
@@ -205,34 +212,51 @@ class TopologyUnsupported(UsageError, ValueError):
     """A plan this version cannot pull (head slices: P and D TP sizes differ)."""
 
 
-def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
-             kv_heads: int, *, slices: bool = False) -> RemoteParams:
-    """The params D rank ``d_rank`` of ``d_tp`` pulls with: the P rank ``Topology`` pairs
-    it with (P rank 0's plain params when P runs TP 1). See ``plan_source`` for the plans
-    accepted. Raises TopologyUnsupported or ParamsError."""
-    src, _ = plan_source(ranks, d_rank, d_tp, kv_heads, slices=slices)
+def rank_params(rp: RemoteParams, ranks: RankParams | None, p_rank: int) -> RemoteParams:
+    """The params of P rank ``p_rank`` (P rank 0's plain params when P runs TP 1). P rank
+    0's entry takes the capability the scheduler minted for rank 0's params."""
     if ranks is None:
         return rp
-    out = ranks.ranks[src]
+    out = ranks.ranks[p_rank]
     if out.params.engine == rp.params.engine and out.params.epoch == rp.params.epoch:
-        # P rank 0: the capability the scheduler minted belongs to its params
         out = RemoteParams(replace(out.params, capability=rp.params.capability), out.host,
                            out.port, out.num_tokens)
     return out
 
 
-HeadSlice = tuple[int, int, int]  # (P's KV heads per block, first head read, heads read)
+def d_params(rp: RemoteParams, ranks: RankParams | None, d_rank: int, d_tp: int,
+             kv_heads: int, *, slices: bool = False) -> RemoteParams:
+    """The params D rank ``d_rank`` of ``d_tp`` pulls with when one P rank fills its
+    block (``plan_source``). Raises TopologyUnsupported (several P ranks: see
+    ``plan_parts``) or ParamsError."""
+    src, _ = plan_source(ranks, d_rank, d_tp, kv_heads, slices=slices)
+    return rank_params(rp, ranks, src)
 
 
-def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int, *,
-                slices: bool = False) -> tuple[int, HeadSlice | None]:
-    """The one P rank D rank ``d_rank`` reads, and the head slice of P's blocks it reads
-    (None: whole blocks). Accepted: plans where one P rank fills D's whole block -- whole
-    blocks when both hold the same heads (equal TP sizes, or KV heads replicated on both
-    sides), or, with ``slices``, a head slice of a P rank that holds more heads (P TP 1
-    -> D TP 2 with split heads). A plan whose D block needs several P ranks (P TP 2 ->
-    D TP 1 with split heads) raises TopologyUnsupported; P's KV heads other than D's
-    raise ParamsError."""
+HeadSlice = tuple[int, int, int]  # (KV heads per block, first head, heads)
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One P rank a D rank reads (one part of its requests): ``remote``, the head slice
+    of P's blocks it reads (None: whole blocks); ``local``, the head slice of D's blocks
+    they land in (None: whole blocks)."""
+
+    p_rank: int
+    remote: HeadSlice | None
+    local: HeadSlice | None
+
+
+def plan_parts(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int, *,
+               slices: bool = False) -> tuple[PartPlan, ...]:
+    """D rank ``d_rank``'s parts: one per P rank of ``Topology.sources`` (in head order).
+    Whole blocks on both sides when a P rank and D hold the same heads (equal TP sizes,
+    or KV heads replicated on both sides); with ``slices`` (heads outermost within a
+    block on both sides), a head slice of P's blocks (P TP 1 -> D TP 2 with split heads)
+    and/or of D's (P TP 2 -> D TP 1 with split heads: each P rank's whole blocks land in
+    the heads of D's block that rank holds). A plan that needs a slice without
+    ``slices`` raises TopologyUnsupported; P's KV heads other than D's raise
+    ParamsError."""
     p_tp = ranks.p_tp if ranks is not None else 1
     if ranks is not None and ranks.kv_heads != kv_heads:
         raise ParamsError("bad_params", f"P has {ranks.kv_heads} KV heads, D {kv_heads}")
@@ -242,15 +266,29 @@ def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int,
     except TopologyError as e:
         raise ParamsError("bad_params", str(e)) from None
     p_heads, d_heads = top.local_heads("P"), top.local_heads("D")
-    if len(srcs) != 1 or srcs[0].heads != d_heads:
+    out = []
+    for s in srcs:
+        remote = None if s.heads == p_heads else (p_heads, s.p_head, s.heads)
+        local = None if s.heads == d_heads else (d_heads, s.d_head, s.heads)
+        if (remote is not None or local is not None) and not slices:
+            raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV "
+                                      "heads: head slices")
+        out.append(PartPlan(s.p_rank, remote, local))
+    return tuple(out)
+
+
+def plan_source(ranks: RankParams | None, d_rank: int, d_tp: int, kv_heads: int, *,
+                slices: bool = False) -> tuple[int, HeadSlice | None]:
+    """The one P rank D rank ``d_rank`` reads, and the head slice of P's blocks it reads
+    (None: whole blocks), for plans where one P rank fills D's whole block (see
+    ``plan_parts``). A plan whose D block needs several P ranks raises
+    TopologyUnsupported here (``plan_parts`` gives its parts)."""
+    parts = plan_parts(ranks, d_rank, d_tp, kv_heads, slices=slices)
+    if len(parts) != 1 or parts[0].local is not None:
+        p_tp = ranks.p_tp if ranks is not None else 1
         raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
                                   "D's block needs several P ranks")
-    if p_heads == d_heads:
-        return srcs[0].p_rank, None
-    if not slices:
-        raise TopologyUnsupported(f"P TP {p_tp} -> D TP {d_tp} with {kv_heads} KV heads: "
-                                  "head slices")
-    return srcs[0].p_rank, (p_heads, srcs[0].p_head, srcs[0].heads)
+    return parts[0].p_rank, parts[0].remote
 
 
 def rank_admit(ad: AdmitOrder, d_rank: int, d_tp: int, kv_heads: int) -> AdmitOrder:

@@ -20,6 +20,7 @@ from kvproto.lifecycle import D_DONE, UNREGISTERED, Effect, Free
 from kvproto.port import now_ms
 from kvproto.vllm.dcover import RankReads
 from kvproto.vllm.sched import (
+    AdmitOrder,
     ConnectorOptions,
     Orders,
     ParamsError,
@@ -43,6 +44,34 @@ def consumer_journal_path(journal: str) -> str:
     """Where a D worker writes its Consumer journal, given the ``journal`` option."""
     p = Path(journal)
     return str(p.with_name(p.stem + ".consumer" + (p.suffix or ".jsonl")))
+
+
+def part_rid(rid: str, p_rank: int, index: int) -> str:
+    """The Consumer entry of part ``index`` (P rank ``p_rank``) of request ``rid``: the
+    request id itself for its first part (one-part requests keep their id)."""
+    return rid if index == 0 else f"{rid}#p{p_rank}"
+
+
+def orphan_rid(rid: str, engine: str) -> str:
+    """The Consumer entry that releases orphaned P rank ``engine`` of ``rid``."""
+    return f"{rid}#o:{engine}"
+
+
+class Join:
+    """One admitted request on a D rank: its parts' Consumer entries (entry -> P rank)
+    still running, its orphans' entries, the coverage outcome once known (None: parts
+    pending), whether a part was aborted, the parts quarantined, and whether it ended
+    before its load order."""
+
+    __slots__ = ("aborted", "ended", "orphans", "parts", "quarantined", "result")
+
+    def __init__(self) -> None:
+        self.parts: dict[str, int] = {}
+        self.orphans: list[str] = []
+        self.result: bool | None = None
+        self.aborted = False
+        self.quarantined: set[str] = set()
+        self.ended = False
 
 
 class PWorker:
@@ -218,8 +247,16 @@ class DWorker:
         self.quarantined: dict[str, tuple[int, ...]] = {}
         # Admitted and not finished: request id -> (P engine, epoch, handle), and those
         # keys. The epoch belongs to the key: a restarted P mints handles from 1 again.
-        self.admitted: dict[str, tuple[str, int, int]] = {}
+        self.admitted: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self.handles: set[tuple[str, int, int]] = set()
+        # Admitted requests' joins (rid -> its parts' entries), and each entry's request
+        # (part or orphan entry -> rid). Size: the admitted requests and their parts
+        # (at most one part per P rank). Quarantined parts: entry -> rid, and the parts a
+        # quarantined request waits for (rid -> entries).
+        self.joins: dict[str, Join] = {}
+        self.owner: dict[str, str] = {}
+        self.qparts: dict[str, str] = {}
+        self.qwait: dict[str, set[str]] = {}
         self.delayed: list[tuple[float, str, tuple[int, ...] | None]] = []  # test hook
         self.ended: OrderedDict[str, None] = OrderedDict()  # ended before a load order
         self.ended_report: list[str] = []
@@ -233,37 +270,62 @@ class DWorker:
     def apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
+            rid = ad.request_id
             try:
-                ad, part, need = self.reads.plan(ad)
+                plan = self.reads.plan(ad)
             except (TopologyUnsupported, ParamsError) as e:
-                log.warning("kvproto: request %s: %s; %s", ad.request_id, e, self.outcome)
+                log.warning("kvproto: request %s: %s; %s", rid, e, self.outcome)
                 self.stats["tp_refused"] = self.stats.get("tp_refused", 0.0) + 1
-                self._ended(ad.request_id)
+                if isinstance(e, TopologyUnsupported):
+                    self._release_refused(ad)
+                self._ended(rid)
                 continue
-            key = (ad.params.engine, ad.params.epoch, ad.params.handle)
-            if ad.request_id in self.admitted or key in self.handles:
+            keys = tuple((pt.order.params.engine, pt.order.params.epoch,
+                          pt.order.params.handle) for pt in plan.parts)
+            if rid in self.admitted or any(k in self.handles for k in keys):
                 # The same handle twice (e.g. D's n>1 children share P's params): one
                 # pulls, the others prefill locally.
-                self._ended(ad.request_id)
+                self._ended(rid)
                 continue
-            if not self.reads.expect(ad.request_id, part, need):
+            if not self.reads.expect(rid, plan.need):
                 log.warning("kvproto: request %s: coverage cannot track it; %s",
-                            ad.request_id, self.outcome)
-                self._ended(ad.request_id)
+                            rid, self.outcome)
+                self._ended(rid)
                 continue
-            self.admitted[ad.request_id] = key
-            self.handles.add(key)
-            sl = self.reads.slice_of.get(ad.params.engine)
-            if sl is not None:  # read before the engine's handshake loads its region
-                a.transport.slices[ad.params.engine] = sl
-            a.add_engine(ad.params.engine, ad.host, ad.port)
-            a.admit(ad.request_id, ad.params)
+            self.admitted[rid] = keys
+            self.handles.update(keys)
+            j = self.joins[rid] = Join()
+            t = a.transport
+            for pt in plan.parts:
+                prid = part_rid(rid, pt.p_rank, pt.stamps)
+                j.parts[prid] = pt.p_rank
+                self.owner[prid] = rid
+                engine = pt.order.params.engine
+                # How the engine's blocks are read: set before its handshake loads them.
+                if pt.remote is not None:
+                    t.slices[engine] = pt.remote
+                if pt.local is not None:
+                    t.local_slices[engine] = pt.local
+                if pt.stamps:
+                    t.stamp_set[engine] = pt.stamps
+                a.add_engine(engine, pt.order.host, pt.order.port)
+                a.admit(prid, pt.order.params)
+            for o in plan.orphans:
+                orid = orphan_rid(rid, o.params.engine)
+                j.orphans.append(orid)
+                self.owner[orid] = rid
+                a.add_engine(o.params.engine, o.host, o.port)
+                a.admit(orid, o.params)
         for ld in orders.loads:
             rid = ld.request_id
-            if ld.fail or rid in self.ended or a.state(rid) == "new" or not ld.local_blocks:
+            jl = self.joins.get(rid)
+            if ld.fail or rid in self.ended or jl is None or not ld.local_blocks \
+                    or any(a.state(prid) == "new" for prid in jl.parts):
                 self.ended.pop(rid, None)
-                a.abort(rid)  # releases to P if the machine still holds it
-                a.free_local(rid)
+                for prid in self._parts(rid):
+                    a.abort(prid)  # releases to P if the machine still holds it
+                    a.free_local(prid)
+                self._close(rid)  # and releases its orphaned P ranks
                 self.reads.drop(rid)
                 self._complete(rid, ld.local_blocks, ok=False)
                 continue
@@ -272,11 +334,50 @@ class DWorker:
                 self.delayed.append((time.monotonic() + self.opts.test_delay_load_s, rid,
                                      ld.remote))
             else:
-                a.schedule(rid, ld.local_blocks, ld.remote)
+                for prid in jl.parts:
+                    a.schedule(prid, ld.local_blocks, ld.remote)
         for rid in orders.aborts:
             self.ended.pop(rid, None)
-            a.abort(rid)
+            for prid in self._parts(rid):  # its orphans are released once they ended
+                a.abort(prid)
         self._drain(a.poll())
+
+    def _release_refused(self, ad: AdmitOrder) -> None:
+        """A request refused per request with valid params: tell the P ranks this rank
+        would have read (and, on rank 0, the orphaned ones) that it never will. Each
+        goes through a Consumer entry admitted and aborted at once: the machine sends
+        ``release`` (held while the P rank's handshake runs; lost, and P frees by lease
+        expiry, if that handshake fails). The entries' completions are not reported."""
+        a = self.adapter
+        for o in self.reads.refused_releases(ad):
+            erid = f"{ad.request_id}#r:{o.params.engine}"
+            if a.state(erid) != "new":
+                continue
+            a.add_engine(o.params.engine, o.host, o.port)
+            a.admit(erid, o.params)
+            a.abort(erid)
+            self.stats["tp_refused_released"] = self.stats.get("tp_refused_released",
+                                                               0.0) + 1
+
+    def _parts(self, rid: str) -> list[str]:
+        """The Consumer entries of ``rid``'s running parts (``rid`` itself when it was
+        never admitted)."""
+        j = self.joins.get(rid)
+        return list(j.parts) if j is not None else [rid]
+
+    def _close(self, rid: str) -> None:
+        """``rid``'s parts all ended: forget its join, and release its orphaned P ranks
+        (abort: their entries send ``release``; P frees as ``released``)."""
+        j = self.joins.pop(rid, None)
+        keys = self.admitted.pop(rid, ())
+        self.handles.difference_update(keys)
+        if j is None:
+            return
+        for prid in j.parts:
+            self.owner.pop(prid, None)
+        for orid in j.orphans:
+            if self.owner.pop(orid, None) is not None:
+                self.adapter.abort(orid)
 
     def poll(self) -> None:
         if self.delayed:
@@ -285,14 +386,17 @@ class DWorker:
             self.delayed = [d for d in self.delayed if d[0] > now]
             for rid, ix in due:
                 local = self.loads.get(rid)
-                if local is not None:
-                    self.adapter.schedule(rid, local, ix)
+                j = self.joins.get(rid)
+                if local is not None and j is not None:
+                    for prid in j.parts:
+                        self.adapter.schedule(prid, local, ix)
         self._drain(self.adapter.poll())
 
     @property
     def busy(self) -> bool:
         """Requests admitted, loading, delayed or quarantined: poll every step."""
-        return bool(self.admitted or self.loads or self.delayed or self.quarantined)
+        return bool(self.admitted or self.loads or self.delayed or self.quarantined
+                    or self.owner)
 
     def _ended(self, rid: str) -> None:
         self.ended_before_load += 1
@@ -302,47 +406,84 @@ class DWorker:
             self.ended.popitem(last=False)
 
     def _drain(self, completions: Iterable[Completion]) -> None:
-        for rid in self.adapter.take_unquarantined():
+        for prid in self.adapter.take_unquarantined():
+            rid = self.qparts.pop(prid, None)
+            if rid is None:
+                continue
+            j = self.joins.get(rid)
+            if j is not None:
+                j.quarantined.discard(prid)
+                continue
+            waiting = self.qwait.get(rid)
+            if waiting is not None:
+                waiting.discard(prid)
+                if waiting:
+                    continue
+                del self.qwait[rid]
             local = self.quarantined.pop(rid, None)
-            self.reads.drop(rid)
             if local is not None:  # its blocks were reported invalid at the deadline
                 self.finished_recving.add(rid)
                 self.failed.add(rid)
         for c in completions:
-            key = self.admitted.pop(c.request_id, None)
-            if key is not None:
-                self.handles.discard(key)
-            local = self.loads.pop(c.request_id, None)
-            self.adapter.free_local(c.request_id)
-            if local is None:
-                self.reads.drop(c.request_id)
-                if c.reason != "aborted":
-                    log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); %s",
-                                c.request_id, c.state, c.reason, self.outcome)
-                self._ended(c.request_id)
+            prid = c.request_id
+            self.adapter.free_local(prid)
+            rid = self.owner.get(prid)
+            j = self.joins.get(rid) if rid is not None else None
+            if rid is None or j is None or prid not in j.parts:
+                continue  # an orphan's entry ended, or a request already closed
+            p_rank = j.parts.pop(prid)
+            del self.owner[prid]
+            if self.adapter.quarantined(prid):
+                j.quarantined.add(prid)
+                self.qparts[prid] = rid
+            j.aborted |= c.reason == "aborted"
+            local = self.loads.get(rid)
+            if local is None:  # ended before its load order: the others cannot serve it
+                if not j.ended:
+                    j.ended = True
+                    self.reads.drop(rid)
+                    for other in j.parts:
+                        self.adapter.abort(other)
+                    if c.reason != "aborted":
+                        log.warning("kvproto: remote KV of %s cannot be loaded (%s: %s); "
+                                    "%s", rid, c.state, c.reason, self.outcome)
+                    self._ended(rid)
+                if not j.parts:
+                    self._close(rid)
                 continue
-            if self.adapter.quarantined(c.request_id):
-                self._quarantine(c.request_id, local)
+            if j.result is None:
+                pulled = c.state == D_DONE and c.reason == "pulled" \
+                    and prid not in j.quarantined
+                # Fail closed on coverage: served only when every part's READ landed
+                # and verified every region of the request's map on this rank.
+                res, cancel = self.reads.finish_part(rid, p_rank, pulled)
+                j.result = res
+                if cancel:
+                    for other, p in j.parts.items():
+                        if p in cancel:
+                            self.adapter.abort(other)
+                if pulled and res is False:
+                    log.warning("kvproto: READ of %s verified but incomplete (coverage: "
+                                "regions missing); %d blocks reported for recompute",
+                                rid, len(local))
+                elif res is False and c.reason != "aborted":
+                    log.warning("kvproto: remote KV of %s not served (part %s, %s: %s); "
+                                "%d blocks reported for recompute", rid, prid, c.state,
+                                c.reason, len(local))
+            if j.parts:
+                continue  # another part's READ may still land in these blocks
+            self._close(rid)
+            self.loads.pop(rid, None)
+            if j.quarantined:
+                self._quarantine(rid, local, set(j.quarantined))
                 continue
-            pulled = c.state == D_DONE and c.reason == "pulled"
-            # Fail closed on coverage: served only when every region of the request's
-            # map on this rank was read and verified.
-            ok = self.reads.finish(c.request_id, pulled)
-            if pulled and not ok:
-                log.warning("kvproto: READ of %s verified but incomplete (coverage: "
-                            "regions missing); %d blocks reported for recompute",
-                            c.request_id, len(local))
             # A client abort (vLLM already ended the request) is no failed read: its
             # blocks are still named, so nothing computes on them, but it is not counted
             # as a read failure or as blocks to recompute.
-            aborted = c.reason == "aborted"
-            self._complete(c.request_id, local, ok=ok, counted=not aborted)
-            if not ok and not aborted:
-                log.warning("kvproto: remote KV of %s not served (%s: %s); %d blocks "
-                            "reported for recompute", c.request_id, c.state, c.reason,
-                            len(local))
+            ok = j.result is True
+            self._complete(rid, local, ok=ok, counted=not (j.aborted and not ok))
 
-    def _quarantine(self, rid: str, local: tuple[int, ...]) -> None:
+    def _quarantine(self, rid: str, local: tuple[int, ...], parts: set[str]) -> None:
         """The load's READ is overdue and its transfer still runs. Its blocks are
         reported as load errors now (vLLM fails the request under "fail", or marks it
         for recompute under "recompute") but the request is kept out of
@@ -350,6 +491,7 @@ class DWorker:
         KV, or was finished before its receive finished, vLLM neither frees nor reuses
         its blocks."""
         self.quarantined[rid] = local
+        self.qwait[rid] = parts  # the quarantined parts whose transfer still runs
         self.invalid.update(local)
         self.stats["reads_failed"] += 1
         self.stats["recomputed_blocks"] += len(local)
