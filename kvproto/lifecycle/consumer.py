@@ -214,7 +214,7 @@ class PeerView(NamedTuple):
 _CONSUMER_SHARED: Final = frozenset({
     "reader", "config", "sink", "max_landed_groups", "reqs", "peers", "_group_owner",
     "_groups_landed", "_lease_heap", "_next_hb", "_rg", "_steps", "_plain_refuses", "_admit_steps",
-    "_schedule_steps", "_read_ok_steps", "_granted", "_fit_margin", "_read_span",
+    "_schedule_steps", "_read_ok_steps", "_granted", "_fit_margin", "_read_span", "_max_delay",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -292,6 +292,7 @@ class Consumer:
         # _fit_margin to spare; it is overdue _read_span after it is posted.
         self._fit_margin = ms.max_read_time + ms.clock_drift
         self._read_span = ms.max_read_time + ms.read_grace
+        self._max_delay = ms.max_delay
         self.sink = sink
         # Invariant: exactly the requests admitted and not finished (waiting, handshaking
         # or reading), by request id; each is also peers[its engine].reqs[its handle].
@@ -572,7 +573,8 @@ class Consumer:
             return []
         out: list[DEffect] = []
         reqs = self.reqs
-        if rid not in reqs and (
+        known = rid in reqs
+        if not known and (
                 (params.engine, params.epoch, params.handle) in self._rg.ended
                 if self._plain_refuses else self.refuses_load(params)):
             # No second pull: refused before the table, like peer_table_full.
@@ -595,10 +597,10 @@ class Consumer:
                 out.append(Finished(rid, D_FAILED, "peer_table_full"))
                 return self._emit(Admit(rid, params, now), out)
             peer = self.peers[params.engine] = _Peer()
-        if rid in reqs or params.handle in peer.reqs:
+        if known or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return self._emit(Admit(rid, params, now), out)
-        lease_end = now + params.initial_term - self.config.ms.max_delay
+        lease_end = now + params.initial_term - self._max_delay
         r = _DReq(rid, params, lease_end)
         reqs[rid] = r
         peer.reqs[params.handle] = r
