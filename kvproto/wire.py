@@ -256,16 +256,20 @@ def claim_bytes(capability: str) -> bytes:
     return raw
 
 
-def encode_claims(epoch: int, claims: Sequence[tuple[int, str]], max_bytes: int) -> list[bytes]:
+def encode_claims(epoch: int, claims: Sequence[tuple[int, str | bytes]],
+                  max_bytes: int) -> list[bytes]:
     """``claim`` (D -> P) of several handles at once: (handle, capability) pairs in
     order, chunked so that no message exceeds ``max_bytes`` (each pair is one varint and
-    ``CAPABILITY_WIRE_BYTES`` raw bytes). Raises ValueError on a bad capability."""
+    ``CAPABILITY_WIRE_BYTES`` raw bytes). A capability is its hex text or its wire bytes
+    (``claim_bytes``, decoded once by the caller). Raises ValueError on a bad capability."""
     out: list[bytes] = []
     b = _header(KIND_CLAIM, epoch)
     head = len(b)
     for h, cap in claims:
         _check_range("handle", h, MAX_HANDLE)
-        raw = claim_bytes(cap)
+        raw = cap if isinstance(cap, bytes) else claim_bytes(cap)
+        if len(raw) != CAPABILITY_WIRE_BYTES:
+            raise ValueError(f"a capability is {CAPABILITY_WIRE_BYTES} bytes, got {len(raw)}")
         item = bytearray()
         _put_varint(item, h)
         item += raw

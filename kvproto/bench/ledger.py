@@ -7,9 +7,11 @@ figures are also reported as ratios against a baseline measured in the same run:
   10^5 held; ``reference_events_per_s`` the same events on ``ScanReference`` (the
   upstream shape), and ``events_ratio`` their ratio; best of ``repeat`` rounds each,
   the two alternating, also in thread CPU time (``events_cpu_ratio``);
-* ``d_event_us``: D's machine alone, thread CPU microseconds per event over admit,
-  schedule and read_result (``d_admit_us``, ``d_schedule_us``, ``d_read_ok_us``), 5 * 10^4
-  requests, best of ``repeat`` rounds;
+* ``d_event_us``: D's machine alone, thread CPU microseconds per event over the four
+  events on every request's path: admit (params with a capability), claim granted,
+  schedule and read_result (``d_admit_us``, ``d_claim_granted_us``, ``d_schedule_us``,
+  ``d_read_ok_us``), 5 * 10^4 requests, best of ``repeat`` rounds (``--d-only``: these
+  alone, with their baseline);
 * with ``--baseline TREE``: the event figures of the kvproto tree at TREE (the previous
   tree) measured by this same bench code in a subprocess, alternating with this tree's
   rounds, as ``baseline_*``, and ``d_event_speedup`` / ``events_speedup`` (baseline cost
@@ -196,16 +198,20 @@ def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[st
 
 
 def bench_d_events(n: int = 50_000, repeat: int = 1) -> dict[str, float]:
-    """D's machine alone: n requests of one ready P engine admitted, scheduled and read
-    (the done sent by the machine: ``notif_attached=False``), in batches of 512 (at most
-    512 in flight). Thread CPU microseconds per event, best of ``repeat`` rounds."""
-    best = [float("inf")] * 3
+    """D's machine alone: n requests of one ready P engine, each admitted with a
+    capability (so claiming), granted, scheduled and read (the done sent by the
+    machine: ``notif_attached=False``): the four events on every request's path, in
+    batches of 512 (at most 512 in flight). Thread CPU microseconds per event, best of
+    ``repeat`` rounds."""
+    best = [float("inf")] * 4
+    cap = "ab" * 16
     for _ in range(max(1, repeat)):
         c = Consumer("d0", Config())
         c.handshake_result("P0", True, 0)
-        params = [TransferParams("P0", 1, h, BLOCKS, 30_000) for h in range(n)]
+        params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap)
+                  for h in range(n)]
         rids = [f"r{h}" for h in range(n)]
-        spent = [0.0, 0.0, 0.0]
+        spent = [0.0, 0.0, 0.0, 0.0]
         gc.collect()
         gc.disable()
         try:
@@ -217,20 +223,25 @@ def bench_d_events(n: int = 50_000, repeat: int = 1) -> dict[str, float]:
                     c.admit(rids[k], params[k], now)
                 c1 = time.thread_time()
                 for k in part:
-                    c.schedule(rids[k], now)
+                    c.claim_result(rids[k], True, now)
                 c2 = time.thread_time()
                 for k in part:
-                    c.read_result(rids[k], True, now, notif_attached=False)
+                    c.schedule(rids[k], now)
                 c3 = time.thread_time()
+                for k in part:
+                    c.read_result(rids[k], True, now, notif_attached=False)
+                c4 = time.thread_time()
                 spent[0] += c1 - c0
                 spent[1] += c2 - c1
                 spent[2] += c3 - c2
+                spent[3] += c4 - c3
         finally:
             gc.enable()
         assert not c.reqs and c.finished.get("done:pulled") == n
         best = [min(b, x) for b, x in zip(best, spent, strict=True)]
-    return {"d_admit_us": best[0] / n * 1e6, "d_schedule_us": best[1] / n * 1e6,
-            "d_read_ok_us": best[2] / n * 1e6, "d_event_us": sum(best) / (3 * n) * 1e6}
+    return {"d_admit_us": best[0] / n * 1e6, "d_claim_granted_us": best[1] / n * 1e6,
+            "d_schedule_us": best[2] / n * 1e6, "d_read_ok_us": best[3] / n * 1e6,
+            "d_event_us": sum(best) / (4 * n) * 1e6}
 
 
 _BASELINE_CODE = """
@@ -238,7 +249,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("kvproto_bench_ledger_copy", sys.argv[1])
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
-out = m.bench_events(int(sys.argv[2]), repeat=int(sys.argv[3]))
+out = m.bench_events(int(sys.argv[2]), repeat=int(sys.argv[3])) if int(sys.argv[2]) else {}
 out.update(m.bench_d_events(int(sys.argv[4]), repeat=int(sys.argv[3])))
 print(json.dumps(out))
 """
@@ -447,6 +458,29 @@ def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
             "rebuilds": L.counters.get("heap_rebuilt", 0)}
 
 
+def run_d_only(quick: bool = False, progress: Callable[[str], None] | None = None,
+               baseline: str | None = None, repeat: int = 5) -> dict[str, Any]:
+    """D's event figures alone (``bench_d_events``), alternating with the baseline tree's."""
+    say = progress or (lambda s: None)
+    d_n = 5_000 if quick else 50_000
+    rounds = 1 if quick else repeat
+    ev: dict[str, float] = {}
+    base: dict[str, float] = {}
+    for _ in range(2 if baseline else 1):
+        if baseline:
+            say(f"baseline tree {baseline}: D events")
+            for k, v in bench_baseline(baseline, 0, d_n, rounds).items():
+                base[k] = min(base[k], v) if k in base else v
+        say("D events")
+        for k, v in bench_d_events(d_n, repeat=rounds).items():
+            ev[k] = min(ev[k], v) if k in ev else v
+    out: dict[str, Any] = {k: round(v, 3) for k, v in ev.items()}
+    if base:
+        out.update({f"baseline_{k}": round(v, 3) for k, v in base.items()})
+        out["d_event_speedup"] = round(base["d_event_us"] / ev["d_event_us"], 3)
+    return out
+
+
 def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
             baseline: str | None = None, repeat: int = 5) -> dict[str, Any]:
     say = progress or (lambda s: None)
@@ -537,6 +571,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", metavar="TREE",
                    help="also run the event benches on the kvproto tree at TREE (the previous "
                         "tree), alternating with this one, and print the speedups")
+    p.add_argument("--d-only", action="store_true",
+                   help="only D's event figures (with --baseline: and the baseline's)")
     p.add_argument("--repeat", type=int, default=5,
                    help="rounds of the event benches; the best is kept (default 5)")
 
@@ -546,8 +582,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproto bench ledger: --baseline {args.baseline}: no kvproto package there",
               file=sys.stderr)
         return 2
-    res = run_all(args.quick, progress=lambda s: print(f"[bench ledger] {s}", file=sys.stderr),
-                  baseline=args.baseline, repeat=max(1, args.repeat))
+    say = lambda s: print(f"[bench ledger] {s}", file=sys.stderr)  # noqa: E731
+    if args.d_only:
+        res = run_d_only(args.quick, progress=say, baseline=args.baseline,
+                         repeat=max(1, args.repeat))
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    res = run_all(args.quick, progress=say, baseline=args.baseline, repeat=max(1, args.repeat))
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0
@@ -559,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"    ratio to the reference          {res['events_ratio']:>12}   target >= 0.9 "
           f"(CPU time: {res['events_cpu_ratio']})")
     print(f"  D events, CPU us per event        {res['d_event_us']:>12}   admit "
-          f"{res['d_admit_us']}, schedule {res['d_schedule_us']}, read ok {res['d_read_ok_us']}")
+          f"{res['d_admit_us']}, claim granted {res['d_claim_granted_us']}, schedule {res['d_schedule_us']}, read ok {res['d_read_ok_us']}")
     if "baseline_d_event_us" in res:
         print(f"    baseline tree: D us per event   {res['baseline_d_event_us']:>12}   "
               f"speedup {res['d_event_speedup']:.2f}x")

@@ -16,6 +16,7 @@ from kvproto.lifecycle.config import (
     Config,
     ConfigError,
 )
+from kvproto.lifecycle.dstep import IDLE, step_functions
 from kvproto.lifecycle.dvocab import (  # re-exported: D's vocabulary
     Admit,
     ClaimGranted,
@@ -119,7 +120,7 @@ __all__ = [
 
 # The states in which a request's lease estimate is checked by tick (no READ in flight,
 # not finished): every one of them may still have to read.
-_IDLE: Final = frozenset((WAITING, HANDSHAKING, CLAIMING))
+_IDLE: Final = IDLE
 
 
 class _DReq:
@@ -212,7 +213,8 @@ class PeerView(NamedTuple):
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _CONSUMER_SHARED: Final = frozenset({
     "reader", "config", "sink", "max_landed_groups", "reqs", "peers", "_group_owner",
-    "_groups_landed", "_lease_heap", "_next_hb", "_rg",
+    "_groups_landed", "_lease_heap", "_next_hb", "_rg", "_steps", "_plain_refuses", "_admit_steps",
+    "_schedule_steps", "_read_ok_steps", "_granted", "_fit_margin", "_read_span", "_max_delay",
     "now", "heartbeat_chunk", "counters", "finished"})
 
 
@@ -254,6 +256,9 @@ class Consumer:
     """
 
     TABLE: ClassVar[Table] = D_TABLE
+    # Run TABLE's rows as compiled step functions (lifecycle/dstep.py); False: through
+    # the interpreted ``table_step`` (the reference the compiled steps are tested against).
+    COMPILED: ClassVar[bool] = True
 
     def __init__(self, reader: str, config: Config, *,
                  heartbeat_chunk: int | None = None,
@@ -273,6 +278,21 @@ class Consumer:
         self.max_landed_groups = max_landed_groups
         self.reader = reader
         self.config = config.validate()
+        # TABLE's rows as step functions (shared by every Consumer of this table).
+        self._steps = step_functions(type(self).TABLE, compiled=type(self).COMPILED)
+        # The hook refuses_load is this class's own: admit runs its check inline.
+        self._plain_refuses = type(self).refuses_load is Consumer.refuses_load
+        steps = self._steps
+        self._admit_steps = steps.by_guard(D_NEW, ADMIT)
+        self._schedule_steps = steps.by_guard(WAITING, SCHEDULE)
+        self._read_ok_steps = steps.by_guard(READING, READ_OK)
+        self._granted = steps[(CLAIMING, CLAIM_GRANTED, "granted")]
+        ms = self.config.ms
+        # Sums of the (frozen) config the hot events use: a READ must fit the lease with
+        # _fit_margin to spare; it is overdue _read_span after it is posted.
+        self._fit_margin = ms.max_read_time + ms.clock_drift
+        self._read_span = ms.max_read_time + ms.read_grace
+        self._max_delay = ms.max_delay
         self.sink = sink
         # Invariant: exactly the requests admitted and not finished (waiting, handshaking
         # or reading), by request id; each is also peers[its engine].reqs[its handle].
@@ -444,59 +464,34 @@ class Consumer:
     def _step(self, r: _DReq, event: str, guard: str, out: list[DEffect], *,
               reason: str = "", lease_end: int = CLOCK_START,
               notif_attached: bool = True) -> Transition:
-        """Run the row (r.state, event, guard): destination, then effects in order.
-        ``reason`` names the finish when the row leaves it to the event; ``lease_end``
-        is what ``renew`` offers; ``notif_attached`` says whether ``send_done`` is due."""
-        row = self.TABLE[(r.state, event, guard)]
-        r.state = row.dst
-        p = r.params
-        if row.track:
-            heapq.heappush(self._lease_heap, (r.lease_end, r.rid))
-        if row.handshake:
-            hs_peer = self.peers[p.engine]
-            if hs_peer.state == PEER_UNKNOWN:
-                hs_peer.state = PEER_HANDSHAKING
-                out.append(StartHandshake(p.engine))
-        if row.claim:
-            out.append(SendClaim(r.rid, p.engine, p.handle, p.capability))
-        if row.read:
-            ms = self.config.ms
-            self._rg.posted(r.rid, self.now + ms.max_read_time + ms.read_grace)
-            if p.group is not None:
-                self._group_owner[(p.engine, p.group)] = r.rid
-            out.append(PostRead(r.rid, p.engine, p.handle, p.blocks, p.expected))
-        if row.abort_pending:
-            r.abort_pending = True
-        if row.renew and lease_end > r.lease_end:
-            r.lease_end = lease_end
-        if row.send_done and not notif_attached:
-            out.append(SendDone(r.rid, p.engine, p.handle, p.expected))
-        if row.send_release:
-            out.append(SendRelease(r.rid, p.engine, p.handle, p.expected))
-        if row.disown and p.group is not None \
-                and self._group_owner.get((p.engine, p.group)) == r.rid:
-            del self._group_owner[(p.engine, p.group)]
-        if row.quarantine:
-            out.append(self._rg.quarantine(r.rid, p.engine, p.handle))
-        if row.finish is not None:
-            why = row.finish or reason
-            del self.reqs[r.rid]
-            self._rg.ended_read(r.rid)
-            if self._rg.finished((p.engine, p.epoch, p.handle)):
-                self._count("ended_memory_evicted")
-            n = len(self._lease_heap)
-            if n > 2 * len(self.reqs) and n > HEAP_SLACK:
-                # Compact in place (tick may be iterating this very list).
-                self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
-                                       if q.state in _IDLE]
-                heapq.heapify(self._lease_heap)
-            peer = self.peers.get(p.engine)
-            if peer is not None and peer.reqs.get(p.handle) is r:
-                del peer.reqs[p.handle]
-            key = row.finish_key or f"{r.state}:{why}"
-            self.finished[key] = self.finished.get(key, 0) + 1
-            out.append(Finished(r.rid, r.state, why))
-        return row
+        """Run the row (r.state, event, guard) of ``TABLE``: destination, then effects in
+        order (its step function, lifecycle/dstep.py). ``reason`` names the finish when
+        the row leaves it to the event; ``lease_end`` is what ``renew`` offers;
+        ``notif_attached`` says whether ``send_done`` is due."""
+        return self._steps[(r.state, event, guard)](self, r, out, reason, lease_end,
+                                                   notif_attached)
+
+    def _finish(self, r: _DReq, p: TransferParams) -> None:
+        """``r`` leaves D (a row's ``finish``): out of reqs and its peer's table, its load
+        remembered as ended, the lease heap compacted when mostly dead."""
+        del self.reqs[r.rid]
+        rg = self._rg
+        rg.ended_read(r.rid)
+        if rg.finished((p.engine, p.epoch, p.handle)):
+            self._count("ended_memory_evicted")
+        n = len(self._lease_heap)
+        if n > 2 * len(self.reqs) and n > HEAP_SLACK:
+            self._compact_lease_heap()
+        peer = self.peers.get(p.engine)
+        if peer is not None and peer.reqs.get(p.handle) is r:
+            del peer.reqs[p.handle]
+
+    def _compact_lease_heap(self) -> None:
+        """Rebuild the lease heap from the idle requests, in place (tick may be iterating
+        this very list). O(requests)."""
+        self._lease_heap[:] = [(q.lease_end, q.rid) for q in self.reqs.values()
+                               if q.state in _IDLE]
+        heapq.heapify(self._lease_heap)
 
     def _room_for_peer(self) -> bool:
         """Whether one more peer fits MAX_PEERS, after forgetting every idle peer (no
@@ -528,8 +523,7 @@ class Consumer:
             self._count("group_memory_evicted")
 
     def _read_fits(self, lease_end: int, now: int) -> bool:
-        ms = self.config.ms
-        return now + ms.max_read_time + ms.clock_drift <= lease_end
+        return now + self._fit_margin <= lease_end
 
     def _emit(self, ev: DEvent, out: list[DEffect]) -> list[DEffect]:
         if self.sink is not None:
@@ -573,10 +567,16 @@ class Consumer:
     # -- events ------------------------------------------------------------------------------
     def admit(self, rid: str, params: TransferParams, now: int) -> list[DEffect]:
         """Transfer params received. The initial term is aged by ``max_delay``."""
-        if self._clock(now) is None:
+        if type(now) is int and self.now <= now:
+            self.now = now
+        elif self._clock(now) is None:
             return []
         out: list[DEffect] = []
-        if rid not in self.reqs and self.refuses_load(params):
+        reqs = self.reqs
+        known = rid in reqs
+        if not known and (
+                (params.engine, params.epoch, params.handle) in self._rg.ended
+                if self._plain_refuses else self.refuses_load(params)):
             # No second pull: refused before the table, like peer_table_full.
             self._count("second_pull")
             key = f"{D_FAILED}:second_pull"
@@ -597,20 +597,20 @@ class Consumer:
                 out.append(Finished(rid, D_FAILED, "peer_table_full"))
                 return self._emit(Admit(rid, params, now), out)
             peer = self.peers[params.engine] = _Peer()
-        if rid in self.reqs or params.handle in peer.reqs:
+        if known or params.handle in peer.reqs:
             self._count("duplicate_admit")
             return self._emit(Admit(rid, params, now), out)
-        lease_end = now + params.initial_term - self.config.ms.max_delay
+        lease_end = now + params.initial_term - self._max_delay
         r = _DReq(rid, params, lease_end)
-        self.reqs[rid] = r
+        reqs[rid] = r
         peer.reqs[params.handle] = r
-        if not self._read_fits(lease_end, now):
+        if now + self._fit_margin > lease_end:  # not _read_fits
             guard = "lease_short"
         elif peer.state == PEER_READY:
             guard = "claim" if params.capability else "peer_ready"
         else:
             guard = "peer_unknown"
-        self._step(r, ADMIT, guard, out)
+        self._admit_steps[guard](self, r, out, "", CLOCK_START, True)
         return self._emit(Admit(rid, params, now), out) if self.sink else out
 
     def handshake_result(self, engine: str, ok: bool, now: int,
@@ -641,10 +641,13 @@ class Consumer:
 
     def schedule(self, rid: str, now: int) -> list[DEffect]:
         """D's scheduler wants this request's KV now."""
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
+        if type(now) is int and self.now <= now:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return []
+            now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != WAITING:
@@ -661,9 +664,10 @@ class Consumer:
                 self._count("sibling_in_flight")
             elif owner is not None and owner != rid:
                 guard = "sibling_local"
-        if not guard:
-            guard = "lease_covers_read" if self._read_fits(r.lease_end, now) else "lease_short"
-        self._step(r, SCHEDULE, guard, out)
+        if not guard:  # _read_fits
+            guard = "lease_covers_read" if now + self._fit_margin <= r.lease_end \
+                else "lease_short"
+        self._schedule_steps[guard](self, r, out, "", CLOCK_START, True)
         return self._emit(Schedule(rid, now), out) if self.sink else out
 
     def read_result(self, rid: str, ok: bool, now: int, *, fenced: bool = False,
@@ -679,10 +683,13 @@ class Consumer:
         NIXL notification); otherwise the machine emits SendDone (the NIXL adapter
         batches those per P engine and step).
         """
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
+        if type(now) is int and self.now <= now:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return []
+            now = clk
         out: list[DEffect] = []
         if corrupt:  # a block whose checksum failed is never visible: fence the READ
             self._count("checksum_failed")
@@ -697,9 +704,10 @@ class Consumer:
                 self._count("quarantine_ended")
                 out.append(q)
         elif landed:
-            self._step(r, READ_OK, "abort_pending" if r.abort_pending else "ok", out,
-                       notif_attached=notif_attached)
-            self._group_landed(r)
+            self._read_ok_steps["abort_pending" if r.abort_pending else "ok"](
+                self, r, out, "", CLOCK_START, notif_attached)
+            if r.params.group is not None:
+                self._group_landed(r)
         else:
             # The READ is no longer in flight, so release is safe; P counts this
             # reader once even if the READ's own notification also arrives.
@@ -761,19 +769,24 @@ class Consumer:
         request may read) or refused (recompute; nothing is sent to P). An answer for a
         request not claiming is counted (``claim_answer_unexpected``) and changes
         nothing."""
-        clk = self._clock(now)
-        if clk is None:
-            return []
-        now = clk
+        if type(now) is int and self.now <= now:
+            self.now = now
+        else:
+            clk = self._clock(now)
+            if clk is None:
+                return []
+            now = clk
         out: list[DEffect] = []
         r = self.reqs.get(rid)
         if r is None or r.state != CLAIMING:
             self._count("claim_answer_unexpected")
         elif granted:
-            self._step(r, CLAIM_GRANTED, "granted", out)
+            self._granted(self, r, out, "", CLOCK_START, True)
         else:
             self._count("claim_refused")
             self._step(r, CLAIM_REFUSED, "refused", out)
+        if self.sink is None:
+            return out
         return self._emit(ClaimGranted(rid, now) if granted else ClaimRefused(rid, now), out)
 
     def never(self, rid: str, now: int) -> list[DEffect]:

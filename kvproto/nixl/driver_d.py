@@ -220,7 +220,7 @@ class DDriver:
         self._releases: dict[tuple[str, int, int], list[int]] = {}
         self._dones: dict[tuple[str, int, int], list[int]] = {}  # SendDone, batched
         # SendClaim, batched per (engine, epoch): one claim message per P engine and poll
-        self._claims: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        self._claims: dict[tuple[str, int], list[tuple[int, bytes]]] = {}
         self._want_dirty = False  # an event since the last rescan of _want
         self._want_scan_at = 0  # ms of the last rescan
         self._out: list[Completion] = []
@@ -503,12 +503,12 @@ class DDriver:
         if e is None or e.state != PEER_READY:
             return  # the peer is gone: its loss fails the request
         try:
-            claim_bytes(eff.capability)
+            raw = claim_bytes(eff.capability)  # decoded once: the claim message carries it
         except ValueError:
             self._count("bad_capability")
             self._apply(self.machine.claim_result(eff.request_id, False, now), now)
             return
-        self._claims.setdefault((eff.engine, epoch), []).append((eff.handle, eff.capability))
+        self._claims.setdefault((eff.engine, epoch), []).append((eff.handle, raw))
 
     def _flush_claims(self) -> None:
         if not self._claims:
