@@ -30,19 +30,21 @@ from kvproto.lifecycle import (
     Ledger,
     SendHeartbeat,
 )
+from kvproto.lifecycle.dstep import SealedSteps, step_functions
 from kvproto.testing.mutants import MUTANTS
 
 
 def mutable_parts(obj: object) -> dict[int, object]:
     """Every mutable object reachable from ``obj`` (containers and objects that are not
-    frozen dataclasses), by id. Functions, classes and the frozen ``Config`` are values."""
+    frozen dataclasses), by id. Functions, classes, the frozen ``Config`` and sealed step
+    tables (which refuse every change, see ``test_step_tables_are_sealed``) are values."""
     out: dict[int, object] = {}
     seen: set[int] = set()
     stack: list[object] = [obj]
     while stack:
         o = stack.pop()
         if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, type)) \
-                or callable(o):
+                or callable(o) or (isinstance(o, SealedSteps) and o.sealed):
             continue
         seen.add(id(o))
         if isinstance(o, (tuple, frozenset)):
@@ -243,3 +245,23 @@ def test_expire_refuses_a_request_that_is_not_held(make_ledger: LedgerFactory) -
     L.register(1, "r1", (0,), 0)
     L.expire(1, 30_000, out)
     assert [(type(e).__name__, e.reason) for e in out] == [("Free", "expired")]  # type: ignore[union-attr]
+
+
+def test_step_tables_are_sealed() -> None:
+    """Consumers and their clones share D's compiled step tables; that is sound only
+    because no one can change them."""
+    from kvproto.lifecycle.table import D_TABLE
+
+    steps = step_functions(D_TABLE)
+    key = next(iter(steps))
+    guards = steps.by_guard(key[0], key[1])
+    for table in (steps, guards):
+        assert table.sealed and len(table) >= 1
+        k = next(iter(table))
+        for change in (lambda t, k=k: t.__setitem__(k, None), lambda t, k=k: t.pop(k),
+                       lambda t, k=k: t.__delitem__(k), lambda t: t.clear(),
+                       lambda t: t.update({}), lambda t: t.popitem(),
+                       lambda t, k=k: t.setdefault(k, None)):
+            with pytest.raises(TypeError, match="sealed"):
+                change(table)
+    assert len(steps) == len(D_TABLE)

@@ -171,8 +171,57 @@ def compile_row(row: Transition) -> StepFn:
     return fn
 
 
-class _Steps(dict[TableKey, StepFn]):
-    """A table's step functions: a missing (state, event, guard) raises ``MissingRow``."""
+class SealedSteps(dict[Any, StepFn]):
+    """A dict of step functions that refuses every change once ``seal`` ran: compiled
+    once per table and shared by every ``Consumer`` (and its clones) as a value."""
+
+    __slots__ = ("sealed",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sealed = False
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        if self.sealed:
+            raise TypeError(f"{type(self).__name__} is sealed: step tables never change")
+        return None
+
+    def __setitem__(self, key: Any, value: StepFn) -> None:
+        self._refuse()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse()
+        super().__delitem__(key)
+
+    def update(self, *a: Any, **kw: Any) -> None:
+        self._refuse()
+        super().update(*a, **kw)
+
+    def pop(self, *a: Any) -> Any:
+        self._refuse()
+        return super().pop(*a)
+
+    def popitem(self) -> tuple[Any, StepFn]:
+        self._refuse()
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._refuse()
+        super().clear()
+
+    def setdefault(self, *a: Any) -> Any:
+        self._refuse()
+        return super().setdefault(*a)
+
+
+class _Steps(SealedSteps):
+    """A table's step functions: a missing (state, event, guard) raises ``MissingRow``.
+    Built whole by ``step_functions`` (every (src, event)'s ``GuardSteps`` included),
+    then sealed."""
 
     __slots__ = ("_by_guard", "machine")
 
@@ -184,19 +233,27 @@ class _Steps(dict[TableKey, StepFn]):
     def __missing__(self, key: TableKey) -> StepFn:
         raise MissingRow(self.machine, *key)
 
+    def _build_guards(self) -> None:
+        for (s, e, g), fn in self.items():
+            got = self._by_guard.get((s, e))
+            if got is None:
+                got = self._by_guard[(s, e)] = GuardSteps(self.machine, s, e)
+            got[g] = fn
+        for got in self._by_guard.values():
+            got.seal()
+
     def by_guard(self, src: str, event: str) -> GuardSteps:
         """The step functions of the rows (src, event, *), by guard (a hot event whose
-        source state is fixed looks its row up without building a key)."""
+        source state is fixed looks its row up without building a key); a pair with no
+        row gives an empty ``GuardSteps`` whose lookups raise ``MissingRow``."""
         got = self._by_guard.get((src, event))
         if got is None:
-            got = self._by_guard[(src, event)] = GuardSteps(self.machine, src, event)
-            for (s, e, g), fn in self.items():
-                if s == src and e == event:
-                    got[g] = fn
+            got = GuardSteps(self.machine, src, event)
+            got.seal()
         return got
 
 
-class GuardSteps(dict[str, StepFn]):
+class GuardSteps(SealedSteps):
     """The step functions of one (src, event) by guard; a missing guard raises
     ``MissingRow``."""
 
@@ -232,5 +289,7 @@ def step_functions(table: Table, *, compiled: bool = True) -> _Steps:
     steps = _Steps("D")
     for key, row in table.items():
         steps[key] = compile_row(row) if compiled else _interpreted(row)
+    steps._build_guards()
+    steps.seal()
     _CACHE[(id(table), compiled)] = (table, steps)
     return steps
