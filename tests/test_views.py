@@ -258,10 +258,11 @@ def test_step_tables_are_sealed() -> None:
     for table in (steps, guards):
         assert table.sealed and len(table) >= 1
         k = next(iter(table))
-        for change in (lambda t, k=k: t.__setitem__(k, None), lambda t, k=k: t.pop(k),
-                       lambda t, k=k: t.__delitem__(k), lambda t: t.clear(),
-                       lambda t: t.update({}), lambda t: t.popitem(),
-                       lambda t, k=k: t.setdefault(k, None)):
+        changes: list[Callable[[SealedSteps], object]] = [
+            lambda t: t.__setitem__(k, None), lambda t: t.pop(k),
+            lambda t: t.__delitem__(k), lambda t: t.clear(), lambda t: t.update({}),
+            lambda t: t.popitem(), lambda t: t.setdefault(k, None)]
+        for change in changes:
             with pytest.raises(TypeError, match="sealed"):
                 change(table)
     assert len(steps) == len(D_TABLE)
