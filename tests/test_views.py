@@ -222,7 +222,7 @@ def test_sweep_and_tally_are_public_hooks(make_ledger: LedgerFactory) -> None:
             calls.append(("tally", handle, event, reader, n))
             return n
 
-        def sweep(self, now: float, out: list[Effect]) -> None:
+        def sweep(self, now: int, out: list[Effect]) -> None:
             calls.append(("sweep", now))
             super().sweep(now, out)
 
