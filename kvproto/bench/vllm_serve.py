@@ -51,9 +51,11 @@ REQUEST_TIMEOUT = 600.0    # seconds one round's requests may take
 KEEPALIVE_S = "30"         # servers' HTTP keep-alive, above the router's (2 s)
 
 
-def transfer_config(name: str, lease: float, metrics_port: int | None) -> dict[str, Any]:
+def transfer_config(name: str, lease: float, metrics_port: int | None,
+                    extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of one server: the connector of ``name`` with the
-    bench's lease (stock: whole seconds), recompute on a failed load."""
+    bench's lease (stock: whole seconds), recompute on a failed load; ``extra_config``
+    adds kvproto options."""
     from kvproto.vllm import harness as h
     from kvproto.vllm import scenarios as sc
 
@@ -63,6 +65,7 @@ def transfer_config(name: str, lease: float, metrics_port: int | None) -> dict[s
     extra: dict[str, Any] = {"lease": sc.lease_config(lease)}
     if metrics_port is not None:
         extra["metrics_port"] = metrics_port
+    extra.update(extra_config or {})
     return {**h.KVPROTO_CONNECTOR, "kv_connector_extra_config": extra}
 
 
@@ -80,14 +83,18 @@ class Stack(sv.HasProcs):
     router_url: str
     d_metrics: str | None
     procs: list[Proc] = field(default_factory=list)
+    p_url: str = ""
 
 
 def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, p_tp: int,
-                d_tp: int) -> Stack:
-    """Start P and D (at once), then the router; on any failure stop what started."""
+                d_tp: int, *, extra_config: dict[str, Any] | None = None, tag: str = ""
+                ) -> Stack:
+    """Start P and D (at once), then the router; on any failure stop what started.
+    ``extra_config``: kvproto options for both servers; ``tag``: log names' prefix
+    (default: the connector and topology)."""
     from kvproto.vllm.harness import free_port
 
-    tag = f"{name}{topology_tag(p_tp, d_tp)}"
+    tag = tag or f"{name}{topology_tag(p_tp, d_tp)}"
     pp, dp, rp = free_port(), free_port(), free_port()
     dm = free_port() if name == "kvproto" else None
     # Each TP rank needs its own side-channel port (base + rank): leave room for them.
@@ -97,7 +104,8 @@ def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, 
         if cores is not None and args.server_bind == "cores" else {}
     omp = 1 if args.server_bind == "none" else None
     st = Stack(name, f"http://127.0.0.1:{rp}",
-               f"http://127.0.0.1:{dm}/metrics" if dm is not None else None)
+               f"http://127.0.0.1:{dm}/metrics" if dm is not None else None,
+               p_url=f"http://127.0.0.1:{pp}")
     try:
         servers = []
         for role, port, tp, kvb, mport in (("P", pp, p_tp, 16 << 20, None),
@@ -105,7 +113,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, 
             bind = one_core.get(role, "nobind") if tp == 1 else "nobind"
             servers.append(sv.Server(
                 f"{tag}-{role}", serve_cmd(model, port, tp, kvb,
-                                           transfer_config(name, args.lease, mport)),
+                                           transfer_config(name, args.lease, mport, extra_config)),
                 sv.server_env(bind, side_port=side[role], omp_threads=omp,
                               keepalive_s=KEEPALIVE_S), f"http://127.0.0.1:{port}/health"))
         st.start(workdir, servers, START_TIMEOUT)

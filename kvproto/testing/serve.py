@@ -225,3 +225,61 @@ class HasProcs:
         """Stop every process, the last started first."""
         for p in reversed(self.procs):
             p.stop()
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+    return out
+
+
+def process_kind(pid: int) -> str:
+    """What a stack's process is: ``engine_core`` and ``worker`` (vLLM names them
+    ``VLLM::EngineCore`` / ``VLLM::Worker``), ``api_server`` (the ``vllm serve`` process),
+    ``router``, else ``other`` (multiprocessing's resource tracker)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        name, cmd = p.name(), " ".join(p.cmdline())
+    except (psutil.Error, OSError):
+        return "other"
+    if name.startswith("VLLM::EngineCor"):
+        return "engine_core"
+    if name.startswith("VLLM::Worker"):
+        return "worker"
+    if str(ROUTER) in cmd:
+        return "router"
+    if str(VLLM_CLI) in cmd:
+        return "api_server"
+    return "other"
+
+
+def cpu_seconds(procs: list[Proc]) -> dict[str, float]:
+    """CPU seconds (user + system, the process's own threads, not its children) so far of
+    every live process in the groups of ``procs``, summed per ``<proc name>/<kind>``."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in procs:
+        for pid in _group_members(proc.pgid):
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                key = f"{proc.name}/{process_kind(pid)}"
+                out[key] = out.get(key, 0.0) + t.user + t.system
+    return out
+
+
+def cpu_per_second(procs: list[Proc], seconds: float) -> dict[str, float]:
+    """Each process kind's CPU seconds per wall second over a window of ``seconds``
+    (``cpu_seconds`` before and after; a process that ended meanwhile counts 0)."""
+    c0, t0 = cpu_seconds(procs), time.monotonic()
+    time.sleep(seconds)
+    c1, t1 = cpu_seconds(procs), time.monotonic()
+    return {k: max(0.0, v - c0.get(k, v)) / (t1 - t0) for k, v in c1.items()}
