@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(kvproto.bench.idle_serve)")
     p.add_argument("--variants", default="stock,kvproto,kvproto_busy,kvproto_nowait",
                    help="server path: stacks to measure, in order (stock, kvproto, "
-                        "kvproto_busy, kvproto_nowait)")
+                        "kvproto_busy, kvproto_nowait; kvproto.bench.idle_serve)")
     p.add_argument("--workdir", help="keep model and engine log here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -35,6 +35,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# variant -> (connector, kvproto options)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stock": ("stock", {}),
     "kvproto": ("kvproto", {}),
