@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvproto.vllm.sched import IDLE_WAIT_MS, PROGRESS_DELAY_US, ConnectorOptions
 
@@ -97,3 +98,56 @@ def test_idle_server_usage_errors_exit_2(argv: list[str],
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "idle" in err[-1]
+
+
+def test_reads_complete_while_p_only_has_its_sleeping_progress_thread() -> None:
+    """P's agent with the progress thread sleeping between passes still serves D's READs:
+    once D posts its READ, P's own loop is never polled again, and D's READs (data, then
+    stamps) complete and verify."""
+    pytest.importorskip("nixl._api")
+    import itertools
+    import os
+
+    from kvproto.lifecycle import Config
+    from kvproto.nixl.agent import fill_pattern
+    from kvproto.nixl.consumer import Completion, ConsumerAdapter
+    from kvproto.nixl.producer import ProducerAdapter
+
+    cfg = Config(initial_lease=30.0, lease_extension=20.0, heartbeat_interval=3.0,
+                 abort_grace=30.0, max_delay=1.0, max_read_time=10.0, clock_drift=0.5)
+    bb, n = 4096, 3
+    tag = f"{os.getpid()}-{next(itertools.count())}-{time.monotonic_ns()}"
+    p = ProducerAdapter(f"P-{tag}", cfg, num_blocks=8, block_bytes=bb, progress_thread=True,
+                        progress_delay_us=PROGRESS_DELAY_US)
+    d = ConsumerAdapter(f"D-{tag}", cfg, num_blocks=8, block_bytes=bb)
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        blocks = p.allocate(n)
+        assert blocks is not None
+        for i, b in enumerate(blocks):
+            p.region.kv[b] = fill_pattern("r", i, bb, p.region.device)
+        params = p.register("r", blocks)
+        assert params is not None
+        posted: list[str] = []
+        d.phase_hook = lambda phase, rid: posted.append(phase)
+        d.admit("r", params)
+        d.schedule("r")
+        comps: list[Completion] = []
+        deadline = time.monotonic() + 30.0  # hang bounds, not timings
+        while "before_post" not in posted and time.monotonic() < deadline:
+            p.poll()  # the handshake
+            comps += d.poll()
+            time.sleep(0.001)
+        assert "before_post" in posted
+        deadline = time.monotonic() + 30.0
+        while not comps and time.monotonic() < deadline:
+            comps += d.poll()  # P is not polled from here on
+            time.sleep(0.001)
+        assert [(c.request_id, c.state, c.reason) for c in comps] == [("r", "done", "pulled")]
+        local = comps[0].local_blocks
+        assert local is not None
+        assert all(torch.equal(d.region.kv[lb], fill_pattern("r", i, bb, d.region.device))
+                   for i, lb in enumerate(local))
+    finally:
+        d.close(timeout=1.0)
+        p.close()
