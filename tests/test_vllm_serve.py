@@ -68,9 +68,11 @@ ROUTER = sv.ROUTER
 MODEL = "tiny"
 MAX_TOKENS = 12
 SEQS = 2                 # max_num_seqs of P and D: two long requests fill an engine
-MAX_LEN = 8192           # the model's context: room for fillers
-LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full while the
-                         # storm's other clients come and go (it never ends by itself)
+MAX_LEN = 65536          # the model's context: room for fillers
+LONG_TOKENS = 60000      # a filler: a decode long enough to keep an engine full while the
+                         # storm's other clients come and go (it never ends by itself: a
+                         # server with a core to itself decodes this model at ~600 tokens/s)
+KV_BYTES = 512 << 20     # each server's KV cache: two fillers (2 KiB per token) and the rest
 DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
                          # window in which the storm's D-reading clients leave
 # P's lease: short, so that the requests nobody pulls come back soon, yet well above
@@ -105,7 +107,7 @@ def serve_cmd(model: str, port: int, extra: dict[str, Any]) -> list[str]:
            "kv_connector_module_path": "kvproto.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": extra}
-    return sv.serve_cmd(model, port, ktc, max_len=MAX_LEN, kv_bytes=128 << 20,
+    return sv.serve_cmd(model, port, ktc, max_len=MAX_LEN, kv_bytes=KV_BYTES,
                         extra=("--enable-prefix-caching", "--max-num-seqs", str(SEQS),
                                "--enable-log-requests", "--max-log-len", "16"))
 
@@ -755,10 +757,12 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
             await asyncio.sleep(rng.uniform(0.05, 0.25 * DELAY_LOAD))
             assert (await router_status(st))["in_flight"].get(rid) == "decode", rid
             await disconnect([rid], 0.0)
-        # D decoding: the client reads a few chunks, then closes the stream
+        # D decoding: the client reads a few chunks, then closes the stream (the answer
+        # is long, so that the router is still streaming it when the client leaves)
         rids = [f"d_decode{i}" for i in range(PER_KIND)]
         for r in rids:
-            start(r, rc, stream=True, max_tokens=400, close_after=rng.randrange(1, 6))
+            start(r, rc, stream=True, max_tokens=LONG_TOKENS // 3,
+                  close_after=rng.randrange(1, 6))
         replies = await asyncio.gather(*(tasks[r] for r in rids))
         assert all(rp.closed_early for rp in replies), replies
         log.extend(f"{r} left after {rp.chunks} chunks" for r, rp in zip(rids, replies,
