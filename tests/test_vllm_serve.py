@@ -28,13 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import json
 import logging
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from kvproto.testing import serve as sv
+from kvproto.testing.serve import Proc
 from kvproto.vllm import harness as h
 from kvproto.vllm import scenarios as sc
 
@@ -67,15 +64,15 @@ _NO_AIOHTTP = next((f"{m} is not installed" for m in ("aiohttp", "httpx")
 needs_aiohttp = pytest.mark.skipif(_NO_AIOHTTP is not None,
                                    reason=f"router tests: {_NO_AIOHTTP}")
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_CLI = ROOT / "examples" / "vllm_cli.py"
-ROUTER = ROOT / "examples" / "pd_router.py"
+ROUTER = sv.ROUTER
 MODEL = "tiny"
 MAX_TOKENS = 12
 SEQS = 2                 # max_num_seqs of P and D: two long requests fill an engine
-MAX_LEN = 8192           # the model's context: room for fillers
-LONG_TOKENS = 6000       # a filler: a decode long enough to keep an engine full while the
-                         # storm's other clients come and go (it never ends by itself)
+MAX_LEN = 65536          # the model's context: room for fillers
+LONG_TOKENS = 60000      # a filler: a decode long enough to keep an engine full while the
+                         # storm's other clients come and go (it never ends by itself: a
+                         # server with a core to itself decodes this model at ~600 tokens/s)
+KV_BYTES = 512 << 20     # each server's KV cache: two fillers (2 KiB per token) and the rest
 DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
                          # window in which the storm's D-reading clients leave
 # P's lease: short, so that the requests nobody pulls come back soon, yet well above
@@ -105,108 +102,22 @@ def _blocks(prompt: list[int]) -> int:
 # ---------------------------------------------------------------------------- processes
 
 
-class Proc:
-    """One server process in its own process group, output to a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        self._fh = log.open("ab")
-        self.p = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
-                                  cwd=ROOT, start_new_session=True)
-        self.pgid = self.p.pid
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # pragma: no cover - pgid reused by another user
-            return False
-        return True
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the group (a clean shutdown), SIGKILL whatever is left."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.p.wait(timeout)
-        deadline = time.monotonic() + 10.0
-        while self.group_alive() and time.monotonic() < deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pgid, signal.SIGKILL)
-            time.sleep(0.2)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.p.wait(10)
-        self._fh.close()
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return f"--- {self.log} (last {lines} lines) ---\n" + "\n".join(text[-lines:])
-
-
-def server_env(core: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=core, VLLM_LOGGING_LEVEL="INFO",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return env
-
-
 def serve_cmd(model: str, port: int, extra: dict[str, Any]) -> list[str]:
     ktc = {"kv_connector": "KVProtoConnector",
            "kv_connector_module_path": "kvproto.vllm.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": extra}
-    return [sys.executable, str(VLLM_CLI), "serve", model, "--served-model-name", MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", str(MAX_LEN),
-            "--kv-cache-memory-bytes", str(128 << 20), "--enable-prefix-caching",
-            "--seed", "0", "--max-num-seqs", str(SEQS), "--disable-uvicorn-access-log",
-            "--enable-log-requests", "--max-log-len", "16",
-            "--kv-transfer-config", json.dumps(ktc)]
+    return sv.serve_cmd(model, port, ktc, max_len=MAX_LEN, kv_bytes=KV_BYTES,
+                        extra=("--enable-prefix-caching", "--max-num-seqs", str(SEQS),
+                               "--enable-log-requests", "--max-log-len", "16"))
 
 
 def router_cmd(port: int, prefill: str, decode: str) -> list[str]:
-    return [sys.executable, str(ROUTER), "--port", str(port), "--prefill", prefill,
-            "--decode", decode, "--test-hooks", "--connect-timeout", "3"]
-
-
-def http_ok(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=5.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_healthy(procs: list[tuple[Proc, str]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    waiting = list(procs)
-    while waiting:
-        for proc, url in list(waiting):
-            if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited with {proc.p.returncode} before it "
-                                   f"served {url}\n{proc.tail()}")
-            if http_ok(url):
-                waiting.remove((proc, url))
-        if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {timeout:.0f} s: "
-                               f"{[p.name for p, _ in waiting]}\n"
-                               + "\n".join(p.tail() for p, _ in waiting))
-        time.sleep(1.0)
+    return sv.router_cmd(port, prefill, decode, "--test-hooks", "--connect-timeout", "3")
 
 
 @dataclass
-class Stack:
+class Stack(sv.HasProcs):
     """The running P, D and router, their URLs, and the reference outputs."""
 
     workdir: Path
@@ -219,22 +130,6 @@ class Stack:
     ref: dict[int, list[int]] = field(default_factory=dict)   # prompt index -> tokens
     ref_text: dict[int, str] = field(default_factory=dict)
 
-    def tails(self) -> str:
-        return "\n".join(p.tail() for p in self.procs)
-
-    @contextlib.contextmanager
-    def explained(self) -> Iterator[None]:
-        """Attach the servers' and the router's log tails to any failure inside."""
-        try:
-            yield
-        except Exception as e:
-            e.add_note(self.tails())
-            raise
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -243,24 +138,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     h.write_word_tokenizer(model.path, vocab=model.vocab)
     pp, dp, rp, pm, dm = (h.free_port() for _ in range(5))
     # one core each (P, D); with a single core, no binding
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cores = (str(mine[1]), str(mine[0])) if len(mine) >= 2 else ("nobind", "nobind")
+    cores = sv.pd_cores() or ("nobind", "nobind")
     st = Stack(wd, f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}",
                f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{pm}/metrics",
                f"http://127.0.0.1:{dm}/metrics")
     try:
-        p = Proc("P", serve_cmd(str(model.path), pp, {"lease": LEASES, "metrics_port": pm}),
-                 server_env(cores[0]), wd / "P.log")
-        st.procs.append(p)
-        d = Proc("D", serve_cmd(str(model.path), dp, {"lease": LEASES, "metrics_port": dm,
-                                                       "test_delay_load_s": DELAY_LOAD}),
-                 server_env(cores[1]), wd / "D.log")
-        st.procs.append(d)
-        wait_healthy([(p, st.p_url + "/health"), (d, st.d_url + "/health")], START_TIMEOUT)
-        r = Proc("router", router_cmd(rp, st.p_url, st.d_url), server_env("nobind"),
-                 wd / "router.log")
-        st.procs.append(r)
-        wait_healthy([(r, st.r_url + "/health")], 60.0)
+        st.start(wd, [
+            sv.Server("P", serve_cmd(str(model.path), pp, {"lease": LEASES,
+                                                           "metrics_port": pm}),
+                      sv.server_env(cores[0]), st.p_url + "/health"),
+            sv.Server("D", serve_cmd(str(model.path), dp, {"lease": LEASES,
+                                                           "metrics_port": dm,
+                                                           "test_delay_load_s": DELAY_LOAD}),
+                      sv.server_env(cores[1]), st.d_url + "/health")], START_TIMEOUT)
+        st.start(wd, [sv.Server("router", router_cmd(rp, st.p_url, st.d_url),
+                                sv.server_env("nobind"), st.r_url + "/health")], 60.0)
         with st.explained():
             outs = asyncio.run(_complete_all(st.p_url, COR, stream=False))
         for i, (toks, text) in enumerate(outs):
@@ -708,9 +600,9 @@ def test_bench_server_client_through_router(stack: Stack) -> None:
     """The client of ``kvproto bench vllm --path server`` on these servers (no engine of
     its own): every answer equals the reference token for token, each with a first
     token after its send."""
-    from kvproto.bench.vllm_serve import SERVED_NAME, _round
+    from kvproto.bench.vllm_serve import _round
 
-    assert SERVED_NAME == MODEL
+    assert sv.SERVED_NAME == MODEL
     with stack.explained():
         answers, t0 = asyncio.run(_round(stack.r_url, {str(i): p for i, p in
                                                        enumerate(COR)}, MAX_TOKENS))
@@ -737,12 +629,12 @@ def test_router_errors(stack: Stack) -> None:
             for name, p_url, d_url in (("router-no-P", dead, stack.d_url),
                                        ("router-no-D", stack.p_url, dead)):
                 port = h.free_port()
-                proc = Proc(name, router_cmd(port, p_url, d_url), server_env("nobind"),
+                proc = Proc(name, router_cmd(port, p_url, d_url), sv.server_env("nobind"),
                             stack.workdir / f"{name}.log")
                 routers.append((proc, f"http://127.0.0.1:{port}"))
                 stack.procs.append(proc)
             for proc, url in routers:
-                wait_healthy([(proc, url + "/router/status")], 60.0)
+                sv.wait_healthy([(proc, url + "/router/status")], 60.0)
 
             async def run() -> None:
                 pm0 = await scrape(stack.p_metrics)
@@ -860,15 +752,17 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
 
             async def added(rid: str = rid) -> bool:
                 return f"Added request cmpl-{rid}-0" in \
-                    _proc(st, "D").log.read_text(errors="replace")
+                    _proc(st, "D").log_path.read_text(errors="replace")
             await until(added, 60, f"{rid} in D's engine")
             await asyncio.sleep(rng.uniform(0.05, 0.25 * DELAY_LOAD))
             assert (await router_status(st))["in_flight"].get(rid) == "decode", rid
             await disconnect([rid], 0.0)
-        # D decoding: the client reads a few chunks, then closes the stream
+        # D decoding: the client reads a few chunks, then closes the stream (the answer
+        # is long, so that the router is still streaming it when the client leaves)
         rids = [f"d_decode{i}" for i in range(PER_KIND)]
         for r in rids:
-            start(r, rc, stream=True, max_tokens=400, close_after=rng.randrange(1, 6))
+            start(r, rc, stream=True, max_tokens=LONG_TOKENS // 3,
+                  close_after=rng.randrange(1, 6))
         replies = await asyncio.gather(*(tasks[r] for r in rids))
         assert all(rp.closed_early for rp in replies), replies
         log.extend(f"{r} left after {rp.chunks} chunks" for r, rp in zip(rids, replies,
@@ -903,7 +797,7 @@ def _not_aborted(st: Stack, rids: dict[str, list[str]]) -> dict[str, list[str]]:
     """The request ids each engine's log does not show as aborted."""
     out = {}
     for name, want in rids.items():
-        text = _proc(st, name).log.read_text(errors="replace")
+        text = _proc(st, name).log_path.read_text(errors="replace")
         missing = [r for r in want if f"Request cmpl-{r}-0 aborted" not in text]
         if missing:
             out[name] = missing
@@ -968,7 +862,7 @@ def test_disconnect_storm(stack: Stack) -> None:
             metric(dm0, "kvproto_reads_total", outcome="failed:aborted")
         assert d_aborts >= 2 * PER_KIND, d_aborts
         log.info("storm: D ended %d requests as aborted", d_aborts)
-        d_log = _proc(stack, "D").log.read_text(errors="replace")
+        d_log = _proc(stack, "D").log_path.read_text(errors="replace")
         assert "handoff" not in d_log, "a request whose client left reached D"
         # everyone still answers correctly
         _check_reference(stack, asyncio.run(_complete_all(stack.r_url, COR, stream=None)),

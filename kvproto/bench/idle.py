@@ -47,6 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress-thread", action="store_true",
                    help="run P without NIXL's progress thread, which busy-polls about one "
                         "core whether or not P holds anything; isolates the engine loop")
+    p.add_argument("--path", choices=("offline", "server"), default="offline",
+                   help="offline: one P engine in this process (the phases above); "
+                        "server: `vllm serve` P + D + router per connector, CPU per "
+                        "process after requests and while P holds blocks "
+                        "(kvproto.bench.idle_serve)")
+    p.add_argument("--variants", default="stock,kvproto,kvproto_busy,kvproto_nowait",
+                   help="server path: stacks to measure, in order (stock, kvproto, "
+                        "kvproto_busy, kvproto_nowait; kvproto.bench.idle_serve)")
     p.add_argument("--workdir", help="keep model and engine log here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -135,6 +143,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvproto.bench.vllm import run_engines_bench
 
+    if args.path == "server":
+        from kvproto.bench.idle_serve import VARIANTS, bench
+
+        chosen = [v for v in args.variants.split(",") if v]
+        if not chosen or any(v not in VARIANTS for v in chosen):
+            print(f"kvproto bench idle: --variants takes {', '.join(VARIANTS)}",
+                  file=sys.stderr)
+            return 2
+        out = run_engines_bench("idle", args, bench)
+        if isinstance(out, int):
+            return out
+        print(json.dumps(out, sort_keys=True) if args.json else
+              "\n".join(f"{k:40}{v}" for k, v in sorted(out.items())))
+        return 0
     res = run_engines_bench("idle", args, _bench)
     if isinstance(res, int):
         return res

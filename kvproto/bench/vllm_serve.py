@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,71 +40,22 @@ from kvproto.bench.vllm_common import (
     refused_in_log,
     topology_tag,
 )
+from kvproto.testing import serve as sv
+from kvproto.testing.serve import Proc, ServeError
 from kvproto.vllm.harness import HarnessError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_CLI = ROOT / "examples" / "vllm_cli.py"
-ROUTER = ROOT / "examples" / "pd_router.py"
-SERVED_NAME = "tiny"
 START_TIMEOUT = 900.0      # seconds for a pair of servers to answer /health (shared cores)
 REQUEST_TIMEOUT = 600.0    # seconds one round's requests may take
 KEEPALIVE_S = "30"         # servers' HTTP keep-alive, above the router's (2 s)
 
 
-class ServeError(HarnessError):
-    """A server or router did not come up (one line)."""
-
-
-class Proc:
-    """One process in its own process group, its output appended to a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path
-                 ) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._fh = log_path.open("ab")
-        self.p = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
-                                  cwd=ROOT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the group (a clean shutdown), then SIGKILL what is left of it."""
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.p.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.p.wait(wait)
-        self._fh.close()
-
-    def last_error(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        errs = [ln for ln in lines if "Error" in ln or "ERROR" in ln]
-        return (errs[-1] if errs else lines[-1] if lines else "")[:300]
-
-
-def _env(bind: str, side_port: int, omp_threads: int | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    if omp_threads is not None:
-        env["OMP_NUM_THREADS"] = str(omp_threads)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_LOGGING_LEVEL="INFO",
-               VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-               VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
-               VLLM_HTTP_TIMEOUT_KEEP_ALIVE=KEEPALIVE_S, TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
-def transfer_config(name: str, lease: float, metrics_port: int | None) -> dict[str, Any]:
+def transfer_config(name: str, lease: float, metrics_port: int | None,
+                    extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of one server: the connector of ``name`` with the
-    bench's lease (stock: whole seconds), recompute on a failed load."""
+    bench's lease (stock: whole seconds), recompute on a failed load; ``extra_config``
+    adds kvproto options."""
     from kvproto.vllm import harness as h
     from kvproto.vllm import scenarios as sc
 
@@ -119,95 +65,64 @@ def transfer_config(name: str, lease: float, metrics_port: int | None) -> dict[s
     extra: dict[str, Any] = {"lease": sc.lease_config(lease)}
     if metrics_port is not None:
         extra["metrics_port"] = metrics_port
+    extra.update(extra_config or {})
     return {**h.KVPROTO_CONNECTOR, "kv_connector_extra_config": extra}
 
 
 def serve_cmd(model: str, port: int, tp: int, kv_bytes: int, ktc: dict[str, Any]
               ) -> list[str]:
-    from kvproto.vllm import harness as h
-
-    return [sys.executable, str(VLLM_CLI), "serve", model, "--served-model-name",
-            SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--enforce-eager", "--block-size", str(h.BLOCK_SIZE), "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
-            "--tensor-parallel-size", str(tp), "--disable-uvicorn-access-log",
-            "--kv-transfer-config", json.dumps(ktc)]
+    return sv.serve_cmd(model, port, ktc, kv_bytes=kv_bytes,
+                        extra=("--tensor-parallel-size", str(tp)))
 
 
 @dataclass
-class Stack:
+class Stack(sv.HasProcs):
     """One connector's P server, D server and router."""
 
     name: str
     router_url: str
     d_metrics: str | None
     procs: list[Proc] = field(default_factory=list)
-
-    def proc(self, role: str) -> Proc:
-        return next(p for p in self.procs if p.name.endswith(role))
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=5.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _wait_healthy(waiting: list[tuple[Proc, str]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while waiting:
-        for proc, url in list(waiting):
-            if not proc.alive():
-                raise ServeError(f"{proc.name} exited ({proc.p.returncode}): "
-                                 f"{proc.last_error()}")
-            if _healthy(url):
-                waiting.remove((proc, url))
-        if waiting and time.monotonic() > deadline:
-            raise ServeError(f"{', '.join(p.name for p, _ in waiting)} not healthy after "
-                             f"{timeout:.0f} s")
-        time.sleep(1.0)
+    p_url: str = ""
 
 
 def start_stack(args: argparse.Namespace, workdir: Path, model: str, name: str, p_tp: int,
-                d_tp: int) -> Stack:
-    """Start P and D (at once), then the router; on any failure stop what started."""
+                d_tp: int, *, extra_config: dict[str, Any] | None = None, tag: str = ""
+                ) -> Stack:
+    """Start P and D (at once), then the router; on any failure stop what started.
+    ``extra_config``: kvproto options for both servers; ``tag``: log names' prefix
+    (default: the connector and topology)."""
     from kvproto.vllm.harness import free_port
 
-    tag = f"{name}{topology_tag(p_tp, d_tp)}"
+    tag = tag or f"{name}{topology_tag(p_tp, d_tp)}"
     pp, dp, rp = free_port(), free_port(), free_port()
     dm = free_port() if name == "kvproto" else None
     # Each TP rank needs its own side-channel port (base + rank): leave room for them.
     side = {"P": free_port() // 16 * 16, "D": free_port() // 16 * 16 + 8}
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    one_core = {"P": str(mine[-1]), "D": str(mine[0])} \
-        if len(mine) >= 2 and args.server_bind == "cores" else {}
+    cores = sv.pd_cores()
+    one_core = {"P": cores[0], "D": cores[1]} \
+        if cores is not None and args.server_bind == "cores" else {}
     omp = 1 if args.server_bind == "none" else None
     st = Stack(name, f"http://127.0.0.1:{rp}",
-               f"http://127.0.0.1:{dm}/metrics" if dm is not None else None)
+               f"http://127.0.0.1:{dm}/metrics" if dm is not None else None,
+               p_url=f"http://127.0.0.1:{pp}")
     try:
-        waiting = []
+        servers = []
         for role, port, tp, kvb, mport in (("P", pp, p_tp, 16 << 20, None),
                                            ("D", dp, d_tp, 128 << 20, dm)):
             bind = one_core.get(role, "nobind") if tp == 1 else "nobind"
-            proc = Proc(f"{tag}-{role}", serve_cmd(model, port, tp, kvb,
-                                                   transfer_config(name, args.lease, mport)),
-                        _env(bind, side[role], omp), workdir / f"{tag}-{role}.log")
-            st.procs.append(proc)
-            waiting.append((proc, f"http://127.0.0.1:{port}/health"))
-        _wait_healthy(waiting, START_TIMEOUT)
-        router = Proc(f"{tag}-router", [sys.executable, str(ROUTER), "--port", str(rp),
-                                        "--prefill", f"http://127.0.0.1:{pp}", "--decode",
-                                        f"http://127.0.0.1:{dp}", "--log-level", "warning"],
-                      _env("nobind", side["P"]), workdir / f"{tag}-router.log")
-        st.procs.append(router)
-        _wait_healthy([(router, st.router_url + "/health")], 120.0)
+            servers.append(sv.Server(
+                f"{tag}-{role}", serve_cmd(model, port, tp, kvb,
+                                           transfer_config(name, args.lease, mport, extra_config)),
+                sv.server_env(bind, side_port=side[role], omp_threads=omp,
+                              keepalive_s=KEEPALIVE_S), f"http://127.0.0.1:{port}/health"))
+        st.start(workdir, servers, START_TIMEOUT)
+        st.start(workdir, [sv.Server(
+            f"{tag}-router", sv.router_cmd(rp, f"http://127.0.0.1:{pp}",
+                                           f"http://127.0.0.1:{dp}", "--log-level",
+                                           "warning"),
+            sv.server_env("nobind", side_port=side["P"], keepalive_s=KEEPALIVE_S),
+            st.router_url + "/health")], 120.0)
     except BaseException:
         st.close()
         raise
@@ -225,7 +140,7 @@ class Answer:
 async def _one(hc: Any, url: str, rid: str, prompt: list[int], max_tokens: int) -> Answer:
     """One streamed greedy completion through the router (request id ``rid``)."""
     out = Answer()
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+    body = {"model": sv.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
             "stream": True}
     try:
@@ -282,9 +197,8 @@ def bench_topology(args: argparse.Namespace, workdir: Path, wl: Workload, p_tp: 
     """One topology over the server path: both connectors' stacks, the alternating
     rounds, the report (``build_report``'s keys for the rounds)."""
 
-    missing = [str(p) for p in (VLLM_CLI, ROUTER) if not p.exists()]
+    missing = [str(p) for p in (sv.VLLM_CLI, sv.ROUTER) if not p.exists()]
     if missing:
-        from kvproto.vllm.harness import HarnessError
         raise HarnessError(f"the server path needs a source checkout: {missing[0]} missing")
     t_start = time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request

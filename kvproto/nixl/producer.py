@@ -50,7 +50,8 @@ class ProducerAdapter(PDriver):
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  fault_hook: InHook | None = None, strict_pool: bool = True,
                  observer: EffectObserver | None = None,
-                 progress_thread: bool = False, metrics: Metrics | None = None,
+                 progress_thread: bool = False, progress_delay_us: int = 0,
+                 metrics: Metrics | None = None,
                  metrics_port: int | None = None,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
                  handshake_secret: bytes | None = None,
@@ -64,6 +65,7 @@ class ProducerAdapter(PDriver):
         shared secret); default: ``KVPROTO_HANDSHAKE_SECRET`` when set, else none.
         ``identity``: the model identity (``kvproto.vllm.identity``) sent in the handshake;
         a D whose identity differs in any field is refused (``model_mismatch``).
+        ``progress_delay_us``: the progress thread's sleep between passes (``make_agent``).
         ``handshake_thread``: serve the handshake listener from a thread of its own.
         Prometheus (opt-in): pass ``metrics`` to share a registry, ``metrics_port`` (0:
         any free port) to serve it on 127.0.0.1; ``metrics_port`` is then the chosen one."""
@@ -71,6 +73,7 @@ class ProducerAdapter(PDriver):
         transport = NixlPTransport(name, num_blocks=num_blocks, block_bytes=block_bytes,
                                    device=device, tp_rank=tp_rank, tp_size=tp_size, host=host,
                                    port=port, progress_thread=progress_thread,
+                                   progress_delay_us=progress_delay_us,
                                    kv_tensors=kv_tensors, handshake_secret=secret,
                                    threaded=handshake_thread, checksums=config.checksums)
         if metrics_port is not None and metrics is None:

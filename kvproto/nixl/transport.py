@@ -63,14 +63,15 @@ class NixlPTransport:
 
     def __init__(self, name: str, *, num_blocks: int, block_bytes: int, device: str = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
-                 progress_thread: bool = False,
+                 progress_thread: bool = False, progress_delay_us: int = 0,
                  kv_tensors: Sequence[torch.Tensor] | None = None,
                  handshake_secret: bytes | None = None, threaded: bool = False,
                  checksums: bool = False) -> None:
         """``threaded``: serve the handshake listener from a thread of its own (see
         ``PTransport.threaded``). ``checksums``: ``seal`` will be called (computed where
         the blocks live: CRC-32 in DRAM, ``wsum32`` on the GPU; ``kvproto.nixl.checksum``)."""
-        self.agent = make_agent(name, progress_thread=progress_thread)
+        self.agent = make_agent(name, progress_thread=progress_thread,
+                                progress_delay_us=progress_delay_us)
         self.region = KVRegion(self.agent, num_blocks, block_bytes, device=device,
                                tensors=kv_tensors)
         self._gen_view = None if self.region.gen.is_cuda else self.region.gen.numpy()

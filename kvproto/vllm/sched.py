@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 PARAMS_KEY = "kvproto"  # kv_transfer_params[PARAMS_KEY] holds TransferParams.to_dict()
 MAX_PARAM_BLOCKS = 1 << 20  # a client's transfer params may name at most this many blocks
 MAX_NAME = 256  # engine names and group names, characters
+# P's NIXL progress thread sleeps this long between passes (NIXL's own default, 0, is a
+# busy loop of about one core): a READ that needs P's progress waits at most this longer
+PROGRESS_DELAY_US = 50
+# P's idle wait (idle_wait_ms): an engine step that exists only because blocks are held
+# waits up to this long in the connector; a request arriving then is scheduled at most
+# this much later
+IDLE_WAIT_MS = 20.0
 # vLLM's n>1 children are named "<index>_<parent id>" (vllm/v1/engine/parallel_sampling).
 _CHILD_ID = re.compile(r"^(\d+)_(.+)$")
 
@@ -61,11 +68,14 @@ EXTRA_KEYS: dict[str, str] = {
                     "r uses port + r; default: off)",
     "progress_thread": "P: NIXL progress thread, so that D's READs complete while P's "
                        "engine is idle (true)",
+    "progress_delay_us": "P: the NIXL progress thread sleeps this many microseconds between "
+                         "its passes instead of busy-polling a core (0: NIXL's busy loop; "
+                         f"default {PROGRESS_DELAY_US})",
     "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
                     "scheduled, no D work), each step waits up to this many milliseconds "
                     "for a message or the next lease deadline instead of spinning; a new "
-                    "request arriving then waits at most this long (0: off, the default; worth it only with "
-                    "progress_thread false, see spec/VLLM.md)",
+                    "request arriving then waits at most this long (0: off; default "
+                    f"{IDLE_WAIT_MS:g}, see spec/VLLM.md)",
     "model_revision": "a string naming the weights (e.g. a commit or release tag); replaces "
                       "the start-up fingerprint of the weight files in the handshake's model "
                       "identity (default: fingerprint)",
@@ -95,7 +105,8 @@ class ConnectorOptions:
     handshake_attempts: int = 4
     group_siblings: bool = True
     progress_thread: bool = True
-    idle_wait_ms: float = 0.0
+    progress_delay_us: int = PROGRESS_DELAY_US
+    idle_wait_ms: float = IDLE_WAIT_MS
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
@@ -174,7 +185,9 @@ class ConnectorOptions:
                    handshake_timeout=num("handshake_timeout", 2.0, 0.01, 3600),
                    handshake_attempts=num("handshake_attempts", 4, 1, 1000, True),
                    group_siblings=group, progress_thread=prog,
-                   idle_wait_ms=num("idle_wait_ms", 0.0, 0.0, 1000.0),
+                   progress_delay_us=num("progress_delay_us", PROGRESS_DELAY_US, 0, 100_000,
+                                         True),
+                   idle_wait_ms=num("idle_wait_ms", IDLE_WAIT_MS, 0.0, 1000.0),
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,

@@ -100,6 +100,7 @@ class PWorker:
             sink=self.writer.sink if self.writer is not None else None,
             host=opts.handshake_host, port=port, strict_pool=False,
             observer=self._observe, kv_tensors=tensors, progress_thread=opts.progress_thread,
+            progress_delay_us=opts.progress_delay_us,
             metrics=metrics, identity=identity, handshake_thread=True, tp_rank=tp[0],
             tp_size=tp[1])
         self._gen = self.adapter.region.gen
