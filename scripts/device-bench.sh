@@ -3,7 +3,8 @@
 # .whl/ (nixl, nixl-cu13 for its Python), torch/numpy/pytest/hypothesis already there.
 # Runs the NIXL and checksum tests (the VRAM variants included), `kvproto bench transfer`
 # on DRAM and on VRAM, and `bench transfer --checksum` on both; results go to $OUT (or
-# ./device-out): machine.txt, tests.txt, bench-<dev>.json, checksum-<dev>.json, log.txt.
+# ./device-out); env TESTS (test files), PYTEST_K (a -k filter), SKIP_TESTS, SKIP_CHECKSUM,
+# DEVICES, TEST_TIMEOUT, BENCH_TIMEOUT: machine.txt, tests.txt, bench-<dev>.json, checksum-<dev>.json, log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -20,9 +21,11 @@ run() { python3 -c 'import sys; from kvproto.cli import main; sys.exit(main(sys.
 trun() { timeout "${BENCH_TIMEOUT:-90}" python3 -c 'import sys; from kvproto.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 { nvidia-smi -L; nproc; uptime; python3 -c 'import torch, nixl; print(torch.__version__, torch.cuda.get_device_name(0))'; } \
   2>&1 | tee "$OUT/machine.txt"
+TESTS=${TESTS:-tests/test_nixl.py tests/test_nixl_slices.py tests/test_nixl_split.py tests/test_wire.py
+  tests/test_checksum.py tests/test_claim_grant.py tests/test_quarantine_nixl.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths
 [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m "not tlc" \
-  tests/test_nixl.py tests/test_nixl_slices.py tests/test_wire.py tests/test_checksum.py \
-  tests/test_claim_grant.py tests/test_quarantine_nixl.py 2>&1 \
+  -k "${PYTEST_K:-}" $TESTS 2>&1 \
   | grep -v '^[EWI][0-9]\{4\} ' | tail -40 | tee "$OUT/tests.txt"
 for dev in ${DEVICES:-cpu cuda}; do
   trun bench transfer --json --device "$dev" \
