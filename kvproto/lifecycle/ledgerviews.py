@@ -82,7 +82,7 @@ class LedgerViews:
     _by_rid: dict[str, int]
     _heap: list[int]
     _staged: Mapping[int, _Early]
-    _tomb: dict[int, tuple[str, str]]
+    _tomb: Mapping[int, _Held]
     _groups_done: OrderedDict[str, None]
 
     def state(self, handle: int) -> str:
@@ -90,14 +90,16 @@ class LedgerViews:
         if r is not None:
             return r.state
         t = self._tomb.get(handle)
-        return t[0] if t is not None else UNREGISTERED
+        return t.state if t is not None else UNREGISTERED
 
     def deadline(self, handle: int) -> int | None:
         r = self._live.get(handle)
         return None if r is None else r.deadline
 
     def handle_of(self, request_id: str) -> int | None:
-        return self._by_rid.get(request_id)
+        """The live handle holding ``request_id``; None when none holds it."""
+        h = self._by_rid.get(request_id)
+        return h if h is not None and h in self._live else None
 
     def held(self, handle: int) -> HeldView | None:
         """The held request ``handle`` (None when not held)."""
@@ -157,7 +159,7 @@ class LedgerViews:
         if r is not None:
             return r.rid
         t = self._tomb.get(handle)
-        return t[1] if t is not None else None
+        return t.rid if t is not None else None
 
     def staged_entries(self) -> list[tuple[int, int, tuple[tuple[str, str, int, int], ...]]]:
         """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
@@ -202,7 +204,11 @@ class LedgerViews:
             errs.append("StagingBounded: staging above max_staged")
         if len(self._tomb) > self.config.max_tombstones:
             errs.append("TombstonesBounded: tombstones above max_tombstones")
-        for h in self._live:
+        for h, r in self._live.items():
             if h in self._tomb:
                 errs.append(f"TypeOK: handle {h} both live and tombstoned")
+            if self._by_rid.get(r.rid) != h:
+                errs.append(f"TypeOK: live handle {h} is not its request id's index entry")
+        if len(self._by_rid) > len(self._live) + len(self._tomb):
+            errs.append("TypeOK: request-id index above held + tombstones")
         return errs

@@ -282,7 +282,7 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
 # The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _LEDGER_SHARED: Final = frozenset({
-    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_order", "_tomb_rid", "_max_tomb",
+    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_order", "_max_tomb",
     "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
 
 
@@ -372,8 +372,10 @@ class Ledger(LedgerViews):
         # is never both here and in _tomb. Size: the requests the engine keeps held; each
         # leaves at the latest at its deadline.
         self._live: dict[int, _Req] = {}
-        # Invariant: _by_rid[r.rid] == h exactly when _live[h] is r (one live holder per
-        # request id). Size: len(_live).
+        # Invariant: _by_rid[r.rid] == h whenever _live[h] is r (one live holder per
+        # request id); an entry whose handle is not live names the tombstone of that
+        # request id's latest free (a free leaves the entry in place, so it costs no index
+        # write). Size: at most len(_live) + len(_tomb): an entry leaves with its tombstone.
         self._by_rid: dict[str, int] = {}
         # Invariant: every held request has an entry at its deadline or earlier (renewals
         # leave it early, tick re-inserts it); entries of freed requests are dropped
@@ -384,16 +386,14 @@ class Ledger(LedgerViews):
         # messages and leaves on register or after max_staged_age. Cap: config.max_staged
         # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
-        # handle -> (terminal state, request id); request id -> handle, both capped together
+        # handle -> the freed request's record (its terminal state and request id; never
+        # changed after the free)
         # Invariant: freed handles, none live; _tomb_order holds the same handles, oldest
         # first (entries leave only by eviction, so the two stay equal). Cap:
         # config.max_tombstones (the oldest evicted, counted tombstone_evicted).
-        self._tomb: dict[int, tuple[str, str]] = {}
+        self._tomb: dict[int, _Req] = {}
         self._tomb_order: deque[int] = deque()
         self._max_tomb = self.config.max_tombstones
-        # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
-        # that request id). Size: at most len(_tomb).
-        self._tomb_rid: dict[str, int] = {}
         # Invariant: group -> its live members, never an empty set; every member is in
         # _live. Size: at most len(_live) groups.
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
@@ -435,9 +435,8 @@ class Ledger(LedgerViews):
         n._by_rid = dict(self._by_rid)
         n._heap = list(self._heap)
         n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
-        n._tomb = dict(self._tomb)
+        n._tomb = {h: r.copy() for h, r in self._tomb.items()}
         n._tomb_order = deque(self._tomb_order)
-        n._tomb_rid = dict(self._tomb_rid)
         n._groups = {g: set(m) for g, m in self._groups.items()}
         n._groups_done = OrderedDict(self._groups_done)
         n.counters = dict(self.counters)
@@ -560,29 +559,19 @@ class Ledger(LedgerViews):
         assert reason is not None
         h = r.handle
         rid = r.rid
-        r.state = dst = row.dst
-        del self._live[h]
-        by_rid = self._by_rid
-        other = by_rid.pop(rid, h)
-        if other != h:  # never, while _by_rid's invariant holds: leave it as it was
-            by_rid[rid] = other
+        r.state = row.dst
+        del self._live[h]  # _by_rid[rid] stays h: it now names the tombstone
         if r.group is not None:
             members = self._groups.get(r.group)
             if members is not None:
                 members.discard(h)
                 if not members:
                     del self._groups[r.group]
-        tomb = self._tomb
-        tomb[h] = (dst, rid)
-        self._tomb_rid[rid] = h
+        self._tomb[h] = r
         order = self._tomb_order
         order.append(h)
         if len(order) > self._max_tomb:
-            old = order.popleft()
-            old_rid = tomb.pop(old)[1]
-            self._count("tombstone_evicted")
-            if self._tomb_rid.get(old_rid) == old:
-                del self._tomb_rid[old_rid]
+            self._evict_tomb()
         blocks = r.blocks
         reclaimed = self.pool._drop(blocks)
         frees = self.frees
@@ -590,6 +579,16 @@ class Ledger(LedgerViews):
         fx: Any = FreeFields(h, rid, reason, blocks, reclaimed, r.deadline)
         fx.__class__ = Free  # an ordinary frozen Free, built fast (hotpath.register_free)
         out.append(fx)
+
+    def _evict_tomb(self) -> None:
+        """Drop the oldest tombstone (tombstones above ``max_tombstones``), and its request
+        id's index entry unless that names a later holder."""
+        old = self._tomb_order.popleft()
+        old_rid = self._tomb.pop(old).rid
+        self._count("tombstone_evicted")
+        by_rid = self._by_rid
+        if by_rid.get(old_rid) == old:
+            del by_rid[old_rid]
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
@@ -713,7 +712,7 @@ class Ledger(LedgerViews):
         t = self._tomb.get(handle)
         if t is None:
             return self._step_absent(UNREGISTERED, event, "early", reader, handle, expected, now)
-        st = t[0]
+        st = t.state
         return self._step_absent(st, event, "late" if st == EXPIRED else "stale", reader,
                                  handle, expected, now)
 
@@ -741,10 +740,11 @@ class Ledger(LedgerViews):
             self._count("invalid_register")
             out.append(Rejected("invalid_register", "", handle if isinstance(handle, int) else None, err))
             return self._emit(ev, out)
-        if handle in self._live or handle in self._tomb or request_id in self._by_rid:
+        holder = self._live.get(self._by_rid.get(request_id, -1))
+        if handle in self._live or handle in self._tomb or holder is not None:
             st = self.state(handle)
-            if st == UNREGISTERED:  # request id reused while its first holder is live
-                st = self._live[self._by_rid[request_id]].state
+            if st == UNREGISTERED and holder is not None:
+                st = holder.state  # request id reused while its first holder is live
             row = self._step_absent(st, REGISTER, "duplicate", "", handle, expected, now)
             if row.reject is not None:
                 out.append(Rejected(row.reject, "", handle,
@@ -903,10 +903,9 @@ class Ledger(LedgerViews):
         h = self._by_rid.get(request_id)
         r = self._live.get(h) if h is not None else None
         if r is None:
-            th = self._tomb_rid.get(request_id)
-            t = self._tomb.get(th) if th is not None else None
+            t = self._tomb.get(h) if h is not None else None
             if t is not None:
-                self._step_absent(t[0], ABORT, "stale", "", -1, 0, now)
+                self._step_absent(t.state, ABORT, "stale", "", -1, 0, now)
             else:
                 self._step_absent(UNREGISTERED, ABORT, "unknown", "", -1, 0, now)
             return self._emit(Abort(request_id, now), out)
