@@ -95,7 +95,11 @@ def test_the_rebuilt_entries_keep_every_held_request_due_at_its_deadline() -> No
         L.abort(f"r{h}", 200)  # early entries
     assert L.heap_entries <= max(2 * L.held_requests, lifecycle.HEAP_SLACK)
     assert L.check_invariants() == []
-    deadlines = {h: L.deadline(h) for h in L.live_handles()}
+    deadlines: dict[int, int] = {}
+    for h in L.live_handles():
+        d = L.deadline(h)
+        assert d is not None
+        deadlines[h] = d
     assert len(deadlines) == 375 and len(set(deadlines.values())) > 2
     for t in sorted(set(deadlines.values())):
         out = L.tick(t)
