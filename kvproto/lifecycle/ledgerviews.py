@@ -24,7 +24,7 @@ def readers(finished: str | set[str] | None) -> frozenset[str]:
 
 
 class _Held(Protocol):
-    """What the views read of a held request (``producer._Req``)."""
+    """What the views read of a held request (``ledgerrecords._Req``)."""
 
     rid: str
     state: str
@@ -35,7 +35,7 @@ class _Held(Protocol):
 
 
 class _Early(Protocol):
-    """What the views read of a staged handle (``producer._Staged``)."""
+    """What the views read of a staged handle (``ledgerrecords._Staged``)."""
 
     since: int
     msgs: list[tuple[str, str, int, int]]
