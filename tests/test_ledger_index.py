@@ -106,3 +106,21 @@ def test_the_rebuilt_entries_keep_every_held_request_due_at_its_deadline() -> No
         assert sorted(frees(out)) == sorted(h for h, d in deadlines.items() if d == t)
         assert L.check_invariants() == []
     assert L.held_requests == 0 and L.heap_entries == 0 and L.next_deadline() is None
+
+
+def test_lone_and_shared_deadlines_expire_in_order_one_entry_per_tick() -> None:
+    L = Ledger(Config(max_tick_work=1), BlockPool(16))
+    times = {1: 0, 2: 1, 3: 1, 4: 3, 5: 7}  # lone buckets (1, 4, 5) and a shared one
+    for h, t in times.items():
+        L.register(h, f"r{h}", (h,), t, expected=1)
+    assert L.check_invariants() == [] and L.heap_entries == 5
+    lease = L.config.ms.initial_lease
+    order: list[int] = []
+    now = lease
+    while L.held_requests:
+        out = frees(L.tick(now))
+        assert len(out) <= 1 and L.check_invariants() == []
+        assert all(times[h] + lease <= now for h in out)  # never early
+        order += out
+        now += 1
+    assert order == [1, 2, 3, 4, 5] and L.heap_entries == 0

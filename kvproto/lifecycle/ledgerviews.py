@@ -78,7 +78,7 @@ class LedgerViews:
     _group_of: dict[int, str]
     _released: set[int]
     _heap: list[int]
-    _due: dict[int, list[int]]
+    _due: dict[int, list[int] | int]
     _due_at: int | None
     _due_pos: int
     _entries: int
@@ -199,7 +199,8 @@ class LedgerViews:
                 errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
                 break
         entries: dict[int, int] = {}  # handle -> its earliest unprocessed entry's time
-        for t, bucket in self._due.items():
+        buckets = {t: [b] if isinstance(b, int) else b for t, b in self._due.items()}
+        for t, bucket in buckets.items():
             for h in bucket[self._due_pos if t == self._due_at else 0:]:
                 entries[h] = min(t, entries.get(h, t))
         missing = [h for h, r in self._live.items() if entries.get(h, r.deadline + 1) > r.deadline]
@@ -207,7 +208,7 @@ class LedgerViews:
             errs.append(f"DeadlineHeap: live requests without an entry at or before their "
                         f"deadline: {missing[:5]}")
         if sorted(self._heap) != sorted(self._due) or self._heap[:1] != sorted(self._due)[:1] \
-                or sum(map(len, self._due.values())) - (self._due_pos if self._due_at in self._due else 0) \
+                or sum(map(len, buckets.values())) - (self._due_pos if self._due_at in self._due else 0) \
                 != self._entries:
             errs.append("DeadlineHeap: bucket heap, buckets and entry count disagree")
         if len(self._staged) > self.config.max_staged:

@@ -322,7 +322,8 @@ class Ledger(LedgerViews):
         self._released: set[int] = set()
         self._pending_group: str | None = None  # the group of the request being registered
         # Deadline entries, bucketed by deadline: _due[t] lists handles (in push order)
-        # whose entry is at time t, and _heap is a min-heap of the bucket times (each
+        # whose entry is at time t (a bucket of one handle is the handle itself until a
+        # second one joins it or a tick reaches it: 64 bytes less per lone request), and _heap is a min-heap of the bucket times (each
         # time once, exactly the keys of _due). The head bucket's first _due_pos entries
         # are already processed when _due_at names its time (a tick that ran out of its
         # budget inside it). Requests registered or renewed in the same millisecond share
@@ -332,7 +333,7 @@ class Ledger(LedgerViews):
         # lazily. Cap: _entries (the unprocessed entries) is rebuilt from _live once above
         # max(2 * held, HEAP_SLACK).
         self._heap: list[int] = []
-        self._due: dict[int, list[int]] = {}
+        self._due: dict[int, list[int] | int] = {}
         self._due_at: int | None = None
         self._due_pos = 0
         self._entries = 0
@@ -394,7 +395,7 @@ class Ledger(LedgerViews):
         n._group_of = dict(self._group_of)
         n._released = set(self._released)
         n._heap = list(self._heap)
-        n._due = {t: list(b) for t, b in self._due.items()}
+        n._due = {t: b if isinstance(b, int) else list(b) for t, b in self._due.items()}
         n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
         n._tomb = {h: r.copy() for h, r in self._tomb.items()}
         n._tomb_order = deque(self._tomb_order)
@@ -453,11 +454,13 @@ class Ledger(LedgerViews):
         n = self._entries
         live = self._live
         if n > 2 * len(live) and n > HEAP_SLACK:
-            due: dict[int, list[int]] = {}
+            due: dict[int, list[int] | int] = {}
             for h, r in live.items():
                 b = due.get(r.deadline)
                 if b is None:
-                    due[r.deadline] = [h]
+                    due[r.deadline] = h
+                elif isinstance(b, int):
+                    due[r.deadline] = [b, h]
                 else:
                     b.append(h)
             self._due = due
@@ -471,10 +474,13 @@ class Ledger(LedgerViews):
     def _push(self, deadline: int, handle: int) -> None:
         """A deadline entry for ``handle`` at ``deadline``. O(1), O(log buckets) for a
         new bucket."""
-        b = self._due.get(deadline)
+        due = self._due
+        b = due.get(deadline)
         if b is None:
-            self._due[deadline] = [handle]
+            due[deadline] = handle  # a bucket of one
             heapq.heappush(self._heap, deadline)
+        elif isinstance(b, int):
+            due[deadline] = [b, handle]
         else:
             b.append(handle)
         self._entries += 1
@@ -619,7 +625,10 @@ class Ledger(LedgerViews):
         expiry = self._EXPIRY
         while heap and heap[0] <= now:
             t = heap[0]
-            b = self._due[t]
+            bucket = self._due[t]
+            if isinstance(bucket, int):
+                bucket = self._due[t] = [bucket]
+            b = bucket
             pos = self._due_pos if self._due_at == t else 0
             while pos < len(b):  # the bucket may grow (an entry pushed at time t)
                 if budget <= 0:
