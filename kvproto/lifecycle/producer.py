@@ -236,8 +236,8 @@ class Ledger(LedgerViews):
     ``max_tick_work`` entries per call: the rest carries over (``next_deadline`` then
     reports a time already past, so adapters tick again at once); an expiry may be late,
     never early. Caps: staging ``max_staged`` handles, tombstones ``max_tombstones``,
-    sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
-    ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
+    sibling-group memory ``max_groups_remembered``, deadline entries max(2 * held,
+    ``HEAP_SLACK``); at each cap the oldest entry is dropped and counted.
 
     Time: integer milliseconds. A ``now`` that is not an int (a float, NaN, inf) is
     refused (a ``Rejected("bad_time")`` effect, counted, nothing changes); a ``now``
@@ -323,15 +323,16 @@ class Ledger(LedgerViews):
         self._pending_group: str | None = None  # the group of the request being registered
         # Deadline entries, bucketed by deadline: _due[t] lists handles (in push order)
         # whose entry is at time t (a bucket of one handle is the handle itself until a
-        # second one joins it or a tick reaches it: 64 bytes less per lone request), and _heap is a min-heap of the bucket times (each
-        # time once, exactly the keys of _due). The head bucket's first _due_pos entries
-        # are already processed when _due_at names its time (a tick that ran out of its
-        # budget inside it). Requests registered or renewed in the same millisecond share
-        # one bucket, so an entry costs one list slot.
+        # second one joins it or a tick reaches it: 64 bytes less per lone request), and
+        # _heap is a min-heap of the bucket times (each time once, exactly the keys of
+        # _due). The head bucket's first _due_pos entries are already processed when
+        # _due_at names its time (a tick that ran out of its budget inside it). Requests
+        # registered or renewed in the same millisecond share one bucket, so an entry
+        # costs one list slot.
         # Invariant: every held request has an entry at its deadline or earlier (renewals
         # leave it early, tick re-inserts it); entries of freed requests are dropped
-        # lazily. Cap: _entries (the unprocessed entries) is rebuilt from _live once above
-        # max(2 * held, HEAP_SLACK).
+        # lazily. Cap: the entries (_entries counts the unprocessed ones) are rebuilt from
+        # _live once above max(2 * held, HEAP_SLACK).
         self._heap: list[int] = []
         self._due: dict[int, list[int] | int] = {}
         self._due_at: int | None = None
@@ -618,7 +619,7 @@ class Ledger(LedgerViews):
 
     def sweep(self, now: int, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
-        ``now``. Called by ``tick`` only when the earliest heap entry is due."""
+        ``now``. Called by ``tick`` only when the earliest deadline bucket is due."""
         heap = self._heap
         live = self._live
         budget = self.config.max_tick_work
@@ -941,7 +942,7 @@ class Ledger(LedgerViews):
     def tick(self, now: int) -> list[Effect]:
         """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due.
 
-        Processes at most ``config.max_tick_work`` due heap entries (expiries, dead
+        Processes at most ``config.max_tick_work`` due deadline entries (expiries, dead
         entries, lazy re-inserts), earliest deadline first; the rest stays due and
         ``next_deadline()`` reports it (a time already past). Staging entries past
         ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
