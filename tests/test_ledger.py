@@ -220,8 +220,11 @@ def test_tick_work_is_proportional_to_due_entries(make_ledger: LedgerFactory,
     counting = _CountingHeapq()
     monkeypatch.setattr(lifecycle.producer, "heapq", types.SimpleNamespace(
         heappop=counting.heappop, heappush=counting.heappush))
+    before = ledger.heap_entries
     assert [h for h, _ in frees(ledger.tick(30_000))] == [1, 2, 3]
-    assert counting.pops == 3
+    # Three entries processed (one bucket: the three share their deadline), none other.
+    assert before - ledger.heap_entries == 3 and counting.pops == 1
+    assert ledger.heap_entries == ledger.held_requests == 9997
 
 
 # ---------------------------------------------------------------------------

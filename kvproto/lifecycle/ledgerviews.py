@@ -24,28 +24,23 @@ def readers(finished: str | set[str] | None) -> frozenset[str]:
 
 
 class _Held(Protocol):
-    """What the views read of a held request (``producer._Req``)."""
+    """What the views read of a held request (``ledgerrecords._Req``)."""
 
-    handle: int
     rid: str
     state: str
     blocks: tuple[int, ...]
     deadline: int
-    group: str | None
     expected: int
     finished: str | set[str] | None
-    released: bool
 
 
 class _Early(Protocol):
-    """What the views read of a staged handle (``producer._Staged``)."""
+    """What the views read of a staged handle (``ledgerrecords._Staged``)."""
 
     since: int
     msgs: list[tuple[str, str, int, int]]
 
-# Deadline-heap entries are ints, ``deadline << HEAP_SHIFT | handle`` (handles are below
-# 2**HEAP_SHIFT, as on the wire): ordered by (deadline, handle) like the pair, compared
-# in C without a tuple, and a third smaller.
+# Handles are below 2**HEAP_SHIFT, as on the wire (``Ledger.register`` refuses others).
 HEAP_SHIFT: Final = 64
 HEAP_HANDLE_MASK: Final = (1 << HEAP_SHIFT) - 1
 
@@ -80,9 +75,15 @@ class LedgerViews:
     pool: BlockPool
     _live: Mapping[int, _Held]
     _by_rid: dict[str, int]
+    _group_of: dict[int, str]
+    _released: set[int]
     _heap: list[int]
+    _due: dict[int, list[int] | int]
+    _due_at: int | None
+    _due_pos: int
+    _entries: int
     _staged: Mapping[int, _Early]
-    _tomb: dict[int, tuple[str, str]]
+    _tomb: Mapping[int, _Held]
     _groups_done: OrderedDict[str, None]
 
     def state(self, handle: int) -> str:
@@ -90,22 +91,25 @@ class LedgerViews:
         if r is not None:
             return r.state
         t = self._tomb.get(handle)
-        return t[0] if t is not None else UNREGISTERED
+        return t.state if t is not None else UNREGISTERED
 
     def deadline(self, handle: int) -> int | None:
         r = self._live.get(handle)
         return None if r is None else r.deadline
 
     def handle_of(self, request_id: str) -> int | None:
-        return self._by_rid.get(request_id)
+        """The live handle holding ``request_id``; None when none holds it."""
+        h = self._by_rid.get(request_id)
+        return h if h is not None and h in self._live else None
 
     def held(self, handle: int) -> HeldView | None:
         """The held request ``handle`` (None when not held)."""
         r = self._live.get(handle)
         if r is None:
             return None
-        return HeldView(r.handle, r.rid, r.state, r.blocks, r.deadline, r.group, r.expected,
-                        readers(r.finished), r.released)
+        return HeldView(handle, r.rid, r.state, r.blocks, r.deadline,
+                        self._group_of.get(handle), r.expected, readers(r.finished),
+                        handle in self._released)
 
     def staged(self) -> list[StagedView]:
         """Staged handles, oldest first (O(staged))."""
@@ -132,13 +136,13 @@ class LedgerViews:
 
     @property
     def heap_entries(self) -> int:
-        """Entries in the deadline heap (live ones plus dead ones not yet dropped)."""
-        return len(self._heap)
+        """Deadline entries not yet processed (live ones plus dead ones not yet dropped)."""
+        return self._entries
 
     def next_deadline(self) -> int | None:
         """Earliest time a tick can change anything (for adapters' sleep). After a tick
         that ran out of its work budget this is a time already past: tick again soon."""
-        nxt = self._heap[0] >> HEAP_SHIFT if self._heap else None
+        nxt = self._heap[0] if self._heap else None
         if self._staged:
             s = next(iter(self._staged.values())).since + self.config.ms.max_staged_age
             nxt = s if nxt is None else min(nxt, s)
@@ -146,7 +150,7 @@ class LedgerViews:
 
     def snapshot(self) -> dict[int, tuple[str, int, frozenset[str], bool, int]]:
         """Abstract state of live requests (for conformance checks and tests)."""
-        return {h: (r.state, r.expected, readers(r.finished), r.released, r.deadline)
+        return {h: (r.state, r.expected, readers(r.finished), h in self._released, r.deadline)
                 for h, r in self._live.items()}
 
     # -- read-only views for verification and adapters (code outside the lifecycle reads
@@ -157,7 +161,7 @@ class LedgerViews:
         if r is not None:
             return r.rid
         t = self._tomb.get(handle)
-        return t[1] if t is not None else None
+        return t.rid if t is not None else None
 
     def staged_entries(self) -> list[tuple[int, int, tuple[tuple[str, str, int, int], ...]]]:
         """Staged early messages, oldest handle first: ``(handle, since, msgs)``, each
@@ -185,24 +189,39 @@ class LedgerViews:
         if pool.violations:
             errs.append(f"NoDoubleFree: {pool.violations} double free(s)")
         expect = [0] * pool.capacity
-        for r in self._live.values():
+        for h, r in self._live.items():
             if r.state not in HELD_STATES:
-                errs.append(f"TypeOK: live request {r.handle} in non-held state {r.state}")
+                errs.append(f"TypeOK: live request {h} in non-held state {r.state}")
             for b in r.blocks:
                 expect[b] += 1
         for b in range(pool.capacity):
             if expect[b] != pool.refcount(b):
                 errs.append(f"RefCount: block {b} count {pool.refcount(b)} != holders {expect[b]}")
                 break
-        heap_handles = {k & HEAP_HANDLE_MASK for k in self._heap}
-        missing = [h for h in self._live if h not in heap_handles]
+        entries: dict[int, int] = {}  # handle -> its earliest unprocessed entry's time
+        buckets = {t: [b] if isinstance(b, int) else b for t, b in self._due.items()}
+        for t, bucket in buckets.items():
+            for h in bucket[self._due_pos if t == self._due_at else 0:]:
+                entries[h] = min(t, entries.get(h, t))
+        missing = [h for h, r in self._live.items() if entries.get(h, r.deadline + 1) > r.deadline]
         if missing:
-            errs.append(f"DeadlineHeap: live requests without a heap entry: {missing[:5]}")
+            errs.append(f"DeadlineHeap: live requests without an entry at or before their "
+                        f"deadline: {missing[:5]}")
+        if sorted(self._heap) != sorted(self._due) or self._heap[:1] != sorted(self._due)[:1] \
+                or sum(map(len, buckets.values())) - (self._due_pos if self._due_at in self._due else 0) \
+                != self._entries:
+            errs.append("DeadlineHeap: bucket heap, buckets and entry count disagree")
         if len(self._staged) > self.config.max_staged:
             errs.append("StagingBounded: staging above max_staged")
         if len(self._tomb) > self.config.max_tombstones:
             errs.append("TombstonesBounded: tombstones above max_tombstones")
-        for h in self._live:
+        for h, r in self._live.items():
             if h in self._tomb:
                 errs.append(f"TypeOK: handle {h} both live and tombstoned")
+            if self._by_rid.get(r.rid) != h:
+                errs.append(f"TypeOK: live handle {h} is not its request id's index entry")
+        if not self._released <= self._live.keys() or not self._group_of.keys() <= self._live.keys():
+            errs.append("TypeOK: released or grouped handles that are not held")
+        if len(self._by_rid) > len(self._live) + len(self._tomb):
+            errs.append("TypeOK: request-id index above held + tombstones")
         return errs

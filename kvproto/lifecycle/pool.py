@@ -95,25 +95,21 @@ class BlockPool:
         order of ``blocks`` (``blocks`` itself when every one of them did)."""
         rc = self._rc
         reclaimed: list[int] | None = None
-        kept = 0  # blocks another holder still holds
         for b in blocks:
-            c = rc[b]
-            if c == 1:  # the common case first: the last holder lets go
+            c = rc[b] - 1
+            if c > 0:  # another holder keeps it
+                rc[b] = c
+            elif c == 0:  # the last holder let go
                 rc[b] = 0
                 if reclaimed is None:
                     reclaimed = [b]
                 else:
                     reclaimed.append(b)
-                continue
-            if c <= 0:
+            else:
                 self.violations += 1
                 if self.strict:
                     self._reclaimed(reclaimed)  # the counts stay exact for what was dropped
-                    raise DoubleFree(f"block {b} freed with reference count {c}")
-                kept += 1
-                continue
-            rc[b] = c - 1
-            kept += 1
+                    raise DoubleFree(f"block {b} freed with reference count {c + 1}")
         if reclaimed is None:
             return ()
         n = len(reclaimed)
@@ -121,7 +117,7 @@ class BlockPool:
         self.free_count += n
         if self._avail is not None:
             self._reclaimed_avail(reclaimed)
-        return blocks if not kept else tuple(reclaimed)
+        return blocks if n == len(blocks) else tuple(reclaimed)
 
     def _reclaimed(self, blocks: list[int] | None) -> None:
         """Count ``blocks`` (their reference counts just reached zero) as free."""

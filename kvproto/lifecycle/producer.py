@@ -15,6 +15,7 @@ from kvproto.lifecycle.config import (
     Config,
 )
 from kvproto.lifecycle.hotpath import FreeFields, register_free
+from kvproto.lifecycle.ledgerrecords import _add_reader, _Req, _Staged
 from kvproto.lifecycle.ledgerviews import (
     HEAP_HANDLE_MASK,
     HEAP_SHIFT,
@@ -150,77 +151,11 @@ Effect = Free | Ack | Rejected
 register_free(Free)  # new_free builds Free: same slots, same order
 
 
-class _Req:
-    """A held request. Kept small: memory per held request is a measured figure."""
-
-    __slots__ = ("blocks", "deadline", "expected", "finished", "group", "handle", "released",
-                 "rid", "state")
-
-    def __init__(self, handle: int, rid: str, blocks: tuple[int, ...], deadline: int,
-                 group: str | None, expected: int) -> None:
-        self.handle = handle
-        self.rid = rid
-        self.blocks = blocks
-        self.deadline = deadline
-        self.group = group
-        self.expected = expected
-        self.state: str = UNREGISTERED  # the register step moves it
-        # The distinct readers that reported done or release: None, one reader's name,
-        # or a set of two or more (``_add_reader``; ``ledgerviews.readers`` reads it).
-        self.finished: str | set[str] | None = None
-        self.released = False  # some reader released (never pulled)
-
-    def copy(self) -> _Req:
-        """An independent copy (``Ledger.clone``)."""
-        q = _Req(self.handle, self.rid, self.blocks, self.deadline, self.group, self.expected)
-        q.state = self.state
-        fin = self.finished
-        q.finished = set(fin) if isinstance(fin, set) else fin
-        q.released = self.released
-        return q
-
-
-def _add_reader(r: _Req, event: str, reader: str) -> int:
-    """``reader`` finished ``r`` (done or release): how many distinct readers finished
-    it now, or -1 when this reader had already finished (``Ledger.tally``)."""
-    fin = r.finished
-    if fin is None:
-        r.finished = reader
-        n = 1
-    elif isinstance(fin, str):
-        if fin == reader:
-            return -1
-        r.finished = {fin, reader}
-        n = 2
-    elif reader in fin:
-        return -1
-    else:
-        fin.add(reader)
-        n = len(fin)
-    if event == RELEASE:
-        r.released = True
-    return n
-
-
-class _Staged:
-    __slots__ = ("msgs", "since")
-
-    def __init__(self, since: int) -> None:
-        self.since = since
-        self.msgs: list[tuple[str, str, int, int]] = []  # (kind, reader, expected, arrival)
-
-    def copy(self) -> _Staged:
-        """An independent copy (``Ledger.clone``)."""
-        st = _Staged(self.since)
-        st.msgs = list(self.msgs)
-        return st
-
-
 MAX_STAGED_MSGS_PER_HANDLE: Final = 64
-# The deadline heap is rebuilt from the live requests once it holds more than twice as
-# many entries as there are live requests (dead entries of requests freed outside a
-# tick, and the early entries aborts push) and more than HEAP_SLACK: it never holds more
-# than max(2 * live, HEAP_SLACK) entries.
+# The deadline entries are rebuilt from the live requests once there are more than twice
+# as many as there are live requests (dead entries of requests freed outside a tick, and
+# the early entries aborts push) and more than HEAP_SLACK: there are never more than
+# max(2 * live, HEAP_SLACK) entries.
 HEAP_SLACK: Final = 64
 # A machine's clock before its first event: below any time an adapter reads (times are
 # integer milliseconds; the hot paths' one check is ``type(now) is int and self.now <= now``).
@@ -282,7 +217,9 @@ def _remake_ledger(base: type[Ledger], rows: tuple[Transition, ...], name: str) 
 # The fields Ledger.__init__ sets. ``Ledger.clone`` copies each mutable one by hand and
 # shares the others (config, sink, numbers); any other field (a subclass's) is deep-copied.
 _LEDGER_SHARED: Final = frozenset({
-    "config", "pool", "sink", "_live", "_by_rid", "_heap", "_staged", "_tomb", "_tomb_order", "_tomb_rid", "_max_tomb",
+    "config", "pool", "sink", "_live", "_by_rid", "_group_of", "_released",
+    "_pending_group", "_heap", "_due", "_due_at", "_due_pos", "_entries",
+    "_last_dl", "_staged", "_tomb", "_tomb_order", "_max_tomb",
     "_groups", "_groups_done", "_next_handle", "now", "counters", "frees", "max_staged_msgs"})
 
 
@@ -299,8 +236,8 @@ class Ledger(LedgerViews):
     ``max_tick_work`` entries per call: the rest carries over (``next_deadline`` then
     reports a time already past, so adapters tick again at once); an expiry may be late,
     never early. Caps: staging ``max_staged`` handles, tombstones ``max_tombstones``,
-    sibling-group memory ``max_groups_remembered``, deadline heap max(2 * held,
-    ``HEAP_SLACK``) entries; at each cap the oldest entry is dropped and counted.
+    sibling-group memory ``max_groups_remembered``, deadline entries max(2 * held,
+    ``HEAP_SLACK``); at each cap the oldest entry is dropped and counted.
 
     Time: integer milliseconds. A ``now`` that is not an int (a float, NaN, inf) is
     refused (a ``Rejected("bad_time")`` effect, counted, nothing changes); a ``now``
@@ -372,28 +309,51 @@ class Ledger(LedgerViews):
         # is never both here and in _tomb. Size: the requests the engine keeps held; each
         # leaves at the latest at its deadline.
         self._live: dict[int, _Req] = {}
-        # Invariant: _by_rid[r.rid] == h exactly when _live[h] is r (one live holder per
-        # request id). Size: len(_live).
+        # Invariant: _by_rid[r.rid] == h whenever _live[h] is r (one live holder per
+        # request id); an entry whose handle is not live names the tombstone of that
+        # request id's latest free (a free leaves the entry in place, so it costs no index
+        # write). Size: at most len(_live) + len(_tomb): an entry leaves with its tombstone.
         self._by_rid: dict[str, int] = {}
+        # Invariant: handle -> its sibling group, exactly for the held requests registered
+        # with one (h is in _groups[g] exactly when _group_of[h] == g). Size: <= len(_live).
+        self._group_of: dict[int, str] = {}
+        # Invariant: the held requests some reader released (never pulled). Size:
+        # <= len(_live).
+        self._released: set[int] = set()
+        self._pending_group: str | None = None  # the group of the request being registered
+        # Deadline entries, bucketed by deadline: _due[t] lists handles (in push order)
+        # whose entry is at time t (a bucket of one handle is the handle itself until a
+        # second one joins it or a tick reaches it: 64 bytes less per lone request), and
+        # _heap is a min-heap of the bucket times (each time once, exactly the keys of
+        # _due). The head bucket's first _due_pos entries are already processed when
+        # _due_at names its time (a tick that ran out of its budget inside it). Requests
+        # registered or renewed in the same millisecond share one bucket, so an entry
+        # costs one list slot.
         # Invariant: every held request has an entry at its deadline or earlier (renewals
         # leave it early, tick re-inserts it); entries of freed requests are dropped
-        # lazily. Cap: rebuilt from _live once above max(2 * held, HEAP_SLACK) entries.
-        self._heap: list[int] = []  # deadline or earlier << HEAP_SHIFT | handle; lazy
+        # lazily. Cap: the entries (_entries counts the unprocessed ones) are rebuilt from
+        # _live once above max(2 * held, HEAP_SLACK).
+        self._heap: list[int] = []
+        self._due: dict[int, list[int] | int] = {}
+        self._due_at: int | None = None
+        self._due_pos = 0
+        self._entries = 0
+        # The deadline of the latest register: a register in the same millisecond shares
+        # its int object (8 bytes per held request instead of an int of its own).
+        self._last_dl = CLOCK_START
         # Invariant: handles neither live nor tombstoned when their first message came
         # (messages before register), oldest first; each holds at most max_staged_msgs
         # messages and leaves on register or after max_staged_age. Cap: config.max_staged
         # handles (the oldest dropped, counted staged_dropped).
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
-        # handle -> (terminal state, request id); request id -> handle, both capped together
+        # handle -> the freed request's record (its terminal state and request id; never
+        # changed after the free)
         # Invariant: freed handles, none live; _tomb_order holds the same handles, oldest
         # first (entries leave only by eviction, so the two stay equal). Cap:
         # config.max_tombstones (the oldest evicted, counted tombstone_evicted).
-        self._tomb: dict[int, tuple[str, str]] = {}
+        self._tomb: dict[int, _Req] = {}
         self._tomb_order: deque[int] = deque()
         self._max_tomb = self.config.max_tombstones
-        # Invariant: _tomb_rid[rid] == h only while _tomb[h] names rid (the latest free of
-        # that request id). Size: at most len(_tomb).
-        self._tomb_rid: dict[str, int] = {}
         # Invariant: group -> its live members, never an empty set; every member is in
         # _live. Size: at most len(_live) groups.
         self._groups: dict[str, set[int]] = {}  # live members per sibling group
@@ -433,11 +393,13 @@ class Ledger(LedgerViews):
         n.pool = self.pool.clone()
         n._live = {h: r.copy() for h, r in self._live.items()}
         n._by_rid = dict(self._by_rid)
+        n._group_of = dict(self._group_of)
+        n._released = set(self._released)
         n._heap = list(self._heap)
+        n._due = {t: b if isinstance(b, int) else list(b) for t, b in self._due.items()}
         n._staged = OrderedDict((h, st.copy()) for h, st in self._staged.items())
-        n._tomb = dict(self._tomb)
+        n._tomb = {h: r.copy() for h, r in self._tomb.items()}
         n._tomb_order = deque(self._tomb_order)
-        n._tomb_rid = dict(self._tomb_rid)
         n._groups = {g: set(m) for g, m in self._groups.items()}
         n._groups_done = OrderedDict(self._groups_done)
         n.counters = dict(self.counters)
@@ -487,50 +449,78 @@ class Ledger(LedgerViews):
         return self.reject("bad_time", "", f"{event} at time {now!r}", t)
 
     def _maybe_compact(self) -> None:
-        """Rebuild the deadline heap once dead entries outnumber live ones (amortized O(1)
-        per free: a rebuild costs O(held) and follows at least max(held, HEAP_SLACK) frees or
-        aborts since the last one)."""
-        n = len(self._heap)
-        if n > 2 * len(self._live) and n > HEAP_SLACK:
-            self._heap[:] = [r.deadline << HEAP_SHIFT | h for h, r in self._live.items()]
+        """Rebuild the deadline entries once dead entries outnumber live ones (amortized
+        O(1) per free: a rebuild costs O(held) and follows at least max(held, HEAP_SLACK)
+        frees or aborts since the last one)."""
+        n = self._entries
+        live = self._live
+        if n > 2 * len(live) and n > HEAP_SLACK:
+            due: dict[int, list[int] | int] = {}
+            for h, r in live.items():
+                b = due.get(r.deadline)
+                if b is None:
+                    due[r.deadline] = h
+                elif isinstance(b, int):
+                    due[r.deadline] = [b, h]
+                else:
+                    b.append(h)
+            self._due = due
+            self._heap[:] = due
             heapq.heapify(self._heap)
+            self._due_at = None
+            self._due_pos = 0
+            self._entries = len(live)
             self._count("heap_rebuilt")
+
+    def _push(self, deadline: int, handle: int) -> None:
+        """A deadline entry for ``handle`` at ``deadline``. O(1), O(log buckets) for a
+        new bucket."""
+        due = self._due
+        b = due.get(deadline)
+        if b is None:
+            due[deadline] = handle  # a bucket of one
+            heapq.heappush(self._heap, deadline)
+        elif isinstance(b, int):
+            due[deadline] = [b, handle]
+        else:
+            b.append(handle)
+        self._entries += 1
 
     def _emit(self, ev: Event, out: list[Effect]) -> list[Effect]:
         if self.sink is not None:
             self.sink(ev, out)
         return out
 
-    def _step(self, r: _Req, event: str, guard: str, now: int,
+    def _step(self, h: int, r: _Req, event: str, guard: str, now: int,
               out: list[Effect]) -> Transition:
         """Run the row (r.state, event, guard) on held (or registering) request ``r``:
         its effects in order, then its destination. Effects that only shape the reply
         (``refuse``, ``stage``, ``reject``) are read from the returned row by the caller."""
         row = self.TABLE[(r.state, event, guard)]
-        self._apply(r, row, now, out)
+        self._apply(h, r, row, now, out)
         return row
 
-    def _apply(self, r: _Req, row: Transition, now: int, out: list[Effect]) -> None:
-        """Run ``row`` (a row of ``TABLE`` whose source is r's state) on ``r``: the body
-        of ``_step`` after its lookup."""
+    def _apply(self, h: int, r: _Req, row: Transition, now: int, out: list[Effect]) -> None:
+        """Run ``row`` (a row of ``TABLE`` whose source is r's state) on ``r`` (handle
+        ``h``): the body of ``_step`` after its lookup."""
         if row.counter is not None:
             c = self.counters
             c[row.counter] = c.get(row.counter, 0) + 1
         if row.hold:
-            self._hold(r)
+            self._hold(h, r)
         if row.grace:
             dl = now + self.config.ms.abort_grace
             if dl < r.deadline:  # only when abort_grace is below the lease horizon
                 r.deadline = dl
-                heapq.heappush(self._heap, dl << HEAP_SHIFT | r.handle)
+                self._push(dl, h)
         if row.renew:
             dl = now + self.config.ms.lease_extension
             if dl > r.deadline:
                 r.deadline = dl  # the heap entry is now early; tick re-inserts it lazily
         if row.free is not None:
-            group = r.group
-            self._free(r, row, out)
-            if row.cascade and group is not None:
+            group = self._group_of.get(h) if row.cascade else None
+            self._free(h, r, row, out)
+            if group is not None:
                 self._group_transferred(group, out)
         else:
             r.state = row.dst
@@ -546,43 +536,38 @@ class Ledger(LedgerViews):
             self._stage(event, reader, handle, expected, now)
         return row
 
-    def _hold(self, r: _Req) -> None:
+    def _hold(self, h: int, r: _Req) -> None:
         self.pool._hold(r.blocks)
-        self._live[r.handle] = r
-        self._by_rid[r.rid] = r.handle
-        if r.group is not None:
-            self._groups.setdefault(r.group, set()).add(r.handle)
-        heapq.heappush(self._heap, r.deadline << HEAP_SHIFT | r.handle)
+        self._live[h] = r
+        self._by_rid[r.rid] = h
+        group = self._pending_group
+        if group is not None:
+            self._group_of[h] = group
+            self._groups.setdefault(group, set()).add(h)
+        self._push(r.deadline, h)
 
-    def _free(self, r: _Req, row: Transition, out: list[Effect]) -> None:
-        """The only place blocks are freed. Moves ``r`` to its terminal state."""
+    def _free(self, h: int, r: _Req, row: Transition, out: list[Effect]) -> None:
+        """The only place blocks are freed. Moves ``r`` (handle ``h``) to its terminal
+        state."""
         reason = row.free
         assert reason is not None
-        h = r.handle
         rid = r.rid
-        r.state = dst = row.dst
-        del self._live[h]
-        by_rid = self._by_rid
-        other = by_rid.pop(rid, h)
-        if other != h:  # never, while _by_rid's invariant holds: leave it as it was
-            by_rid[rid] = other
-        if r.group is not None:
-            members = self._groups.get(r.group)
+        r.state = row.dst
+        del self._live[h]  # _by_rid[rid] stays h: it now names the tombstone
+        if self._group_of:
+            group = self._group_of.pop(h, None)
+            members = self._groups.get(group) if group is not None else None
             if members is not None:
                 members.discard(h)
                 if not members:
-                    del self._groups[r.group]
-        tomb = self._tomb
-        tomb[h] = (dst, rid)
-        self._tomb_rid[rid] = h
+                    del self._groups[group]  # type: ignore[arg-type]
+        if self._released:
+            self._released.discard(h)
+        self._tomb[h] = r
         order = self._tomb_order
         order.append(h)
         if len(order) > self._max_tomb:
-            old = order.popleft()
-            old_rid = tomb.pop(old)[1]
-            self._count("tombstone_evicted")
-            if self._tomb_rid.get(old_rid) == old:
-                del self._tomb_rid[old_rid]
+            self._evict_tomb()
         blocks = r.blocks
         reclaimed = self.pool._drop(blocks)
         frees = self.frees
@@ -590,6 +575,16 @@ class Ledger(LedgerViews):
         fx: Any = FreeFields(h, rid, reason, blocks, reclaimed, r.deadline)
         fx.__class__ = Free  # an ordinary frozen Free, built fast (hotpath.register_free)
         out.append(fx)
+
+    def _evict_tomb(self) -> None:
+        """Drop the oldest tombstone (tombstones above ``max_tombstones``), and its request
+        id's index entry unless that names a later holder."""
+        old = self._tomb_order.popleft()
+        old_rid = self._tomb.pop(old).rid
+        self._count("tombstone_evicted")
+        by_rid = self._by_rid
+        if by_rid.get(old_rid) == old:
+            del by_rid[old_rid]
 
     def _stage(self, kind: str, reader: str, handle: int, expected: int, now: int) -> None:
         st = self._staged.get(handle)
@@ -617,38 +612,54 @@ class Ledger(LedgerViews):
         """Hook: ``reader`` finished the held request ``handle`` (done or release).
         Return how many readers count as finished now, or -1 when this reader had
         already finished."""
-        return _add_reader(self._live[handle], event, reader)
+        n = _add_reader(self._live[handle], reader)
+        if event == RELEASE and n > 0:
+            self._released.add(handle)
+        return n
 
     def sweep(self, now: int, out: list[Effect]) -> None:
         """Hook: run TICK/deadline_passed for every held request whose deadline is <=
-        ``now``. Called by ``tick`` only when the earliest heap entry is due."""
+        ``now``. Called by ``tick`` only when the earliest deadline bucket is due."""
         heap = self._heap
         live = self._live
         budget = self.config.max_tick_work
-        due = (now + 1) << HEAP_SHIFT  # the entries below it have deadlines <= now
-        pop = heapq.heappop
         expiry = self._EXPIRY
-        while heap and heap[0] < due:
-            if budget <= 0:
-                # The rest carries over: next_deadline() reports a time already past.
-                self._count("tick_budget_exhausted")
-                break
-            budget -= 1
-            h = pop(heap) & HEAP_HANDLE_MASK
-            r = live.get(h)
-            if r is None:
-                continue  # freed already: drop the stale entry
-            if r.deadline > now:
-                heapq.heappush(heap, r.deadline << HEAP_SHIFT | h)  # renewed: re-insert lazily
-                continue
-            row, plan = expiry[r.state]
-            if plan == FIN_FREE:
-                group = r.group
-                self._free(r, row, out)
-                if row.cascade and group is not None:
-                    self._group_transferred(group, out)
-            else:
-                self._fin_other(r, TICK, "deadline_passed", row, plan, now, out)
+        while heap and heap[0] <= now:
+            t = heap[0]
+            bucket = self._due[t]
+            if isinstance(bucket, int):
+                bucket = self._due[t] = [bucket]
+            b = bucket
+            pos = self._due_pos if self._due_at == t else 0
+            while pos < len(b):  # the bucket may grow (an entry pushed at time t)
+                if budget <= 0:
+                    # The rest carries over: next_deadline() reports a time already past.
+                    self._due_at = t
+                    self._due_pos = pos
+                    self._count("tick_budget_exhausted")
+                    return
+                budget -= 1
+                h = b[pos]
+                pos += 1
+                self._entries -= 1
+                r = live.get(h)
+                if r is None:
+                    continue  # freed already: drop the stale entry
+                if r.deadline > now:
+                    self._push(r.deadline, h)  # renewed: re-insert lazily
+                    continue
+                row, plan = expiry[r.state]
+                if plan == FIN_FREE:
+                    group = self._group_of.get(h) if row.cascade and self._group_of else None
+                    self._free(h, r, row, out)
+                    if group is not None:
+                        self._group_transferred(group, out)
+                else:
+                    self._fin_other(h, r, TICK, "deadline_passed", row, plan, now, out)
+            heapq.heappop(heap)
+            del self._due[t]
+            self._due_at = None
+            self._due_pos = 0
 
     def expire(self, handle: int, now: int, out: list[Effect]) -> None:
         """Run TICK/deadline_passed for the held request ``handle`` (for ``sweep``
@@ -656,40 +667,43 @@ class Ledger(LedgerViews):
         r = self._live.get(handle)
         if r is None:
             raise UsageError(f"expire: handle {handle} is not held")
-        self._step(r, TICK, "deadline_passed", now, out)
+        self._step(handle, r, TICK, "deadline_passed", now, out)
 
     # -- the machine's internal events ----------------------------------------------------
-    def _finish(self, r: _Req, event: str, reader: str, expected: int, now: int,
+    def _finish(self, h: int, r: _Req, event: str, reader: str, expected: int, now: int,
                 out: list[Effect]) -> None:
         """A reader finished (done or release). Mirrors TLA+ Done / Release."""
         if expected != r.expected:
             self._announce(r, expected)
         if self._OWN_TALLY:
-            n = _add_reader(r, event, reader)  # Ledger.tally's body
+            n = _add_reader(r, reader)  # Ledger.tally's body
+            if event == RELEASE and n > 0:
+                self._released.add(h)
         else:
-            n = self.tally(r.handle, event, reader)
+            n = self.tally(h, event, reader)
         # The guard, as an index into FIN_GUARDS: duplicate_reader, all_finished,
         # all_done, more_readers.
-        g = 3 if n < 0 else (2 if r.released else 1) if r.expected and n >= r.expected else 0
+        g = 3 if n < 0 else (2 if h in self._released else 1) \
+            if r.expected and n >= r.expected else 0
         row, plan = self._FIN[(event, r.state)][g]
         if plan == FIN_PLAIN:
             r.state = row.dst  # all that a row without effects does (``_apply``)
         elif plan == FIN_FREE:
-            group = r.group
-            self._free(r, row, out)
-            if row.cascade and group is not None:
+            group = self._group_of.get(h) if row.cascade and self._group_of else None
+            self._free(h, r, row, out)
+            if group is not None:
                 self._group_transferred(group, out)
         else:
-            self._fin_other(r, event, FIN_GUARDS[g], row, plan, now, out)
+            self._fin_other(h, r, event, FIN_GUARDS[g], row, plan, now, out)
 
-    def _fin_other(self, r: _Req, event: str, guard: str, row: Transition, plan: int,
+    def _fin_other(self, h: int, r: _Req, event: str, guard: str, row: Transition, plan: int,
                    now: int, out: list[Effect]) -> None:
         """A done/release row the hot path does not inline: ``_apply`` runs it. A
         ``FIN_LOOKUP`` row is looked up in TABLE first (a row the table lacks raises
         ``MissingRow``: a table that is not total)."""
         if plan == FIN_LOOKUP:
             row = self.TABLE[(r.state, event, guard)]  # raises MissingRow
-        self._apply(r, row, now, out)
+        self._apply(h, r, row, now, out)
 
     def _group_transferred(self, group: str, out: list[Effect]) -> None:
         gd = self._groups_done
@@ -706,14 +720,14 @@ class Ledger(LedgerViews):
             if r is None:
                 continue  # freed by an earlier member's cascade
             guard = "reader_active" if r.state == NOTIFIED else "group_transferred"
-            self._step(r, SIBLING, guard, self.now, out)
+            self._step(h, r, SIBLING, guard, self.now, out)
 
     def _not_live(self, event: str, reader: str, handle: int, expected: int,
                   now: int) -> Transition:
         t = self._tomb.get(handle)
         if t is None:
             return self._step_absent(UNREGISTERED, event, "early", reader, handle, expected, now)
-        st = t[0]
+        st = t.state
         return self._step_absent(st, event, "late" if st == EXPIRED else "stale", reader,
                                  handle, expected, now)
 
@@ -741,10 +755,11 @@ class Ledger(LedgerViews):
             self._count("invalid_register")
             out.append(Rejected("invalid_register", "", handle if isinstance(handle, int) else None, err))
             return self._emit(ev, out)
-        if handle in self._live or handle in self._tomb or request_id in self._by_rid:
+        holder = self._live.get(self._by_rid.get(request_id, -1))
+        if handle in self._live or handle in self._tomb or holder is not None:
             st = self.state(handle)
-            if st == UNREGISTERED:  # request id reused while its first holder is live
-                st = self._live[self._by_rid[request_id]].state
+            if st == UNREGISTERED and holder is not None:
+                st = holder.state  # request id reused while its first holder is live
             row = self._step_absent(st, REGISTER, "duplicate", "", handle, expected, now)
             if row.reject is not None:
                 out.append(Rejected(row.reject, "", handle,
@@ -752,10 +767,19 @@ class Ledger(LedgerViews):
             return self._emit(ev, out)
         if handle >= self._next_handle:
             self._next_handle = handle + 1
-        r = _Req(handle, request_id, blocks, now + self.config.ms.initial_lease, group, expected)
+        dl = now + self.config.ms.initial_lease
+        if dl == self._last_dl:
+            dl = self._last_dl  # one int object per millisecond of registrations
+        else:
+            self._last_dl = dl
+        r = _Req(request_id, blocks, dl, expected)
         guard = "group_transferred" if group is not None and group in self._groups_done \
             else "fresh"
-        self._step(r, REGISTER, guard, now, out)
+        self._pending_group = group  # the sibling group _hold files the request under
+        try:
+            self._step(handle, r, REGISTER, guard, now, out)
+        finally:
+            self._pending_group = None
         staged = self._staged.pop(handle, None)
         if staged is not None:
             if r.state not in HELD_STATES:
@@ -768,9 +792,10 @@ class Ledger(LedgerViews):
                 if kind == HEARTBEAT:
                     if exp > r.expected:
                         self._announce(r, exp)
-                    self._step(r, HEARTBEAT, "refuse" if r.state == ABORTED else "renew", t, out)
+                    self._step(handle, r, HEARTBEAT, "refuse" if r.state == ABORTED else "renew",
+                               t, out)
                 else:
-                    self._finish(r, kind, reader, exp, now, out)
+                    self._finish(handle, r, kind, reader, exp, now, out)
             if out:
                 self._maybe_compact()
         return self._emit(ev, out)
@@ -805,24 +830,25 @@ class Ledger(LedgerViews):
             else:
                 fin.add(reader)
                 n = len(fin)
-            g = 3 if n < 0 else (2 if r.released else 1) if expected and n >= expected else 0
+            g = 3 if n < 0 else (2 if self._released and handle in self._released else 1) \
+                if expected and n >= expected else 0
             row, plan = self._DONE_FIN[r.state][g]
             if plan == FIN_PLAIN:
                 r.state = row.dst
             elif plan == FIN_FREE:
-                group = r.group
-                self._free(r, row, out)
-                if row.cascade and group is not None:
+                group = self._group_of.get(handle) if row.cascade and self._group_of else None
+                self._free(handle, r, row, out)
+                if group is not None:
                     self._group_transferred(group, out)
-                if len(self._heap) > 2 * len(self._live):
+                if self._entries > 2 * len(self._live):
                     self._maybe_compact()
             else:
-                self._fin_other(r, DONE, FIN_GUARDS[g], row, plan, now, out)
-                if out and len(self._heap) > 2 * len(self._live):
+                self._fin_other(handle, r, DONE, FIN_GUARDS[g], row, plan, now, out)
+                if out and self._entries > 2 * len(self._live):
                     self._maybe_compact()
         else:
-            self._finish(r, DONE, reader, expected, now, out)
-            if out and len(self._heap) > 2 * len(self._live):
+            self._finish(handle, r, DONE, reader, expected, now, out)
+            if out and self._entries > 2 * len(self._live):
                 self._maybe_compact()
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
@@ -837,7 +863,7 @@ class Ledger(LedgerViews):
         for h in handles:
             r = self._live.get(h)
             if r is not None:
-                self._finish(r, RELEASE, reader, expected, now, out)
+                self._finish(h, r, RELEASE, reader, expected, now, out)
             else:
                 self._not_live(RELEASE, reader, h, expected, now)
         if out:
@@ -874,7 +900,7 @@ class Ledger(LedgerViews):
                 row = self._HB_ROW[r.state]
                 if row.renew and expected > r.expected:
                     self._announce(r, expected)
-                self._step(r, HEARTBEAT, row.guard, now, [])
+                self._step(h, r, HEARTBEAT, row.guard, now, [])
             else:
                 row = self._not_live(HEARTBEAT, reader, h, expected, now)
             if row.refuse:
@@ -902,22 +928,21 @@ class Ledger(LedgerViews):
         out: list[Effect] = []
         h = self._by_rid.get(request_id)
         r = self._live.get(h) if h is not None else None
-        if r is None:
-            th = self._tomb_rid.get(request_id)
-            t = self._tomb.get(th) if th is not None else None
+        if h is None or r is None:
+            t = self._tomb.get(h) if h is not None else None
             if t is not None:
-                self._step_absent(t[0], ABORT, "stale", "", -1, 0, now)
+                self._step_absent(t.state, ABORT, "stale", "", -1, 0, now)
             else:
                 self._step_absent(UNREGISTERED, ABORT, "unknown", "", -1, 0, now)
             return self._emit(Abort(request_id, now), out)
-        self._step(r, ABORT, "again" if r.state == ABORTED else "hold", now, out)
+        self._step(h, r, ABORT, "again" if r.state == ABORTED else "hold", now, out)
         self._maybe_compact()
         return self._emit(Abort(request_id, now), out)
 
     def tick(self, now: int) -> list[Effect]:
         """Time passes. Mirrors TLA+ ``Tick``. O(1) when nothing is due.
 
-        Processes at most ``config.max_tick_work`` due heap entries (expiries, dead
+        Processes at most ``config.max_tick_work`` due deadline entries (expiries, dead
         entries, lazy re-inserts), earliest deadline first; the rest stays due and
         ``next_deadline()`` reports it (a time already past). Staging entries past
         ``max_staged_age`` are always dropped (at most ``max_staged``, O(1) each).
@@ -932,7 +957,7 @@ class Ledger(LedgerViews):
             now = clk
         out: list[Effect] = []
         heap = self._heap
-        if heap and heap[0] >> HEAP_SHIFT <= now:
+        if heap and heap[0] <= now:
             self.sweep(now, out)
         staged = self._staged
         if staged:
