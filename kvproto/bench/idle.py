@@ -52,9 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server: `vllm serve` P + D + router per connector, CPU per "
                         "process after requests and while P holds blocks "
                         "(kvproto.bench.idle_serve)")
-    p.add_argument("--variants", default="stock,kvproto,kvproto_busy,kvproto_nowait",
+    p.add_argument("--variants", default="stock,kvproto,kvproto_sleep,kvproto_busy",
                    help="server path: stacks to measure, in order (stock, kvproto, "
-                        "kvproto_busy, kvproto_nowait; kvproto.bench.idle_serve)")
+                        "kvproto_sleep, kvproto_busy, kvproto_nowait; "
+                        "kvproto.bench.idle_serve)")
     p.add_argument("--workdir", help="keep model and engine log here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

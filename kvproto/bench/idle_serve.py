@@ -15,11 +15,11 @@ In each window every process of the stack is measured on its own (``api_server``
 ``vllm serve`` process, ``engine_core``, ``worker``: vLLM's worker process, where the
 connector's worker side and NIXL's agent live, ``router``): CPU seconds per wall second
 (``kvproto.testing.serve.cpu_per_second``). Variants: ``stock``; ``kvproto`` (the
-connector's defaults: NIXL progress thread on P, sleeping ``progress_delay_us`` between
-passes, and ``idle_wait_ms``: the engine loop waits in the connector while P holds blocks
-and nothing is due); ``kvproto_busy`` (``progress_delay_us`` 0 and ``idle_wait_ms`` 0:
-NIXL's own busy loop and a step every loop turn, the connector's defaults before these
-two); ``kvproto_nowait`` (``idle_wait_ms`` 0 only). Ratios per window:
+connector's defaults: NIXL progress thread on P in its busy loop, ``idle_wait_ms``: the
+engine loop waits in the connector while P holds blocks and nothing is due);
+``kvproto_sleep`` (the same with ``progress_delay_us`` 50: the progress thread sleeps
+between passes); ``kvproto_busy`` (``idle_wait_ms`` 0 too: a step every loop turn);
+``kvproto_nowait`` (``progress_delay_us`` 50, ``idle_wait_ms`` 0). Ratios per window:
 each variant's total over ``kvproto``'s (``cpu_ratio_<variant>_kvproto_<window>``).
 """
 
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stock": ("stock", {}),
     "kvproto": ("kvproto", {}),
+    "kvproto_sleep": ("kvproto", {"progress_delay_us": 50}),
     "kvproto_busy": ("kvproto", {"progress_delay_us": 0, "idle_wait_ms": 0}),
-    "kvproto_nowait": ("kvproto", {"idle_wait_ms": 0}),
+    "kvproto_nowait": ("kvproto", {"progress_delay_us": 50, "idle_wait_ms": 0}),
 }
 SETTLE_S = 2.0   # after the requests, before a window: the engines finish their steps
 

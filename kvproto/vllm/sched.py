@@ -32,9 +32,12 @@ log = logging.getLogger(__name__)
 PARAMS_KEY = "kvproto"  # kv_transfer_params[PARAMS_KEY] holds TransferParams.to_dict()
 MAX_PARAM_BLOCKS = 1 << 20  # a client's transfer params may name at most this many blocks
 MAX_NAME = 256  # engine names and group names, characters
-# P's NIXL progress thread sleeps this long between passes (NIXL's own default, 0, is a
-# busy loop of about one core): a READ that needs P's progress waits at most this longer
-PROGRESS_DELAY_US = 50
+# P's NIXL progress thread sleeps this long between passes (0: NIXL's own busy loop, about
+# one core). Off by default: on a CPU-starved host (a loaded 2-core machine, TP 2 engines)
+# a sleeping progress thread delayed NIXL's first contacts (handshake, first claims)
+# past a 3 s lease, and the first requests recomputed instead of pulling; a positive
+# value trades that for an idle core (bench idle --path server)
+PROGRESS_DELAY_US = 0
 # P's idle wait (idle_wait_ms): an engine step that exists only because blocks are held
 # waits up to this long in the connector; a request arriving then is scheduled at most
 # this much later
