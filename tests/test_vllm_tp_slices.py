@@ -13,8 +13,9 @@ single-engine reference under other request ids) and T (TP 2). Checks: the greed
 outputs equal the reference token for token in both directions; every D rank pulled
 every request (its journal: finished ``pulled``, never recomputed); S's ledger frees each
 request as ``transferred`` only after both D ranks were done, and each of T's P ranks
-frees each request on the done of its own part; every journal passes ``kvproto
-validate``.
+frees each request on the done of its own part; a late D after lease expiry, while P
+reuses the blocks, is never served in either direction (each P rank frees those
+requests by expiry, D recomputes); every journal passes ``kvproto validate``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ pytestmark = [pytest.mark.vllm,
 MAX_TOKENS = 8
 PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(6, seed=41))}
 SPLIT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=42))}  # P TP 2 -> D TP 1
+LATE12 = {f"l{i}": p for i, p in enumerate(h.make_prompts(2, seed=43, lengths=[64, 100]))}
+LATE21 = {f"m{i}": p for i, p in enumerate(h.make_prompts(2, seed=44, lengths=[64, 100]))}
 FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
 
 
@@ -53,8 +56,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     t_spec.tensor_parallel_size = 2
     [s] = h.start_engines([s_spec], timeout=600)
     try:
-        ref = sc.reference_outputs(s, {f"ref-{k}": v for k, v in {**PROMPTS, **SPLIT}.items()},
-                                   max_tokens=MAX_TOKENS)
+        ref = sc.reference_outputs(
+            s, {f"ref-{k}": v for k, v in {**PROMPTS, **SPLIT, **LATE12, **LATE21}.items()},
+            max_tokens=MAX_TOKENS)
         reference = {k[4:]: v for k, v in ref.items()}
         [t] = h.start_engines([t_spec], timeout=600)  # one at a time on 2 cores
         pd = h.PD(s, t)
@@ -142,6 +146,33 @@ def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run)
                 rid = str(e["request_id"])
                 parts.setdefault(rid.split("-")[0], set()).add(rid.partition("#")[2])
     assert all(len(parts.get(k, ())) == 2 for k in SPLIT), parts  # two parts each
+
+
+def _late(pd: h.PD, prompts: dict[str, list[int]], reference: dict[str, list[int]],
+          p_journals: list[Path]) -> None:
+    """A late D after lease expiry, while P reuses the blocks: nothing wrong is served,
+    every P rank freed the requests by expiry and none as transferred."""
+    out = sc.late_d(pd, prompts, reference, max_tokens=MAX_TOKENS, tag="late-slices")
+    assert out.wrong == [] and out.errors == [], (out.wrong, out.errors)
+    assert out.requests == len(prompts), out
+    for j in p_journals:
+        fr = _frees(j)
+        assert set(prompts) <= fr.get("expired", set()), (j.name, fr)
+        assert not set(prompts) & fr.get("transferred", set()), (j.name, fr)
+
+
+def test_p_tp1_to_d_tp2_late_d_is_fenced_and_recomputed(run: Run) -> None:
+    """Head-slice readers (D TP 2) arriving after P's lease ran out and P reused the
+    blocks: refused or fenced on both D ranks, recomputed, 0 wrong."""
+    wd, _, _, pd, reference = run
+    _late(pd, LATE12, reference, [wd / "PS.jsonl"])
+
+
+def test_p_tp2_to_d_tp1_late_d_is_fenced_and_recomputed(run: Run) -> None:
+    """The split-head join (D TP 1 reading both of P's ranks) arriving late: neither
+    part is served, the request recomputes, 0 wrong."""
+    wd, _, _, pd, reference = run
+    _late(h.PD(pd.d, pd.p), LATE21, reference, [wd / "DS.jsonl", wd / "DS.tp1.jsonl"])
 
 
 def test_slice_journals_validate(run: Run) -> None:
