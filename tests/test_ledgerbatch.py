@@ -179,7 +179,7 @@ def test_gate_done_batch_forgets_and_refuses_as_done_per_handle(ops: list[Any]) 
     jb: list[tuple[Event, list[Effect]]] = []
     ga, gb = _gate(ja), _gate(jb)
     for now, op in enumerate(ops):
-        res = []
+        res: list[Any] = []
         for g, batched in ((ga, False), (gb, True)):
             if op[0] == "register":
                 _, h, rid, blocks, group, exp = op
