@@ -20,29 +20,52 @@ row) run through the ledger's own methods, as in ``done``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from kvproto.lifecycle.hotpath import FreeFields
 from kvproto.lifecycle.table import DONE
 
-if TYPE_CHECKING:
-    from kvproto.lifecycle.producer import Effect, Ledger
+# ``L`` below is a ``producer.Ledger`` and effects are its ``Effect``s: typed ``Any`` here
+# because producer imports this module (``Ledger.done_batch`` has the real types).
 
 
-def done_batch(L: Ledger, reader: str, handles: Sequence[int], expected: int, now: int,
-               marks: list[int] | None = None) -> list[Effect]:
+class _Kit(NamedTuple):
+    """What the batch needs of ``producer`` (which imports this module):
+    ``register_batch`` sets it once ``producer.Ledger`` exists."""
+
+    ledger: Any  # producer.Ledger
+    free: type  # producer.Free
+    done: Any  # producer.Done
+    fin_plain: int
+    fin_free: int
+    fin_guards: tuple[str, ...]
+
+
+_kit: _Kit | None = None
+
+
+def register_batch(ledger: type, free: type, done: Any, fin_plain: int,
+                   fin_free: int, fin_guards: tuple[str, ...]) -> None:
+    """Called by ``producer`` once: its base ledger class, effect and event classes and
+    the plan constants of ``Ledger._DONE_FIN``."""
+    global _kit
+    _kit = _Kit(ledger, free, done, fin_plain, fin_free, fin_guards)
+
+
+def done_batch(L: Any, reader: str, handles: Sequence[int], expected: int, now: int,
+               marks: list[int] | None = None) -> list[Any]:
     """``reader``'s done for each of ``handles`` in order: the effects of
     ``L.done(reader, h, expected, now)`` for each ``h``, concatenated. ``marks``: when
     given, ``len(effects)`` after each handle is appended to it (where each handle's
     effects end, for a caller that acts per handle)."""
-    from kvproto.lifecycle import producer as p
-
+    p = _kit
+    assert p is not None, "producer registers the batch when it is imported"
     if not handles:
         return []  # no event at all: not even the clock moves
     cls = type(L)
-    if (cls.done is not p.Ledger.done or cls._free is not p.Ledger._free
+    if (cls.done is not p.ledger.done or cls._free is not p.ledger._free
             or not cls._OWN_TALLY or cls.LOOKUP_ROWS or type(now) is not int or now < L.now):
-        out: list[Effect] = []
+        out: list[Any] = []
         for h in handles:
             out += L.done(reader, h, expected, now)
             if marks is not None:
@@ -60,8 +83,8 @@ def done_batch(L: Ledger, reader: str, handles: Sequence[int], expected: int, no
     max_tomb = L._max_tomb
     drop = L.pool._drop
     sink = L.sink
-    free_cls = p.Free
-    fin_plain, fin_free = p.FIN_PLAIN, p.FIN_FREE
+    free_cls = p.free
+    fin_plain, fin_free = p.fin_plain, p.fin_free
     freed: dict[str, int] = {}  # per-reason frees not yet added to L.frees
     try:
         for h in handles:
@@ -123,7 +146,7 @@ def done_batch(L: Ledger, reader: str, handles: Sequence[int], expected: int, no
                     if L._entries > 2 * len(live):
                         L._maybe_compact()
                 else:
-                    L._fin_other(h, r, DONE, p.FIN_GUARDS[g], row, plan, now, out)
+                    L._fin_other(h, r, DONE, p.fin_guards[g], row, plan, now, out)
                     if len(out) > start and L._entries > 2 * len(live):
                         L._maybe_compact()
             if marks is not None:
@@ -131,14 +154,14 @@ def done_batch(L: Ledger, reader: str, handles: Sequence[int], expected: int, no
             if sink is not None:
                 if freed:
                     _settle(L, freed)
-                sink(p.Done(reader, h, expected, now), out[start:])
+                sink(p.done(reader, h, expected, now), out[start:])
     finally:
         if freed:
             _settle(L, freed)
     return out
 
 
-def _settle(L: Ledger, freed: dict[str, int]) -> None:
+def _settle(L: Any, freed: dict[str, int]) -> None:
     """Add the batch's pending per-reason frees to ``L.frees`` and clear them."""
     frees = L.frees
     for reason, k in freed.items():

@@ -15,7 +15,7 @@ from kvproto.lifecycle.config import (
     Config,
 )
 from kvproto.lifecycle.hotpath import FreeFields, register_free
-from kvproto.lifecycle.ledgerbatch import done_batch
+from kvproto.lifecycle.ledgerbatch import done_batch, register_batch
 from kvproto.lifecycle.ledgerrecords import _add_reader, _Req, _Staged
 from kvproto.lifecycle.ledgerviews import (
     HEAP_HANDLE_MASK,
@@ -989,6 +989,7 @@ class Ledger(LedgerViews):
 
 
 Ledger._derive()
+register_batch(Ledger, Free, Done, FIN_PLAIN, FIN_FREE, FIN_GUARDS)
 
 
 # ---------------------------------------------------------------------------
