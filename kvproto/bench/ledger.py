@@ -19,7 +19,8 @@ figures are also reported as ratios against a baseline measured in the same run:
 * with ``--baseline TREE``: the event figures of the kvproto tree at TREE (the previous
   tree) measured by this same bench code in a subprocess, alternating with this tree's
   rounds, as ``baseline_*``, and ``d_event_speedup`` / ``events_speedup`` (baseline cost
-  over this tree's);
+  over this tree's; ``events_speedup_per_call``: against this tree's one-call-per-done
+  round);
 * ``tick_us``: cost of one ``tick`` with n held requests, none due;
   ``scan_tick_us``: the same for the reference that scans every held request each tick
   (the upstream approach);
