@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvproto.lifecycle import Consumer, DEffect, Effect, Ledger, to_ms
+from kvproto.lifecycle import Consumer, DEffect, Ledger, to_ms
 from kvproto.lifecycle.gate import Gate, GateEffect
 from kvproto.wire import (
     KIND_ACK,
@@ -69,10 +69,7 @@ def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: 
         hs = msg.handles
         if len(hs) == 1:
             return ledger.done(peer, hs[0], msg.expected, now)
-        out: list[Effect] = []  # a done batch: one done event per handle, in order
-        for h in hs:
-            out += ledger.done(peer, h, msg.expected, now)
-        return out
+        return ledger.done_batch(peer, hs, msg.expected, now)  # one done event per handle
     if msg.kind == KIND_HEARTBEAT:
         return ledger.heartbeat(peer, msg.seq, msg.handles, msg.expected, now)
     if msg.kind == KIND_RELEASE:
@@ -83,10 +80,10 @@ def p_receive(ledger: Ledger | Gate, peer: str, buf: bytes, now: int, *, known: 
 def _through_gate(gate: Gate, peer: str, msg: Message, now: int,
                   consumer: str) -> Sequence[GateEffect]:
     if msg.kind == KIND_DONE:
-        out: list[Effect] = []  # a done batch: one done event per handle, in order
-        for h in msg.handles:
-            out += gate.done(peer, h, msg.expected, now, consumer)
-        return out
+        hs = msg.handles
+        if len(hs) == 1:
+            return gate.done(peer, hs[0], msg.expected, now, consumer)
+        return gate.done_batch(peer, hs, msg.expected, now, consumer)  # one event per handle
     if msg.kind == KIND_HEARTBEAT:
         return gate.heartbeat(peer, msg.seq, msg.handles, msg.expected, now, consumer)
     if msg.kind == KIND_RELEASE:

@@ -4,9 +4,13 @@ Figures, not tests. Everything is measured in one run on this machine, and the s
 figures are also reported as ratios against a baseline measured in the same run:
 
 * ``events_per_s``: done and heartbeat events (one event per request id) on one core,
-  10^5 held; ``reference_events_per_s`` the same events on ``ScanReference`` (the
-  upstream shape), and ``events_ratio`` their ratio; best of ``repeat`` rounds each,
-  the two alternating, also in thread CPU time (``events_cpu_ratio``);
+  10^5 held, the dones in batches of ``done_batch`` handles (``Ledger.done_batch``, as
+  P's port applies a wire done batch); ``reference_events_per_s`` the same events on
+  ``ScanReference`` (the upstream shape), and ``events_ratio`` their ratio; best of
+  ``repeat`` rounds each, the two alternating, also in thread CPU time
+  (``events_cpu_ratio``); ``*_per_call`` (``events_ratio_per_call``,
+  ``event_cpu_us_per_call``, ``done_per_call_per_s``...): the same round with one
+  ``Ledger.done`` call per handle;
 * ``d_event_us``: D's machine alone, thread CPU microseconds per event over the four
   events on every request's path: admit (params with a capability), claim granted,
   schedule and read_result (``d_admit_us``, ``d_claim_granted_us``, ``d_schedule_us``,
@@ -15,7 +19,8 @@ figures are also reported as ratios against a baseline measured in the same run:
 * with ``--baseline TREE``: the event figures of the kvproto tree at TREE (the previous
   tree) measured by this same bench code in a subprocess, alternating with this tree's
   rounds, as ``baseline_*``, and ``d_event_speedup`` / ``events_speedup`` (baseline cost
-  over this tree's);
+  over this tree's; ``events_speedup_per_call``: against this tree's one-call-per-done
+  round);
 * ``tick_us``: cost of one ``tick`` with n held requests, none due;
   ``scan_tick_us``: the same for the reference that scans every held request each tick
   (the upstream approach);
@@ -126,8 +131,17 @@ def _best(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
-def _events_once(n: int, batch: int) -> tuple[float, float, float, float]:
-    """One round on the ledger: (heartbeat wall s, done wall s, heartbeat CPU s, done CPU s)."""
+# Handles per done batch in the events round: a D sends the dones of the requests one
+# coalesced READ fetched as one message, which P's port hands to ``Ledger.done_batch``.
+DONE_BATCH = 32
+
+
+def _events_once(n: int, batch: int,
+                 done_batch: int | None = None) -> tuple[float, float, float, float]:
+    """One round on the ledger: (heartbeat wall s, done wall s, heartbeat CPU s, done CPU s).
+    ``done_batch``: the dones in batches of that many handles (``Ledger.done_batch``,
+    what P's port calls for a wire done batch), else one ``done`` call per handle (also
+    when the ledger has no ``done_batch``: a baseline tree)."""
     L, hs = _ledger(n)
     gc.collect()
     gc.disable()
@@ -141,10 +155,15 @@ def _events_once(n: int, batch: int) -> tuple[float, float, float, float]:
         c_hb = time.thread_time() - c0
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        for h in hs:
-            L.done("d0", h, 2, now)
-        for h in hs:
-            L.done("d1", h, 2, now)
+        if done_batch and hasattr(L, "done_batch"):
+            for reader in ("d0", "d1"):
+                for i in range(0, n, done_batch):
+                    L.done_batch(reader, hs[i:i + done_batch], 2, now)
+        else:
+            for h in hs:
+                L.done("d0", h, 2, now)
+            for h in hs:
+                L.done("d1", h, 2, now)
         t_done = time.perf_counter() - t0
         c_done = time.thread_time() - c0
     finally:
@@ -179,13 +198,23 @@ def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[st
     """Heartbeats for every held request, then two distinct readers' done for each; the
     same events on the scanning reference. Best of ``repeat`` rounds, alternating."""
     t_hb = t_done = c_hb = c_done = t_ref = c_ref = float("inf")
+    t1_hb = t1_done = c1_hb = c1_done = float("inf")  # dones one call per handle
     for _ in range(max(1, repeat)):
-        a, b, c, d = _events_once(n, batch)
+        a, b, c, d = _events_once(n, batch, DONE_BATCH)
         t_hb, t_done, c_hb, c_done = min(t_hb, a), min(t_done, b), min(c_hb, c), min(c_done, d)
         e, f = _reference_once(n, batch)
         t_ref, c_ref = min(t_ref, e), min(c_ref, f)
+        a, b, c, d = _events_once(n, batch)
+        t1_hb, t1_done, c1_hb, c1_done = min(t1_hb, a), min(t1_done, b), min(c1_hb, c), \
+            min(c1_done, d)
     events = 3 * n
     return {
+        "done_batch": DONE_BATCH,
+        "done_per_call_per_s": 2 * n / t1_done,
+        "events_per_call_per_s": events / (t1_hb + t1_done),
+        "events_ratio_per_call": t_ref / (t1_hb + t1_done),
+        "events_cpu_ratio_per_call": c_ref / (c1_hb + c1_done),
+        "event_cpu_us_per_call": (c1_hb + c1_done) / events * 1e6,
         "events_per_s": events / (t_hb + t_done),
         "heartbeat_ids_per_s": n / t_hb,
         "done_per_s": 2 * n / t_done,
@@ -506,6 +535,8 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
         ev["d_event_speedup"] = base["d_event_us"] / ev["d_event_us"]
         if "event_cpu_us" in base:
             ev["events_speedup"] = base["event_cpu_us"] / ev["event_cpu_us"]
+            ev["events_speedup_per_call"] = base.get("event_cpu_us_per_call",
+                                                     base["event_cpu_us"]) / ev["event_cpu_us_per_call"]
     say("tick: none due, n = " + ", ".join(map(str, ns)))
     tick_us, scan_us = bench_tick(ns)
     mem_n = 10_000 if quick else 1_000_000
@@ -598,7 +629,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"    done/s                          {res['done_per_s']:>12,}")
     print(f"    scanning reference events/s     {res['reference_events_per_s']:>12,}")
     print(f"    ratio to the reference          {res['events_ratio']:>12}   target >= 0.9 "
-          f"(CPU time: {res['events_cpu_ratio']})")
+          f"(CPU time: {res['events_cpu_ratio']}; dones in batches of {res['done_batch']})")
+    print(f"    the same, one done call per handle {res['events_ratio_per_call']:>9}   "
+          f"(CPU time: {res['events_cpu_ratio_per_call']}; done/s {res['done_per_call_per_s']:,})")
     print(f"  D events, CPU us per event        {res['d_event_us']:>12}   admit "
           f"{res['d_admit_us']}, claim granted {res['d_claim_granted_us']}, schedule {res['d_schedule_us']}, read ok {res['d_read_ok_us']}")
     if "baseline_d_event_us" in res:

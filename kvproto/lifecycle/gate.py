@@ -401,6 +401,32 @@ class Gate:
                 self._freed(out)
         return out
 
+    def done_batch(self, reader: str, handles: Sequence[int], expected: int, now: int,
+                   consumer: str | None = None) -> list[Effect]:
+        """``done`` for each of ``handles`` in order, in one ledger call
+        (``Ledger.done_batch``) when no handle is bound to another consumer and forgetting
+        a binding only drops it; else ``done`` per handle. As in ``done``, a handle bound
+        before its done forgets the bindings of the requests its done freed."""
+        bound = self._bound
+        if bound and (not self._FORGET_PASS or any(
+                b is not None and b != consumer for b in map(bound.get, handles))):
+            out: list[Effect] = []
+            for h in handles:
+                out += self.done(reader, h, expected, now, consumer)
+            return out
+        if not bound:
+            return self.ledger.done_batch(reader, handles, expected, now)
+        marks: list[int] = []
+        out = self.ledger.done_batch(reader, handles, expected, now, marks)
+        start = 0
+        for h, end in zip(handles, marks, strict=True):
+            if end > start and h in bound:
+                for e in out[start:end]:
+                    if isinstance(e, Free):
+                        bound.pop(e.handle, None)
+            start = end
+        return out
+
     def release(self, reader: str, handles: Sequence[int], expected: int, now: int,
                 consumer: str | None = None) -> list[Effect]:
         if self._bound:

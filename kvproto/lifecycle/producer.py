@@ -15,6 +15,7 @@ from kvproto.lifecycle.config import (
     Config,
 )
 from kvproto.lifecycle.hotpath import FreeFields, register_free
+from kvproto.lifecycle.ledgerbatch import done_batch, register_batch
 from kvproto.lifecycle.ledgerrecords import _add_reader, _Req, _Staged
 from kvproto.lifecycle.ledgerviews import (
     HEAP_HANDLE_MASK,
@@ -852,6 +853,12 @@ class Ledger(LedgerViews):
                 self._maybe_compact()
         return self._emit(Done(reader, handle, expected, now), out) if self.sink else out
 
+    def done_batch(self, reader: str, handles: Sequence[int], expected: int, now: int,
+                   marks: list[int] | None = None) -> list[Effect]:
+        """A done batch (one wire message): exactly ``done`` per handle, in order, in one
+        call (``kvproto.lifecycle.ledgerbatch``: what it amortizes)."""
+        return done_batch(self, reader, handles, expected, now, marks)
+
     def release(self, reader: str, handles: Sequence[int], expected: int,
                 now: int) -> list[Effect]:
         """A reader will never pull these requests. Mirrors TLA+ ``Release``."""
@@ -982,6 +989,7 @@ class Ledger(LedgerViews):
 
 
 Ledger._derive()
+register_batch(Ledger, Free, Done, FIN_PLAIN, FIN_FREE, FIN_GUARDS)
 
 
 # ---------------------------------------------------------------------------
