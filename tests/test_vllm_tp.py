@@ -56,7 +56,10 @@ H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
 KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
 ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP}
-FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
+# TP engines step slowly on 2 cores (7 processes): a first contact (handshake, claim and
+# grant, READ) can take seconds under load, so these modules run a longer lease
+LEASE = 2 * sc.LEASE
+FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
 
 class Pair:
@@ -69,11 +72,11 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     wd = tmp_path_factory.mktemp("vllm_tp")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=1).path)
-    kw = sc.kvproto_extras(str(wd), tag="1")
+    kw = sc.kvproto_extras(str(wd), LEASE, tag="1")
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="1",
                                 p_kv_bytes=P_KV_BYTES, **kw)
     e_spec, _ = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="E",
-                           **sc.kvproto_extras(str(wd), tag="E"))
+                           **sc.kvproto_extras(str(wd), LEASE, tag="E"))
     e_spec.name = "E"
     p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
     started: list[h.Engine] = []

@@ -41,7 +41,10 @@ PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(6, seed=41))}
 SPLIT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=42))}  # P TP 2 -> D TP 1
 LATE12 = {f"l{i}": p for i, p in enumerate(h.make_prompts(2, seed=43, lengths=[64, 100]))}
 LATE21 = {f"m{i}": p for i, p in enumerate(h.make_prompts(2, seed=44, lengths=[64, 100]))}
-FREE_TIMEOUT = 8 * sc.LEASE + 30.0  # a hang bound, not a timing assertion
+# TP engines step slowly on 2 cores (7 processes): a first contact (handshake, claim and
+# grant, READ) can take seconds under load, so these modules run a longer lease
+LEASE = 2 * sc.LEASE
+FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
 
 Run = tuple[Path, sc.Outcome, int, h.PD, dict[str, list[int]]]
@@ -52,7 +55,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     wd = tmp_path_factory.mktemp("vllm_tp_slices")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=2).path)
     s_spec, t_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="S",
-                                **sc.kvproto_extras(str(wd), tag="S"))
+                                **sc.kvproto_extras(str(wd), LEASE, tag="S"))
     t_spec.tensor_parallel_size = 2
     [s] = h.start_engines([s_spec], timeout=600)
     try:

@@ -510,6 +510,13 @@ class DDriver:
             return
         self._claims.setdefault((eff.engine, epoch), []).append((eff.handle, raw))
 
+    def flush(self) -> None:
+        """Send the claims, dones and releases queued since the last poll (an abort made
+        between polls), so that they do not wait for the next engine step."""
+        self._flush_claims()
+        self._flush_dones()
+        self._flush_releases()
+
     def _flush_claims(self) -> None:
         if not self._claims:
             return

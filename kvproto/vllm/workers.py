@@ -392,6 +392,9 @@ class DWorker:
                     for prid in j.parts:
                         self.adapter.schedule(prid, local, ix)
         self._drain(self.adapter.poll())
+        # what draining decided (an orphan's release, a failed part's siblings aborted)
+        # leaves now: an idle engine may not step, and so not poll, for a long time
+        self.adapter.flush()
 
     @property
     def busy(self) -> bool:
