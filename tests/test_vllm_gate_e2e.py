@@ -41,7 +41,7 @@ class Engines:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     wd = tmp_path_factory.mktemp("vllm_gate")
     model = str(h.build_tiny_model(wd / "model").path)
-    kw: dict[str, Any] = sc.kvproto_extras(str(wd), tag="g")
+    kw: dict[str, Any] = sc.kvproto_extras(str(wd), 2 * sc.LEASE, tag="g")  # first contacts under load
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="g", **kw)
     p_spec.max_num_batched_tokens = CHUNK
     p_spec.max_num_seqs = 4
