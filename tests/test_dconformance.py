@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,14 @@ def test_a_d_journal_whose_effects_were_changed_is_rejected(tmp_path: Path) -> N
 
 
 _GRAPHS: dict[str, nx.MultiDiGraph] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_graphs() -> Iterator[None]:
+    """The graphs (millions of objects) are not kept past this module: every later
+    collection of the test process would scan them."""
+    yield
+    _GRAPHS.clear()
 
 
 def tlc_graph(name: str) -> nx.MultiDiGraph:

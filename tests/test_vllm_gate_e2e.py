@@ -51,6 +51,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     try:
         reference = sc.reference_outputs(ref, {**LONG, **RETRY}, max_tokens=MAX_TOKENS)
         ref.close()
+        pd.warm_up("w")  # first contact and D's first decode steps
         yield Engines(pd, reference)
     finally:
         ref.kill()

@@ -63,6 +63,12 @@ def _num(d: dict[str, Any], key: str) -> float:
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
+def _grew(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The worker counters that changed (a failed assertion's explanation)."""
+    return {k: _num(after, k) - _num(before, k) for k in after
+            if _num(after, k) != _num(before, k)}
+
+
 class Trio:
     def __init__(self, ref: dict[str, list[int]], pd: h.PD, model: str, workdir: Path,
                  connector: dict[str, Any]) -> None:
@@ -111,6 +117,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     try:
         reference = sc.reference_outputs(ref, ALL, max_tokens=MAX_TOKENS)
         ref.close()
+        pd.warm_up("w")  # first contact and D's first decode steps
         yield Trio(reference, pd, model, wd, h.KVPROTO_CONNECTOR)
     finally:
         ref.kill()
@@ -137,7 +144,7 @@ def test_hybrid_model_token_for_token_with_two_groups(trio: Trio) -> None:
              if (toks := trio.decode(rid, COR[rid], p_res[rid])) != trio.ref[rid]}
     assert not wrong, wrong
     after = trio.worker(pd.d)
-    assert _num(after, "reads_ok") - _num(before, "reads_ok") == len(COR)
+    assert _num(after, "reads_ok") - _num(before, "reads_ok") == len(COR), _grew(before, after)
     assert _num(after, "fenced_reads") == _num(before, "fenced_reads")
     read = _num(after, "read_blocks") - _num(before, "read_blocks")
     assert read == sum(len((r.kv_transfer_params or {})["kvproto"]["blocks"])
@@ -182,7 +189,7 @@ def test_d_partial_prefix_hit_reads_only_the_missing_suffix(trio: Trio) -> None:
     assert params["groups"] == [[skip, n - skip], [0, n]]
     assert trio.decode("X2", X2, r2) == trio.ref["X2"]
     after = trio.worker(pd.d)
-    assert _num(after, "reads_ok") - _num(before, "reads_ok") == 1
+    assert _num(after, "reads_ok") - _num(before, "reads_ok") == 1, _grew(before, after)
     read = _num(after, "read_blocks") - _num(before, "read_blocks")
     # D's prefix cache supplied the first h block positions of both groups (vLLM picks
     # h; at most X's 6 blocks): D read only the positions after them, in both groups.

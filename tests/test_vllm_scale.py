@@ -1,5 +1,5 @@
 """``kvproto bench scale`` scaled down: one P with one D and one P with two D (the same
-real vLLM engines, KVProtoConnector), a few dozen requests in flight, some abandoned at
+real vLLM engines, KVProtoConnector), a dozen requests in flight, some abandoned at
 their D. Asserts behaviour only: every output equals the single engine's, P gets every
 block back, every journal passes ``kvproto validate``. Never wall-clock time.
 
@@ -20,7 +20,7 @@ from kvproto.vllm import scenarios as sc
 _SKIP = h.vllm_available()
 
 LEASE = 10.0
-REQUESTS = 24
+REQUESTS = 12
 DECODERS = 2
 
 

@@ -58,6 +58,7 @@ from kvproto.verify.tlc import (
     State,
     conformance_dir,
     parse_state,
+    paused_gc,
     require_ok,
     run_tlc,
     spec_dir,
@@ -89,6 +90,11 @@ def read_dot(path: str | Path) -> nx.MultiDiGraph:
 
     Nodes are the parsed state values (an :class:`Fn` of variables); edge keys and the
     ``action`` attribute are the labels. The initial states have ``init=True``."""
+    with paused_gc():
+        return _read_dot(path)
+
+
+def _read_dot(path: str | Path) -> nx.MultiDiGraph:
     nodes: dict[str, State] = {}
     edges: list[tuple[str, str, str]] = []
     init: set[str] = set()
@@ -131,6 +137,11 @@ class PyGraph:
 def explore_python(model: Model, factory: LedgerFactory = Ledger, *,
                    max_states: int = 500_000) -> PyGraph:
     """BFS of the Python ledger's reachable graph, de-duplicated by abstract state."""
+    with paused_gc():
+        return _explore_python(model, factory, max_states)
+
+
+def _explore_python(model: Model, factory: LedgerFactory, max_states: int) -> PyGraph:
     t0 = time.perf_counter()
     acts = model.actions()
     root = initial_node(model, factory)
@@ -243,12 +254,13 @@ def compare(model: Model, py: PyGraph, tlc: nx.MultiDiGraph, *, show: int = 3) -
     edges that differ *from a state both sides reach* (the root causes), with the input
     path to that state, then the states only one side has."""
     gp = py.graph
-    canon = {s: s for s in gp.nodes}  # share objects: equality then short-cuts on identity
-    sp = set(gp.nodes)
-    tmap = {s: canon.get(s, s) for s in tlc.nodes}  # keyed by TLC's objects: identity hits
-    st = set(tmap.values())
-    ep = edge_set(gp)
-    et = {(tmap[a], k, tmap[b]) for a, k, b in edge_set(tlc)}
+    with paused_gc():
+        canon = {s: s for s in gp.nodes}  # share objects: equality short-cuts on identity
+        sp = set(gp.nodes)
+        tmap = {s: canon.get(s, s) for s in tlc.nodes}  # keyed by TLC's objects
+        st = set(tmap.values())
+        ep = edge_set(gp)
+        et = {(tmap[a], k, tmap[b]) for a, k, b in edge_set(tlc)}
     only_p_s, only_t_s = sp - st, st - sp
     only_p_e, only_t_e = ep - et, et - ep
     cmp = Comparison(model.name, len(sp), len(ep), len(st), len(et),

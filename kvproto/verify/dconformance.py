@@ -62,6 +62,7 @@ from kvproto.verify.tlc import (
     TlcResult,
     Value,
     mk_fn,
+    paused_gc,
     render,
     require_ok,
     run_tlc,
@@ -449,11 +450,17 @@ def _apply(m: DModel, n: _DNode, a: DAction) -> list[DEffect]:
 def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
                      max_states: int = 200_000) -> nx.MultiDiGraph:
     """BFS of the Python Consumer's graph over the model's inputs, by abstract state."""
+    with paused_gc():
+        return _explore_python_d(m, cls, max_states)
+
+
+def _explore_python_d(m: DModel, cls: type[Consumer], max_states: int) -> nx.MultiDiGraph:
     root = _DNode(cls("d0", m.config()), 0, {})
     s0 = _abstract(m, root, frozenset())
     g = nx.MultiDiGraph()
     g.add_node(s0, init=True)
     rep = {s0: root}
+    canon: dict[Fn, Fn] = {s0: s0}
     queue: deque[Fn] = deque([s0])
     acts = m.actions()
     while queue:
@@ -465,10 +472,12 @@ def explore_python_d(m: DModel, cls: type[Consumer] = Consumer, *,
             n = _DNode(base.c.clone(), base.now, dict(base.gone), dict(base.pulls),
                        set(base.granted))
             t = _abstract(m, n, _effects(_apply(m, n, a)))
+            t = canon.get(t, t)  # one deep comparison; later lookups hit on identity
             if t not in g:
                 if g.number_of_nodes() >= max_states:
                     raise RuntimeError(f"more than {max_states} Python states")
                 g.add_node(t, init=False)
+                canon[t] = t
                 rep[t] = n
                 queue.append(t)
             g.add_edge(s, t, key=a.label, action=a.label)
@@ -527,8 +536,14 @@ class DComparison:
 
 
 def compare_d(py: nx.MultiDiGraph, tlc: nx.MultiDiGraph) -> DComparison:
-    pe = {(a, k, b) for a, b, k in py.edges(keys=True)}
-    te = {(a, k, b) for a, b, k in tlc.edges(keys=True)}
+    """Labelled edges only one side has. TLC's states are first mapped to the Python
+    graph's equal objects (one deep comparison per state), so that comparing the edges
+    short-cuts on identity."""
+    with paused_gc():
+        canon = {s: s for s in py.nodes}
+        tmap = {s: canon.get(s, s) for s in tlc.nodes}
+        pe = {(a, k, b) for a, b, k in py.edges(keys=True)}
+        te = {(tmap[a], k, tmap[b]) for a, b, k in tlc.edges(keys=True)}
     key = lambda e: (e[1], repr(e[0]), repr(e[2]))  # noqa: E731 - a sort key
     return DComparison(py.number_of_nodes(), tlc.number_of_nodes(),
                        sorted(pe - te, key=key), sorted(te - pe, key=key))

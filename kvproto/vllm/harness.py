@@ -31,6 +31,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import time
@@ -197,10 +198,50 @@ def make_prompts(count: int, *, vocab: int = 1024, seed: int = 1,
     return out
 
 
+_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PORT_LOW = 20000  # the lowest port free_port hands out
+_ports_given: set[int] = set()
+_port_rng = random.Random()  # seeded from os.urandom: two test processes pick apart
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path(_PORT_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
 def free_port() -> int:
+    """A loopback TCP port that is free now, never handed out before by this process, and
+    outside the kernel's ephemeral range. The port is bound later by another process (an
+    engine's metrics exporter or side channel); a port from the ephemeral range can be
+    taken meanwhile by any process's outgoing connection or ``bind(0)`` (vLLM's own
+    sockets start many), which kills that engine at start with "address in use". Callers
+    may use the port up to port + 31 (a side channel per TP rank) as well."""
+    lo, hi = _ephemeral_range()
+    if lo - 64 > _PORT_LOW:
+        span = (_PORT_LOW, lo - 64)
+    elif hi + 64 < 65000:
+        span = (hi + 64, 65000)
+    else:  # no room outside the ephemeral range: the kernel's choice
+        span = (0, 0)
+    for _ in range(256 if span[1] else 0):
+        port = _port_rng.randrange(*span)
+        if port in _ports_given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _ports_given.add(port)
+    return port
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -616,6 +657,20 @@ class PD:
                     routed.add(rid)
             self.d.poll(0)
         return self.d.wait(prompts, max(1.0, deadline - time.monotonic()))
+
+    def warm_up(self, tag: str = "warm", count: int = 2, max_tokens: int = 4) -> None:
+        """``count`` short requests through P then D, their tokens not checked: a fresh
+        pair's first contact (handshake, the first claims) and each engine's first decode
+        steps (several seconds for a TP engine on 2 cores, while the prefilled requests'
+        leases run on P) are paid here, not by the first requests a test measures against
+        a short lease. Each engine's stats and journals include these requests.
+        ``HarnessError`` if one of them ends with an error."""
+        prompts = make_prompts(count, seed=7919, lengths=[BLOCK_SIZE + 3, 2 * BLOCK_SIZE + 1])
+        items = {f"{tag}-{i}": pr for i, pr in enumerate(prompts)}
+        failed = {rid: r.error for rid, r in self.run(items, max_tokens=max_tokens).items()
+                  if r.error is not None}
+        if failed:
+            raise HarnessError(f"warm-up requests failed: {failed}")
 
     def close(self) -> None:
         for e in (self.d, self.p):
