@@ -341,6 +341,31 @@ def test_faults_d_killed_then_p_killed(pair: Pair, model: str, workdir: Path) ->
         _validate([workdir / "P2.jsonl", workdir / "D3.jsonl"])
 
 
+def test_spawned_engine_answers_as_the_forked_ones(pair: Pair, model: str, workdir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's engines fork from the harness's fork server (torch and vLLM imported
+    once); one started the other way (a fresh interpreter) gives the reference's tokens."""
+    monkeypatch.setenv(h.ENGINE_START_ENV, "spawn")
+    items = dict(list(COR.items())[:2])
+    with h.start_engines([h.EngineSpec("SPAWN", model, env=h.engine_env(),
+                                       log_path=str(workdir / "SPAWN.log"))])[0] as eng:
+        out = eng.generate(items, max_tokens=MAX_TOKENS)
+    assert {k: r.tokens for k, r in out.items()} == {k: pair.ref[k] for k in items}
+
+
+def test_engine_start_method_and_ports_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(h.ENGINE_START_ENV, "fork")
+    with pytest.raises(h.HarnessError, match="KVPROTO_ENGINE_START='fork'"):
+        h.Engine(h.EngineSpec("X", "/nonexistent", env={}))
+    # test ports: distinct, and outside the kernel's ephemeral range (any process's
+    # bind(0) or outgoing connection may take a port from that range before its engine
+    # binds it)
+    lo, hi = h._ephemeral_range()
+    ports = [h.free_port() for _ in range(64)]
+    assert len(set(ports)) == len(ports)
+    assert all(not lo - 32 <= p <= hi for p in ports), (lo, hi, ports)
+
+
 def test_no_stray_engine_processes() -> None:
     """Last: every engine process this module started is gone (closed or killed)."""
     assert h.STARTED, "no engine was started"

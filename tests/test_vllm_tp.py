@@ -95,8 +95,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     e, p, d = started
     pd = h.PD(p, d)
     try:
-        # first contacts and first decode steps of every pair the tests use
-        for tag, link in (("w22", pd), ("w21", h.PD(p, e)), ("w12", h.PD(e, d))):
+        # first contacts and first decode steps of every pair the tests use (engine P is
+        # also E's D)
+        for tag, link in (("w22", pd), ("w21", h.PD(p, e)), ("w12", h.PD(e, p))):
             link.warm_up(tag)
         yield Pair(pd, e, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
                                       wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl",

@@ -14,8 +14,15 @@ prefill), reads counters (free KV blocks, requests held by the scheduler, anythi
 connector exposes through :meth:`Engine.connector_call`), pauses the step loop, and
 kill -9s the process group. The parent imports neither torch nor vLLM.
 
+Start: engines fork from a server process that imported torch and vLLM once
+(``multiprocessing``'s fork server, preloading :mod:`kvproto.vllm.preload`), which saves
+each engine its imports; ``KVPROTO_ENGINE_START=spawn`` starts each one in a fresh
+interpreter instead. Each engine gets the parent's environment as it is at its start, plus
+its own (``EngineSpec.env``).
+
 Cleanup: every child runs in its own session (process group) and exits when its parent
-goes away (pipe closed, or parent pid changed); :func:`kill_all` (registered with
+(the fork server, which exits with this process) goes away (pipe closed, or parent pid
+changed); :func:`kill_all` (registered with
 ``atexit``) kills every engine this process started; tests use :class:`Engine` as a
 context manager or through fixtures that call :meth:`Engine.close` in ``finally``.
 
@@ -313,14 +320,35 @@ def kill_all() -> None:
 atexit.register(kill_all)
 
 
+ENGINE_START_ENV = "KVPROTO_ENGINE_START"
+_START_METHODS = ("forkserver", "spawn")
+
+
+def _start_context() -> Any:
+    """How engine processes start (``KVPROTO_ENGINE_START``): "forkserver" (default), forked
+    from one server process per test process that imported torch and vLLM once
+    (``kvproto.vllm.preload``); "spawn", a fresh interpreter per engine. Either way the
+    engine gets its own environment (``EngineSpec.env``) before it builds its engine."""
+    how = os.environ.get(ENGINE_START_ENV, "forkserver")
+    if how not in _START_METHODS:
+        raise HarnessError(f"{ENGINE_START_ENV}={how!r}: expected one of "
+                           f"{', '.join(_START_METHODS)}")
+    ctx = mp.get_context(how)
+    if how == "forkserver":
+        ctx.set_forkserver_preload(["kvproto.vllm.preload"])
+    return ctx
+
+
 class Engine:
     """Parent-side handle of one engine process."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, args=(child, _spec_dict(spec)),
+        sd = _spec_dict(spec)
+        sd["base_env"] = dict(os.environ)  # a forked engine gets this process's env too
+        self._proc = ctx.Process(target=_engine_main, args=(child, sd),
                                  name=f"vllm-{spec.name}",
                                  # TP > 1 spawns worker processes, which a daemonic
                                  # process may not; kill_all still ends it at exit
@@ -684,6 +712,9 @@ def _engine_main(conn: Connection, spec: dict[str, Any]) -> None:  # pragma: no 
     """Entry point of an engine process (spawned): build the engine, serve the pipe."""
     os.setsid()  # own process group: kill -9 of the group takes everything with it
     parent = os.getppid()
+    if "base_env" in spec:  # as a spawned child would: this process's env as the parent's
+        os.environ.clear()
+        os.environ.update(spec["base_env"])
     os.environ.update(spec["env"])
     if spec.get("log_path"):
         fd = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
