@@ -443,8 +443,7 @@ def warm_up(p: Engine, ds: Sequence[Engine], tag: str, max_tokens: int) -> None:
     from kvproto.vllm.harness import PD
 
     for i, d in enumerate(ds):
-        items = {f"{tag}-warm{i}-{k}": v for k, v in prompts_for(2, "w", seed=3).items()}
-        PD(p, d).run(items, max_tokens=max_tokens)
+        PD(p, d).warm_up(f"{tag}-warm{i}", max_tokens=max_tokens)
 
 
 def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -207,7 +207,7 @@ def make_prompts(count: int, *, vocab: int = 1024, seed: int = 1,
 
 _PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _PORT_LOW = 20000  # the lowest port free_port hands out
-_ports_given: set[int] = set()
+_ports_given: set[int] = set()  # one int per port handed out (a few hundred per test run)
 _port_rng = random.Random()  # seeded from os.urandom: two test processes pick apart
 
 
@@ -709,7 +709,8 @@ class PD:
 
 
 def _engine_main(conn: Connection, spec: dict[str, Any]) -> None:  # pragma: no cover
-    """Entry point of an engine process (spawned): build the engine, serve the pipe."""
+    """Entry point of an engine process (forked from the fork server, or spawned): build
+    the engine, serve the pipe."""
     os.setsid()  # own process group: kill -9 of the group takes everything with it
     parent = os.getppid()
     if "base_env" in spec:  # as a spawned child would: this process's env as the parent's
