@@ -56,9 +56,7 @@ H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
 KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
 ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP}
-# TP engines step slowly on 2 cores (7 processes): a first contact (handshake, claim and
-# grant, READ) can take seconds under load, so these modules run a longer lease
-LEASE = 2 * sc.LEASE
+LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
 

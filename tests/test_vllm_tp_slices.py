@@ -41,9 +41,7 @@ PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(6, seed=41))}
 SPLIT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=42))}  # P TP 2 -> D TP 1
 LATE12 = {f"l{i}": p for i, p in enumerate(h.make_prompts(2, seed=43, lengths=[64, 100]))}
 LATE21 = {f"m{i}": p for i, p in enumerate(h.make_prompts(2, seed=44, lengths=[64, 100]))}
-# TP engines step slowly on 2 cores (7 processes): a first contact (handshake, claim and
-# grant, READ) can take seconds under load, so these modules run a longer lease
-LEASE = 2 * sc.LEASE
+LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
 

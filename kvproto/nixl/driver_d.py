@@ -330,9 +330,7 @@ class DDriver:
             self._schedule_ready(now)
         if self._post_queue:  # READs scheduled during this poll
             self._post_queued(now)
-        self._flush_claims()
-        self._flush_dones()
-        self._flush_releases()
+        self.flush()
         self._reap()
         out, self._out = self._out, []
         return out

@@ -61,6 +61,7 @@ from kvproto.verify.tlc import (
     paused_gc,
     require_ok,
     run_tlc,
+    shared_states,
     spec_dir,
 )
 
@@ -255,9 +256,8 @@ def compare(model: Model, py: PyGraph, tlc: nx.MultiDiGraph, *, show: int = 3) -
     path to that state, then the states only one side has."""
     gp = py.graph
     with paused_gc():
-        canon = {s: s for s in gp.nodes}  # share objects: equality short-cuts on identity
         sp = set(gp.nodes)
-        tmap = {s: canon.get(s, s) for s in tlc.nodes}  # keyed by TLC's objects
+        tmap = shared_states(gp.nodes, tlc.nodes)  # keyed by TLC's objects
         st = set(tmap.values())
         ep = edge_set(gp)
         et = {(tmap[a], k, tmap[b]) for a, k, b in edge_set(tlc)}

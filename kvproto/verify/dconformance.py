@@ -66,6 +66,7 @@ from kvproto.verify.tlc import (
     render,
     require_ok,
     run_tlc,
+    shared_states,
     spec_dir,
 )
 
@@ -536,12 +537,9 @@ class DComparison:
 
 
 def compare_d(py: nx.MultiDiGraph, tlc: nx.MultiDiGraph) -> DComparison:
-    """Labelled edges only one side has. TLC's states are first mapped to the Python
-    graph's equal objects (one deep comparison per state), so that comparing the edges
-    short-cuts on identity."""
+    """Labelled edges only one side has (TLC's states mapped onto the Python graph's)."""
     with paused_gc():
-        canon = {s: s for s in py.nodes}
-        tmap = {s: canon.get(s, s) for s in tlc.nodes}
+        tmap = shared_states(py.nodes, tlc.nodes)
         pe = {(a, k, b) for a, b, k in py.edges(keys=True)}
         te = {(tmap[a], k, tmap[b]) for a, b, k in tlc.edges(keys=True)}
     key = lambda e: (e[1], repr(e[0]), repr(e[2]))  # noqa: E731 - a sort key

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeAlias
@@ -139,6 +139,14 @@ def default_workers() -> int:
     n = os.cpu_count() or 1
     return max(1, min(n, 8))
 
+
+
+def shared_states(mine: Iterable[Any], theirs: Iterable[Any]) -> dict[Any, Any]:
+    """Each of ``theirs`` mapped to the equal object of ``mine`` (itself where none is
+    equal): one deep comparison per state, after which comparing edges built from the
+    mapped objects short-cuts on identity."""
+    canon = {s: s for s in mine}
+    return {s: canon.get(s, s) for s in theirs}
 
 
 @contextlib.contextmanager
