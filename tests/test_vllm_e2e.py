@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -351,6 +353,50 @@ def test_spawned_engine_answers_as_the_forked_ones(pair: Pair, model: str, workd
                                        log_path=str(workdir / "SPAWN.log"))])[0] as eng:
         out = eng.generate(items, max_tokens=MAX_TOKENS)
     assert {k: r.tokens for k, r in out.items()} == {k: pair.ref[k] for k in items}
+
+
+def test_a_burst_of_submits_while_outputs_go_unread_does_not_deadlock(model: str,
+                                                                     workdir: Path) -> None:
+    """The harness pipe, both ways full at once: the parent submits a burst, does not read
+    while the engine answers all of it (more output than a pipe buffer holds), then
+    submits a second burst. An engine that blocked sending its outputs would stop
+    reading, and the parent's second burst would then block forever."""
+    burst = 600  # each message is one socket buffer entry: far more than a buffer holds
+    prompts = h.make_prompts(2 * burst, seed=17, lengths=[8])
+    items = {f"burst{i}": p for i, p in enumerate(prompts)}
+    keys = list(items)
+    with h.start_engines([h.EngineSpec("BURST", model, env=h.engine_env(),
+                                       log_path=str(workdir / "BURST.log"))])[0] as eng:
+        def first() -> None:
+            for k in keys[:burst]:
+                eng.submit(k, items[k], max_tokens=1)
+
+        def second() -> None:
+            for k in keys[burst:]:
+                eng.submit(k, items[k], max_tokens=1)
+
+        first()
+        # the engine answers the first burst, unread: wait until what waits in the pipe
+        # stops growing (all answered, or the engine's sending side is blocked)
+        sizes = [-1]
+        deadline = time.monotonic() + 90.0
+        while time.monotonic() < deadline and (len(sizes) < 4 or len(set(sizes[-4:])) > 1
+                                               or sizes[-1] <= 0):
+            time.sleep(0.5)
+            sizes.append(eng.unread_bytes())
+        # the answers wait unread: far fewer bytes than 600 answers, so the engine's
+        # sending side is blocked on the full pipe (its kernel buffer counts each
+        # message's overhead, and fills at about 40 KB of these small messages)
+        assert 16 * 1024 < sizes[-1] < burst * 200, sizes
+        t = threading.Thread(target=second, daemon=True)
+        t.start()
+        t.join(120.0)
+        if t.is_alive():
+            eng.kill()  # a clean close would block on the full pipe too
+            pytest.fail("the second burst's submits blocked: the pipe deadlocked")
+        out = eng.wait(keys, timeout=300.0)
+    assert len(out) == 2 * burst and all(len(r.tokens) == 1 and r.error is None
+                                         for r in out.values())
 
 
 def test_engine_start_method_and_ports_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,15 +32,20 @@ Block size: vLLM's CPU attention backend wants a multiple of 32. Engines run wit
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
+import fcntl
 import json
 import logging
 import multiprocessing as mp
 import os
+import queue
 import random
 import signal
 import socket
+import termios
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -460,6 +465,12 @@ class Engine:
         """Read whatever the engine has sent (results) without waiting for anything."""
         self._pump(timeout)
 
+    def unread_bytes(self) -> int:
+        """Bytes the engine sent that this side has not read yet (tests of the pipe)."""
+        buf = array.array("i", [0])
+        fcntl.ioctl(self._conn.fileno(), termios.FIONREAD, buf)
+        return int(buf[0])
+
     # -- counters
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         """``free_blocks``, ``total_blocks``, ``scheduler_requests`` (requests the
@@ -732,7 +743,11 @@ def _engine_main(conn: Connection, spec: dict[str, Any]) -> None:  # pragma: no 
         with contextlib.suppress(OSError):
             conn.send(("fatal", f"failed to start: {type(e).__name__}: {e}"))
         os._exit(3)
-    _Child(conn, engine, spec, parent).serve()
+    child = _Child(conn, engine, spec, parent)
+    try:
+        child.serve()
+    finally:
+        child.out.flush(timeout=5.0)
     os._exit(0)
 
 
@@ -756,10 +771,41 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
     return LLMEngine.from_engine_args(args)
 
 
+class _Outbox:  # pragma: no cover - runs in the engine process
+    """The child's sending side: one thread sends what the engine loop queued, so the
+    loop never blocks on a full pipe and always goes on reading the parent's commands.
+    The parent sends without reading in between (a burst of submits); were the child to
+    block sending outputs meanwhile, each would wait on the other forever. The queue is
+    unbounded: it holds at most the outputs of the requests the parent submitted and
+    the replies to its calls, which the parent drains whenever it waits."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.q.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self.q.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:
+                return  # the parent is gone; what is left has no reader
+
+    def flush(self, timeout: float) -> None:
+        """Send everything queued (a last ``fatal`` included) before the process exits."""
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
 class _Child:  # pragma: no cover - runs in the engine process
     def __init__(self, conn: Connection, engine: Any, spec: dict[str, Any],
                  parent: int) -> None:
         self.conn = conn
+        self.out = _Outbox(conn)
         self.engine = engine
         self.spec = spec
         self.parent = parent
@@ -773,7 +819,7 @@ class _Child:  # pragma: no cover - runs in the engine process
         self.log = logging.getLogger("kvproto.vllm.harness.child")
 
     def serve(self) -> None:
-        self.conn.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
+        self.out.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
                                   "free_blocks": self.pool.get_num_free_blocks()}))
         while True:
             if os.getppid() != self.parent:
@@ -796,7 +842,7 @@ class _Child:  # pragma: no cover - runs in the engine process
             except Exception as e:
                 self.log.exception("engine step failed")
                 with contextlib.suppress(OSError):
-                    self.conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
+                    self.out.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
                 return
             self._outputs(outs)
             if not outs and self.sched.get_request_counts()[0] == 0 \
@@ -822,7 +868,7 @@ class _Child:  # pragma: no cover - runs in the engine process
         m = self.meta.pop(rid, None)
         if m is None:
             return
-        self.conn.send(("out", {"rid": rid, "internal_id": self.ids.get(rid, rid),
+        self.out.send(("out", {"rid": rid, "internal_id": self.ids.get(rid, rid),
                                 "token_ids": [], "finish_reasons": ["abort"],
                                 "kv_transfer_params": None, "submit_t": m["submit_t"],
                                 "first_token_t": m["first_token_t"], "finish_t": time.time(),
@@ -857,9 +903,9 @@ class _Child:  # pragma: no cover - runs in the engine process
             seq, inner = msg[1], msg[2]
             try:
                 value = self._call(inner)
-                self.conn.send(("reply", seq, True, value))
+                self.out.send(("reply", seq, True, value))
             except Exception as e:
-                self.conn.send(("reply", seq, False, f"{type(e).__name__}: {e}"))
+                self.out.send(("reply", seq, False, f"{type(e).__name__}: {e}"))
 
     def _add(self, rid: str, prompt: list[int], sp: dict[str, Any],
              ktp: dict[str, Any] | None) -> None:
@@ -874,7 +920,7 @@ class _Child:  # pragma: no cover - runs in the engine process
                                     extra_args=extra)
             internal = self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         except Exception as e:
-            self.conn.send(("out", {"rid": rid, "internal_id": "", "token_ids": [],
+            self.out.send(("out", {"rid": rid, "internal_id": "", "token_ids": [],
                                     "finish_reasons": [], "kv_transfer_params": None,
                                     "submit_t": now, "first_token_t": None,
                                     "finish_t": time.time(),
@@ -906,7 +952,7 @@ class _Child:  # pragma: no cover - runs in the engine process
             if not o.finished:
                 continue
             done = [comp[i] for i in sorted(comp)]
-            self.conn.send(("out", {
+            self.out.send(("out", {
                 "rid": rid, "internal_id": self.ids.get(rid, rid),
                 "token_ids": [t for t, _ in done],
                 "finish_reasons": [f for _, f in done],
