@@ -820,7 +820,7 @@ class _Child:  # pragma: no cover - runs in the engine process
 
     def serve(self) -> None:
         self.out.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
-                                  "free_blocks": self.pool.get_num_free_blocks()}))
+                                 "free_blocks": self.pool.get_num_free_blocks()}))
         while True:
             if os.getppid() != self.parent:
                 return
@@ -869,10 +869,10 @@ class _Child:  # pragma: no cover - runs in the engine process
         if m is None:
             return
         self.out.send(("out", {"rid": rid, "internal_id": self.ids.get(rid, rid),
-                                "token_ids": [], "finish_reasons": ["abort"],
-                                "kv_transfer_params": None, "submit_t": m["submit_t"],
-                                "first_token_t": m["first_token_t"], "finish_t": time.time(),
-                                "error": "aborted"}))
+                               "token_ids": [], "finish_reasons": ["abort"],
+                               "kv_transfer_params": None, "submit_t": m["submit_t"],
+                               "first_token_t": m["first_token_t"], "finish_t": time.time(),
+                               "error": "aborted"}))
 
     def _shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -921,10 +921,10 @@ class _Child:  # pragma: no cover - runs in the engine process
             internal = self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         except Exception as e:
             self.out.send(("out", {"rid": rid, "internal_id": "", "token_ids": [],
-                                    "finish_reasons": [], "kv_transfer_params": None,
-                                    "submit_t": now, "first_token_t": None,
-                                    "finish_t": time.time(),
-                                    "error": f"{type(e).__name__}: {e}"}))
+                                   "finish_reasons": [], "kv_transfer_params": None,
+                                   "submit_t": now, "first_token_t": None,
+                                   "finish_t": time.time(),
+                                   "error": f"{type(e).__name__}: {e}"}))
             return
         self.ids[rid] = internal
         self.meta[rid] = {"submit_t": now, "first_token_t": None}
