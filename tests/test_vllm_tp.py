@@ -95,8 +95,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         # first contacts and first decode steps of every pair the tests use (engine P is
         # also E's D)
-        for tag, link in (("w22", pd), ("w21", h.PD(p, e)), ("w12", h.PD(e, p))):
-            link.warm_up(tag)
+        for tag, link, d_journals in (
+                ("w22", pd, ["D1.consumer.jsonl", "D1.tp1.consumer.jsonl"]),
+                ("w21", h.PD(p, e), ["PE.consumer.jsonl"]),
+                ("w12", h.PD(e, p), ["P1.consumer.jsonl", "P1.tp1.consumer.jsonl"])):
+            sc.warm_up_pulled(link, tag, [wd / j for j in d_journals])
         yield Pair(pd, e, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
                                       wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl",
                                       wd / "PE.jsonl", wd / "PE.consumer.jsonl",

@@ -64,8 +64,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         [t] = h.start_engines([t_spec], timeout=600)  # one at a time on 2 cores
         pd = h.PD(s, t)
         try:
-            pd.warm_up("w12")  # first contacts and first decode steps, both directions
-            h.PD(t, s).warm_up("w21")
+            # first contacts and first decode steps, both directions, until a READ went
+            # through on every D rank
+            sc.warm_up_pulled(pd, "w12", [wd / "DS.consumer.jsonl", wd / "DS.tp1.consumer.jsonl"])
+            sc.warm_up_pulled(h.PD(t, s), "w21", [wd / "PS.consumer.jsonl"])
             baseline = int(s.stats()["free_blocks"])
             out = sc.correctness(pd, PROMPTS, reference, max_tokens=MAX_TOKENS)
             ok, _, _ = sc.wait_free(s, baseline, FREE_TIMEOUT)

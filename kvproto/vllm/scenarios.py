@@ -8,10 +8,12 @@ decides anything about blocks: the engines and their connector do.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvproto.vllm.harness import BLOCK_SIZE, PD, Engine, HarnessError, Result, make_prompts
@@ -161,6 +163,39 @@ def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, li
     out.extra = {"expired_after_s": samples[-1][0] - t_pref, "churn_passes": passes,
                  "late_s": time.time() - t_pref}
     return out
+
+
+def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
+    """Per D journal (a consumer journal, flushed per line), how its loads whose request
+    id starts with ``prefix`` ended: journal name -> the finish reasons seen."""
+    out: dict[str, set[str]] = {}
+    for j in journals:
+        reasons = out.setdefault(j.name, set())
+        if not j.exists():
+            continue
+        for line in j.read_text().splitlines()[1:]:
+            for e in json.loads(line).get("effects", ()):
+                if e.get("type") == "finished" and str(e.get("request_id", "")).startswith(prefix):
+                    reasons.add(str(e.get("reason")))
+    return out
+
+
+def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int = 4) -> int:
+    """``PD.warm_up`` until one round's requests were all pulled on every D rank (each
+    D journal in ``d_journals`` ended them ``pulled`` and nothing else): a pair is warm
+    only once a READ went through, not when its first requests were recomputed (a first
+    contact that outlasted the lease: the handshake, the first claims and grants each
+    wait for an engine step on both sides). Returns the rounds used; ``HarnessError``
+    after ``rounds`` rounds without a pull."""
+    seen: dict[str, set[str]] = {}
+    for i in range(1, rounds + 1):
+        prefix = f"{tag}r{i}-"
+        pd.warm_up(prefix[:-1])
+        seen = d_ends(d_journals, prefix)
+        if all(r == {"pulled"} for r in seen.values()):
+            return i
+        log.warning("warm-up round %d of %s not pulled everywhere: %s", i, tag, seen)
+    raise HarnessError(f"{tag}: no warm-up round pulled on every D rank in {rounds}: {seen}")
 
 
 def wait_free(p: Engine, baseline: int, timeout: float, *, others: Sequence[Engine] = (),
