@@ -8,7 +8,8 @@ double free raises at once. Helpers assert exact effects rather than "something 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--rewrite", action="store_true", default=False,
                      help="write the actual outputs of the interaction scripts "
                           "(tests/testdata/*/*.txt) in place of their expected outputs")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_module_garbage() -> Iterator[None]:
+    """After each module, collect its cyclic garbage: objects a module's tests left in
+    reference cycles (NIXL agents among them, whose progress threads spin until freed)
+    must not keep costing CPU while the next modules' engines run."""
+    yield
+    gc.collect()
 
 
 ENGINE = "P0"

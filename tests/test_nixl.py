@@ -599,3 +599,30 @@ def test_restarted_d_with_the_same_name_handshakes_again_once_its_old_channel_cl
         assert p.counters.get("handshake_refused", 0) == 0
     finally:
         d2.close(timeout=1.0)
+
+
+def test_close_ends_the_progress_thread_without_the_cyclic_gc() -> None:
+    """An adapter's objects form reference cycles, so only the cyclic GC would free its
+    agent; its progress thread (a busy loop) must end at close, not minutes later."""
+    import gc
+
+    def threads() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for progress in (True, False):
+            before = threads()
+            p = ProducerAdapter(f"P-close-{os.getpid()}-{progress}", Config(), num_blocks=4,
+                                block_bytes=64, progress_thread=progress)
+            started = threads() - before
+            assert started or not progress, "the agent started no thread"
+            p.close()
+            deadline = time.monotonic() + 5.0  # a hang bound
+            while threads() & started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not threads() & started, (progress, started, threads())
+    finally:
+        if enabled:
+            gc.enable()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
@@ -245,6 +246,16 @@ def tensor_segments(tensors: Sequence[torch.Tensor], num_blocks: int
         raise ValueError(f"{len(segs)} KV segments (need 1..{MAX_SEGMENTS})")
     tag = f"{'+'.join(sorted(dtypes))}/{len(segs)}x{segs[0][2]}"
     return segs, tag
+
+
+def drop_native(agent: Any) -> None:
+    """Let go of ``agent``'s native NIXL agent now, after its owner closed: it (and its
+    progress thread, a busy loop) ends once no transfer or descriptor handle holds it.
+    Without this it ends only when the cyclic GC collects the owner's objects, which can
+    be minutes in a process that allocates little, while the thread keeps one core busy.
+    Any later call on ``agent`` raises AttributeError."""
+    with contextlib.suppress(AttributeError):
+        del agent.agent
 
 
 class KVRegion:

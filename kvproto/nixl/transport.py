@@ -26,6 +26,7 @@ from kvproto.nixl.agent import (
     KVRegion,
     RemoteRegion,
     Xfer,
+    drop_native,
     error_name,
     make_agent,
     metadata_agent_name,
@@ -183,6 +184,7 @@ class NixlPTransport:
         self._closed_down = True
         self.server.close()
         self.region.close()
+        drop_native(self.agent)
 
 
 class _Remote:
@@ -492,3 +494,4 @@ class NixlDTransport:
                 log.debug("deregister_memory: %s", error_name(ex))
         self._slot_sets.clear()
         self.region.close()
+        drop_native(self.agent)
