@@ -120,13 +120,6 @@ def _frees(journal: Path) -> dict[str, set[str]]:
     return out
 
 
-def _d_ends(journal: Path, names: set[str]) -> dict[str, str]:
-    """How each part of the named requests ended in a D journal (request id: reason)."""
-    return {str(e["request_id"]): str(e.get("reason")) for rec in _effects(journal)
-            for e in rec["effects"]  # type: ignore[attr-defined]
-            if e.get("type") == "finished" and str(e["request_id"]).split("-")[0] in names}
-
-
 def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run) -> None:
     """T (TP 2) prefills, S (TP 1) decodes: S reads each request from both of T's ranks
     (two parts), lands each rank's head in its half of the block, and serves it only
@@ -145,7 +138,7 @@ def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run)
 
     seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()
                                if before.get(k) != v}
-    seen["d_ends"] = _d_ends(wd / "PS.consumer.jsonl", set(SPLIT))
+    seen["d_ends"] = sc.d_ends([wd / "PS.consumer.jsonl"], "x")  # SPLIT's end reasons
     assert grew("coverage_complete") == len(SPLIT), seen  # both parts pulled
     assert grew("reads_failed") == 0 and grew("tp_refused") == 0, seen
     ok, _, _ = sc.wait_free(t, baseline, FREE_TIMEOUT)

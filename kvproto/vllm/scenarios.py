@@ -181,14 +181,13 @@ def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
 
 
 def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int = 4) -> int:
-    """``PD.warm_up`` until one round's requests were all pulled on every D rank (each
-    D journal in ``d_journals`` ended some ``pulled``, and none otherwise but
-    ``aborted``: the part of a P rank that this D rank does not read, released as an
-    orphan, ends so): a pair is warm
-    only once a READ went through, not when its first requests were recomputed (a first
-    contact that outlasted the lease: the handshake, the first claims and grants each
-    wait for an engine step on both sides). Returns the rounds used; ``HarnessError``
-    after ``rounds`` rounds without a pull."""
+    """``PD.warm_up`` until one round's requests were all pulled on every D rank: each
+    D journal in ``d_journals`` ended some ``pulled`` and none otherwise but ``aborted``
+    (the part of a P rank that this D rank does not read, released as an orphan). A
+    pair is warm only once a READ went through, not when its first requests were
+    recomputed (a first contact that outlasted the lease: the handshake, the first
+    claims and grants each wait for an engine step on both sides). Returns the rounds
+    used; ``HarnessError`` after ``rounds`` rounds without a pull."""
     seen: dict[str, set[str]] = {}
     for i in range(1, rounds + 1):
         prefix = f"{tag}r{i}-"
