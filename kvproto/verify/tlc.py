@@ -140,7 +140,6 @@ def default_workers() -> int:
     return max(1, min(n, 8))
 
 
-
 def shared_states(mine: Iterable[Any], theirs: Iterable[Any]) -> dict[Any, Any]:
     """Each of ``theirs`` mapped to the equal object of ``mine`` (itself where none is
     equal): one deep comparison per state, after which comparing edges built from the
