@@ -9,6 +9,8 @@ import pytest
 
 from kvproto import cli
 from kvproto.bench.ledger import (
+    BLOCKS,
+    OwningReference,
     ScanReference,
     bench_churn,
     bench_d_lease_loss,
@@ -27,7 +29,9 @@ def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture
                 "peak_heap_entries_no_compaction", "tick_budget", "d_worst_tick_ms_1e5",
                 "d_worst_tick_ms_1e6", "d_unbounded_tick_ms_1e5", "d_unbounded_tick_ms_1e6",
                 "d_tick_ratio_1e5", "d_tick_ratio_1e6", "d_loss_ticks_1e5", "gate_cost_ratio",
-                "gate_cost_ratio_register", "gate_cost_ratio_heartbeat", "gate_cost_ratio_done"):
+                "gate_cost_ratio_register", "gate_cost_ratio_heartbeat", "gate_cost_ratio_done",
+                "owning_reference_events_per_s", "owning_reference_ratio",
+                "owning_reference_cpu_ratio", "events_ratio_owning"):
         assert key in res, key
     assert res["d_loss_ticks_1e5"] > 1  # the budget spread the losses over several ticks
     assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}
@@ -54,6 +58,22 @@ def test_scan_reference_is_a_faithful_baseline() -> None:
     ref.heartbeat(["a"], 8.0)
     assert ref.tick(10.0) == ["b"]
     assert ref.tick(13.0) == ["a"]
+
+
+def test_owning_reference_frees_each_request_once_on_its_last_done() -> None:
+    """The owning baseline does the block work the ledger does for the same events: a
+    request's blocks are released on its ``expected``-th done only, once, and the counts
+    of blocks other requests still hold stay up."""
+    ref = OwningReference(lease=10.0, extension=5.0, capacity=8)
+    ref.register_blocks("a", BLOCKS, 0.0)
+    ref.register_blocks("b", (4, 5), 0.0)
+    ref.register_blocks("c", (0, 6), 0.0)
+    assert ref.rc[:7] == [2, 1, 1, 1, 1, 1, 1]
+    assert not ref.done("a", 2) and ref.freed == [] and ref.rc[0] == 2
+    assert ref.done("a", 2) and ref.freed == [("a", BLOCKS)]
+    assert ref.rc[:7] == [1, 0, 0, 0, 1, 1, 1]  # c still holds block 0
+    assert ref.done("b", 1) and ref.freed[-1] == ("b", (4, 5)) and ref.rc[4:6] == [0, 0]
+    assert "a" not in ref.deadlines and "a" not in ref.blocks and ref.tick(11.0) == ["c"]
 
 
 def test_bench_wire_json_puts_decode_and_ledger_side_by_side(

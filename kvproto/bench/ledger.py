@@ -10,7 +10,12 @@ figures are also reported as ratios against a baseline measured in the same run:
   ``repeat`` rounds each, the two alternating, also in thread CPU time
   (``events_cpu_ratio``); ``*_per_call`` (``events_ratio_per_call``,
   ``event_cpu_us_per_call``, ``done_per_call_per_s``...): the same round with one
-  ``Ledger.done`` call per handle;
+  ``Ledger.done`` call per handle; ``owning_reference_events_per_s``: the same events on
+  ``OwningReference``, the reference plus the block release it leaves to its caller (drop
+  each block's reference count, report the freed request), ``owning_reference_ratio``
+  (``owning_reference_cpu_ratio``) its speed over the reference's (what the block
+  release alone costs the upstream shape), and ``events_ratio_owning`` the ledger's speed
+  over the owning reference's;
 * ``d_event_us``: D's machine alone, thread CPU microseconds per event over the four
   events on every request's path: admit (params with a capability), claim granted,
   schedule and read_result (``d_admit_us``, ``d_claim_granted_us``, ``d_schedule_us``,
@@ -115,6 +120,41 @@ class ScanReference:
         return expired
 
 
+class OwningReference(ScanReference):
+    """``ScanReference`` plus the work it leaves to its caller and the ledger does itself:
+    on the last done, drop the request's blocks' reference counts and report the request
+    and its blocks as freed (``freed``). Nothing else of the ledger (no reader identity,
+    state, tombstone, effect object, clock check or journal hook): the least any P that
+    owns its blocks does per event, on the upstream shape."""
+
+    def __init__(self, lease: float, extension: float, capacity: int = 64) -> None:
+        super().__init__(lease, extension)
+        self.rc = [0] * capacity
+        self.blocks: dict[str, tuple[int, ...]] = {}
+        self.freed: list[tuple[str, tuple[int, ...]]] = []
+
+    def register_blocks(self, rid: str, blocks: tuple[int, ...], now: float) -> None:
+        self.register(rid, now)
+        self.blocks[rid] = blocks
+        rc = self.rc
+        for b in blocks:
+            rc[b] += 1
+
+    def done(self, rid: str, expected: int) -> bool:
+        c = self.counts.get(rid, 0) + 1
+        if c >= expected:
+            self.counts.pop(rid, None)
+            self.deadlines.pop(rid, None)
+            blocks = self.blocks.pop(rid)
+            rc = self.rc
+            for b in blocks:
+                rc[b] -= 1
+            self.freed.append((rid, blocks))
+            return True
+        self.counts[rid] = c
+        return False
+
+
 def _ledger(n: int, capacity: int = 64) -> tuple[Ledger, list[int]]:
     cfg = Config(max_tombstones=max(1024, n), max_staged=4096)
     pool = BlockPool(capacity)
@@ -194,16 +234,42 @@ def _reference_once(n: int, batch: int) -> tuple[float, float]:
         gc.enable()
 
 
+def _owning_reference_once(n: int, batch: int) -> tuple[float, float]:
+    """The same events on OwningReference (its requests hold ``BLOCKS``): (wall s, CPU s)."""
+    ref = OwningReference(30.0, 20.0)
+    rids = [f"r{i}" for i in range(n)]
+    for r in rids:
+        ref.register_blocks(r, BLOCKS, 0.0)
+    gc.collect()
+    gc.disable()
+    try:
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            ref.heartbeat(rids[i:i + batch], 1.0)
+        for r in rids:
+            ref.done(r, 2)
+        for r in rids:
+            ref.done(r, 2)
+        return time.perf_counter() - t0, time.thread_time() - c0
+    finally:
+        gc.enable()
+        assert len(ref.freed) == n and not any(ref.rc)
+
+
 def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[str, float]:
     """Heartbeats for every held request, then two distinct readers' done for each; the
     same events on the scanning reference. Best of ``repeat`` rounds, alternating."""
     t_hb = t_done = c_hb = c_done = t_ref = c_ref = float("inf")
     t1_hb = t1_done = c1_hb = c1_done = float("inf")  # dones one call per handle
+    t_own = c_own = float("inf")
     for _ in range(max(1, repeat)):
         a, b, c, d = _events_once(n, batch, DONE_BATCH)
         t_hb, t_done, c_hb, c_done = min(t_hb, a), min(t_done, b), min(c_hb, c), min(c_done, d)
         e, f = _reference_once(n, batch)
         t_ref, c_ref = min(t_ref, e), min(c_ref, f)
+        e, f = _owning_reference_once(n, batch)
+        t_own, c_own = min(t_own, e), min(c_own, f)
         a, b, c, d = _events_once(n, batch)
         t1_hb, t1_done, c1_hb, c1_done = min(t1_hb, a), min(t1_done, b), min(c1_hb, c), \
             min(c1_done, d)
@@ -223,6 +289,10 @@ def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[st
         "events_cpu_ratio": c_ref / (c_hb + c_done),
         "event_cpu_us": (c_hb + c_done) / events * 1e6,
         "reference_event_cpu_us": c_ref / events * 1e6,
+        "owning_reference_events_per_s": events / t_own,
+        "owning_reference_ratio": t_ref / t_own,
+        "owning_reference_cpu_ratio": c_ref / c_own,
+        "events_ratio_owning": t_own / (t_hb + t_done),
     }
 
 
@@ -632,6 +702,9 @@ def run(args: argparse.Namespace) -> int:
           f"(CPU time: {res['events_cpu_ratio']}; dones in batches of {res['done_batch']})")
     print(f"    the same, one done call per handle {res['events_ratio_per_call']:>9}   "
           f"(CPU time: {res['events_cpu_ratio_per_call']}; done/s {res['done_per_call_per_s']:,})")
+    print(f"    reference that frees its blocks {res['owning_reference_ratio']:>12}   "
+          f"of the reference (CPU time: {res['owning_reference_cpu_ratio']}); the ledger is "
+          f"{res['events_ratio_owning']} of it")
     print(f"  D events, CPU us per event        {res['d_event_us']:>12}   admit "
           f"{res['d_admit_us']}, claim granted {res['d_claim_granted_us']}, schedule {res['d_schedule_us']}, read ok {res['d_read_ok_us']}")
     if "baseline_d_event_us" in res:
