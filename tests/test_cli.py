@@ -72,8 +72,9 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
     assert "error:" in capsys.readouterr().err
 
 
-def test_module_entry_point_runs() -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvproto.cli", "--help"],
+@pytest.mark.parametrize("module", ["kvproto", "kvproto.cli"])
+def test_module_entry_point_runs(module: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", module, "--help"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: kvproto")

@@ -13,9 +13,10 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "kvproto"
 
 # Lowest first. ``cli`` holds the argument helpers every command uses and loads commands
-# by name (importlib), so it sits at the bottom with the wire format.
+# by name (importlib), so it sits at the bottom with the wire format (``__main__``, for
+# ``python -m kvproto``, only calls it).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "wire", "cli"),
+    ("errors", "wire", "cli", "__main__"),
     ("lifecycle",),
     ("port", "journal", "metrics", "diagram"),
     ("nixl",),
@@ -24,8 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("testing",),
     ("bench",),
 )
-PRODUCTION: frozenset[str] = frozenset({"errors", "wire", "cli", "lifecycle", "port", "journal",
-                                        "metrics", "diagram", "nixl", "vllm"})
+PRODUCTION: frozenset[str] = frozenset({"errors", "wire", "cli", "__main__", "lifecycle", "port",
+                                        "journal", "metrics", "diagram", "nixl", "vllm"})
 MAX_LINES = 1000
 
 
