@@ -60,6 +60,15 @@ def test_scan_reference_is_a_faithful_baseline() -> None:
     assert ref.tick(13.0) == ["a"]
 
 
+@pytest.mark.parametrize("repeat", ["0", "-3", "x", "1e3"])
+def test_bench_ledger_refuses_a_bad_repeat(repeat: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # argparse's usage error: exit 2, one line
+        cli.main(["bench", "ledger", "--repeat", repeat])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--repeat" in err and "Traceback" not in err
+
+
 def test_owning_reference_frees_each_request_once_on_its_last_done() -> None:
     """The owning baseline does the block work the ledger does for the same events: a
     request's blocks are released on its ``expected``-th done only, once, and the counts

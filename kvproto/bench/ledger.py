@@ -667,6 +667,8 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvproto.cli import number
+
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="small sizes (for smoke tests)")
     p.add_argument("--baseline", metavar="TREE",
@@ -674,8 +676,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tree), alternating with this one, and print the speedups")
     p.add_argument("--d-only", action="store_true",
                    help="only D's event figures (with --baseline: and the baseline's)")
-    p.add_argument("--repeat", type=int, default=5,
-                   help="rounds of the event benches; the best is kept (default 5)")
+    p.add_argument("--repeat", type=number(1, 1000, integer=True), default=5,
+                   help="rounds of the event benches, 1-1000; the best is kept (default 5)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -686,10 +688,10 @@ def run(args: argparse.Namespace) -> int:
     say = lambda s: print(f"[bench ledger] {s}", file=sys.stderr)  # noqa: E731
     if args.d_only:
         res = run_d_only(args.quick, progress=say, baseline=args.baseline,
-                         repeat=max(1, args.repeat))
+                         repeat=args.repeat)
         print(json.dumps(res, sort_keys=True))
         return 0
-    res = run_all(args.quick, progress=say, baseline=args.baseline, repeat=max(1, args.repeat))
+    res = run_all(args.quick, progress=say, baseline=args.baseline, repeat=args.repeat)
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0
