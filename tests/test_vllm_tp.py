@@ -234,21 +234,6 @@ def test_every_rank_journal_validates(pair: Pair) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-def _worker(engine_pid: int, name: str) -> int:
-    """The pid of the engine's worker process named ``name`` (vLLM's VLLM::<name>)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat[1]) == engine_pid and name in cmd:
-            return int(d.name)
-    raise AssertionError(f"no {name} under engine {engine_pid}")
-
-
 def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
     """Next to last (it breaks D): D rank 1's worker is killed while D pulls. Every P rank gets
     its blocks back within the lease bound (done, or expiry of what D can no longer
@@ -257,7 +242,7 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
     baseline = int(p.stats()["free_blocks"])
     res = {rid: pair.pd.prefill(rid, pr) for rid, pr in KILL.items()}
     assert baseline - int(p.stats()["free_blocks"]) > 0  # P holds them for D
-    victim = _worker(pair.pd.d.pid, "Worker_TP1")
+    victim = sc.worker_pid(pair.pd.d.pid, "Worker_TP1")
     for rid, pr in KILL.items():
         pair.pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
     os.kill(victim, signal.SIGKILL)
@@ -281,7 +266,7 @@ def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
     p, e = pair.pd.p, pair.e
     pd = h.PD(p, e)
     res = {rid: pd.prefill(rid, pr) for rid, pr in KILLP.items()}
-    victim = _worker(p.pid, "Worker_TP0")
+    victim = sc.worker_pid(p.pid, "Worker_TP0")
     for rid, pr in KILLP.items():
         pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
     os.kill(victim, signal.SIGKILL)

@@ -15,13 +15,17 @@ every request (its journal: finished ``pulled``, never recomputed); S's ledger f
 request as ``transferred`` only after both D ranks were done, and each of T's P ranks
 frees each request on the done of its own part; a late D after lease expiry, while P
 reuses the blocks, is never served in either direction (each P rank frees those
-requests by expiry, D recomputes); every journal passes ``kvproto validate``.
+requests by expiry, D recomputes); every journal passes ``kvproto validate``; last,
+T's rank 0 worker is killed while S reads both of T's ranks: every S request ends
+within a bound and none is served from one head (the part of the dead rank never
+lands, so the request recomputes or fails), 0 wrong.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +45,7 @@ PROMPTS = {f"s{i}": p for i, p in enumerate(h.make_prompts(6, seed=41))}
 SPLIT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=42))}  # P TP 2 -> D TP 1
 LATE12 = {f"l{i}": p for i, p in enumerate(h.make_prompts(2, seed=43, lengths=[64, 100]))}
 LATE21 = {f"m{i}": p for i, p in enumerate(h.make_prompts(2, seed=44, lengths=[64, 100]))}
+KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=45, lengths=[90, 250, 31]))}
 LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
@@ -58,7 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     [s] = h.start_engines([s_spec], timeout=600)
     try:
         ref = sc.reference_outputs(
-            s, {f"ref-{k}": v for k, v in {**PROMPTS, **SPLIT, **LATE12, **LATE21}.items()},
+            s, {f"ref-{k}": v for k, v in {**PROMPTS, **SPLIT, **LATE12, **LATE21, **KILLP}.items()},
             max_tokens=MAX_TOKENS)
         reference = {k[4:]: v for k, v in ref.items()}
         [t] = h.start_engines([t_spec], timeout=600)  # one at a time on 2 cores
@@ -189,3 +194,40 @@ def test_slice_journals_validate(run: Run) -> None:
                            *map(str, js)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert run_.returncode == 0, run_.stdout + run_.stderr
+
+
+def test_p_rank_worker_killed_split_heads_are_never_served_half(run: Run) -> None:
+    """Last (it breaks T): T (TP 2) prefills, S (TP 1) decodes reading both of T's ranks,
+    and T's rank 0 worker is killed while S pulls. Every S request ends within a bound
+    (none hangs); a request is served only through the coverage join, so one whose part
+    from the dead rank did not land is recomputed or fails, and no answer is wrong."""
+    wd, _, _, pd, reference = run
+    t, s = pd.d, pd.p
+    link = h.PD(t, s)
+    before = s.connector_stats()
+    res = {rid: link.prefill(rid, pr) for rid, pr in KILLP.items()}
+    victim = sc.worker_pid(t.pid, "Worker_TP0")
+    for rid, pr in KILLP.items():
+        link.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
+    os.kill(victim, signal.SIGKILL)
+    got = s.wait(KILLP, timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    assert set(got) == set(KILLP)
+    after = s.connector_stats()
+    seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()
+                               if before.get(k) != v}
+    seen["d_ends"] = sc.d_ends([wd / "PS.consumer.jsonl"], "q")
+    served = {rid for rid, r in got.items() if r.error is None and r.tokens}
+    for rid in served:
+        assert got[rid].tokens == reference[rid], (rid, seen)
+    # Each request served from transferred KV completed the join (both parts pulled);
+    # every other one ended its parts otherwise (the dead rank's part never pulled).
+    parts: dict[str, set[str]] = {}
+    for rec in _effects(wd / "PS.consumer.jsonl"):
+        for e in rec["effects"]:  # type: ignore[attr-defined]
+            rid = str(e.get("request_id", ""))
+            if e.get("type") == "finished" and rid.startswith("q"):
+                parts.setdefault(rid.split("-")[0], set()).add(str(e.get("reason")))
+    assert set(parts) == set(KILLP), (parts, seen)
+    grew = float(after.get("coverage_complete", 0)) - float(before.get("coverage_complete", 0))
+    whole = sum(1 for r in parts.values() if r == {"pulled"})
+    assert grew <= whole, (grew, parts, seen)  # no join completed without both parts

@@ -225,6 +225,23 @@ def wait_free(p: Engine, baseline: int, timeout: float, *, others: Sequence[Engi
         time.sleep(interval)
 
 
+def worker_pid(engine_pid: int, name: str) -> int:
+    """The pid of the child of ``engine_pid`` whose command line names ``name`` (vLLM's
+    worker processes: ``VLLM::Worker_TP0``, ...), for tests that kill one rank;
+    ``HarnessError`` when there is none (Linux ``/proc``)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[1]) == engine_pid and name in cmd:
+            return int(d.name)
+    raise HarnessError(f"no {name} under engine {engine_pid}")
+
+
 def d_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, timeout: float) -> Outcome:
     """P prefills; D gets the requests while its step loop is paused (no READ yet) and is
     then killed -9. Measures P's stranded block-seconds until every block is free again
