@@ -263,14 +263,8 @@ def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
     """Last (it breaks P): P rank 0's worker, the rank E reads (P TP 2 -> D TP 1), is
     killed while E pulls. Every E request ends within a bound (E loses the peer: the
     request recomputes or fails per policy), none hangs, and no answer is wrong."""
-    p, e = pair.pd.p, pair.e
-    pd = h.PD(p, e)
-    res = {rid: pd.prefill(rid, pr) for rid, pr in KILLP.items()}
-    victim = sc.worker_pid(p.pid, "Worker_TP0")
-    for rid, pr in KILLP.items():
-        pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
-    os.kill(victim, signal.SIGKILL)
-    got = e.wait(KILLP, timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    got = sc.p_rank_killed(h.PD(pair.pd.p, pair.e), KILLP, max_tokens=MAX_TOKENS,
+                           timeout=FREE_TIMEOUT)  # raises if one has not ended by then
     assert set(got) == set(KILLP)
     for rid, r in got.items():
         if r.error is None and r.tokens:

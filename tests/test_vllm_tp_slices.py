@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -203,14 +202,9 @@ def test_p_rank_worker_killed_split_heads_are_never_served_half(run: Run) -> Non
     from the dead rank did not land is recomputed or fails, and no answer is wrong."""
     wd, _, _, pd, reference = run
     t, s = pd.d, pd.p
-    link = h.PD(t, s)
     before = s.connector_stats()
-    res = {rid: link.prefill(rid, pr) for rid, pr in KILLP.items()}
-    victim = sc.worker_pid(t.pid, "Worker_TP0")
-    for rid, pr in KILLP.items():
-        link.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
-    os.kill(victim, signal.SIGKILL)
-    got = s.wait(KILLP, timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    got = sc.p_rank_killed(h.PD(t, s), KILLP, max_tokens=MAX_TOKENS,
+                           timeout=FREE_TIMEOUT)  # raises if one has not ended by then
     assert set(got) == set(KILLP)
     after = s.connector_stats()
     seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -240,6 +242,19 @@ def worker_pid(engine_pid: int, name: str) -> int:
         if int(stat[1]) == engine_pid and name in cmd:
             return int(d.name)
     raise HarnessError(f"no {name} under engine {engine_pid}")
+
+
+def p_rank_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, max_tokens: int,
+                  timeout: float, rank: int = 0) -> dict[str, Result]:
+    """P prefills ``prompts``; D gets them, and P's rank ``rank`` worker is killed -9
+    while D pulls. Returns D's results once every request ended (``HarnessError`` if one
+    has not after ``timeout`` seconds: a hang)."""
+    params = {rid: pd.prefill(rid, pr) for rid, pr in prompts.items()}
+    victim = worker_pid(pd.p.pid, f"Worker_TP{rank}")
+    for rid, pr in prompts.items():
+        pd.submit_decode(rid, pr, params[rid], max_tokens=max_tokens)
+    os.kill(victim, signal.SIGKILL)
+    return pd.d.wait(prompts, timeout=timeout)
 
 
 def d_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, timeout: float) -> Outcome:
