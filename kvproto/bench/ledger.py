@@ -124,8 +124,8 @@ class OwningReference(ScanReference):
     """``ScanReference`` plus the work it leaves to its caller and the ledger does itself:
     on the last done, drop the request's blocks' reference counts and report the request
     and its blocks as freed (``freed``). Nothing else of the ledger (no reader identity,
-    state, tombstone, effect object, clock check or journal hook): the least any P that
-    owns its blocks does per event, on the upstream shape."""
+    state, tombstone, effect object, clock check or journal hook): what owning the blocks
+    adds to the upstream shape, written in the reference's own plain style."""
 
     def __init__(self, lease: float, extension: float, capacity: int = 64) -> None:
         super().__init__(lease, extension)
