@@ -124,6 +124,19 @@ def _frees(journal: Path) -> dict[str, set[str]]:
     return out
 
 
+def _part_ends(journal: Path, prefix: str) -> dict[str, dict[str, str]]:
+    """How the parts of the requests whose id starts with ``prefix`` ended in a D
+    journal: request (the id before "-") -> part (after "#") -> finish reason."""
+    out: dict[str, dict[str, str]] = {}
+    for rec in _effects(journal):
+        for e in rec["effects"]:  # type: ignore[attr-defined]
+            rid = str(e.get("request_id", ""))
+            if e.get("type") == "finished" and rid.startswith(prefix):
+                out.setdefault(rid.split("-")[0], {})[rid.partition("#")[2]] = \
+                    str(e.get("reason"))
+    return out
+
+
 def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run) -> None:
     """T (TP 2) prefills, S (TP 1) decodes: S reads each request from both of T's ranks
     (two parts), lands each rank's head in its half of the block, and serves it only
@@ -142,20 +155,16 @@ def test_p_tp2_to_d_tp1_split_heads_reads_both_p_ranks_token_for_token(run: Run)
 
     seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()
                                if before.get(k) != v}
-    seen["d_ends"] = sc.d_ends([wd / "PS.consumer.jsonl"], "x")  # SPLIT's end reasons
+    parts = _part_ends(wd / "PS.consumer.jsonl", "x")  # each part pulled before served
+    seen["d_ends"] = parts
     assert grew("coverage_complete") == len(SPLIT), seen  # both parts pulled
     assert grew("reads_failed") == 0 and grew("tp_refused") == 0, seen
     ok, _, _ = sc.wait_free(t, baseline, FREE_TIMEOUT)
     assert ok, "T did not free its blocks"
     for name in ("DS.jsonl", "DS.tp1.jsonl"):  # each P rank: freed on its own part's done
         assert set(SPLIT) <= _frees(wd / name).get("transferred", set()), name
-    parts: dict[str, set[str]] = {}
-    for rec in _effects(wd / "PS.consumer.jsonl"):
-        for e in rec["effects"]:  # type: ignore[attr-defined]
-            if e.get("type") == "finished" and e.get("reason") == "pulled":
-                rid = str(e["request_id"])
-                parts.setdefault(rid.split("-")[0], set()).add(rid.partition("#")[2])
-    assert all(len(parts.get(k, ())) == 2 for k in SPLIT), parts  # two parts each
+    pulled = {k: {p for p, why in v.items() if why == "pulled"} for k, v in parts.items()}
+    assert all(len(pulled.get(k, ())) == 2 for k in SPLIT), parts  # two parts each
 
 
 def _late(pd: h.PD, prompts: dict[str, list[int]], reference: dict[str, list[int]],
@@ -209,19 +218,14 @@ def test_p_rank_worker_killed_split_heads_are_never_served_half(run: Run) -> Non
     after = s.connector_stats()
     seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()
                                if before.get(k) != v}
-    seen["d_ends"] = sc.d_ends([wd / "PS.consumer.jsonl"], "q")
-    served = {rid for rid, r in got.items() if r.error is None and r.tokens}
-    for rid in served:
-        assert got[rid].tokens == reference[rid], (rid, seen)
-    # Each request served from transferred KV completed the join (both parts pulled);
-    # every other one ended its parts otherwise (the dead rank's part never pulled).
-    parts: dict[str, set[str]] = {}
-    for rec in _effects(wd / "PS.consumer.jsonl"):
-        for e in rec["effects"]:  # type: ignore[attr-defined]
-            rid = str(e.get("request_id", ""))
-            if e.get("type") == "finished" and rid.startswith("q"):
-                parts.setdefault(rid.split("-")[0], set()).add(str(e.get("reason")))
-    assert set(parts) == set(KILLP), (parts, seen)
+    parts = _part_ends(wd / "PS.consumer.jsonl", "q")
+    seen["d_ends"] = parts
+    for rid, r in got.items():
+        if r.error is None and r.tokens:
+            assert r.tokens == reference[rid], (rid, seen)
+    # A join completes only with both parts pulled; every other request ended its parts
+    # otherwise (the dead rank's part never pulled).
+    assert set(parts) == set(KILLP), seen
     grew = float(after.get("coverage_complete", 0)) - float(before.get("coverage_complete", 0))
-    whole = sum(1 for r in parts.values() if r == {"pulled"})
-    assert grew <= whole, (grew, parts, seen)  # no join completed without both parts
+    whole = sum(1 for v in parts.values() if len(v) == 2 and set(v.values()) == {"pulled"})
+    assert grew <= whole, (grew, seen)  # no join completed without both parts
