@@ -247,7 +247,10 @@ def test_abort_on_p_after_prefill(pair: Pair) -> None:
 def test_n_greater_than_one(pair: Pair) -> None:
     """n=2 on P (two sibling prefills) and n=2 on D (two children sharing P's params):
     D's completions equal the single engine's (greedy n=1, and seeded sampling n=2), and
-    every sibling's blocks come back to P exactly once."""
+    every sibling's blocks come back to P exactly once, freed by the protocol when D
+    read one member of its group (``transferred`` and ``sibling``), none left to its
+    lease: siblings that only a lease frees pin P's cache (upstream PR #43509)."""
+    before = _frees(_counters(pair.pd.p))
     for rid, prompt in NGEN.items():
         res = pair.pd.prefill(rid, prompt, n=2)
         assert res.kv_transfer_params, res
@@ -262,7 +265,16 @@ def test_n_greater_than_one(pair: Pair) -> None:
     ok, _ = pair.p_back_to_baseline()
     assert ok
     if not STOCK:
-        assert _num(_counters(pair.pd.p), "invariant_violations") == 0
+        st = _counters(pair.pd.p)
+        assert _num(st, "invariant_violations") == 0
+        after = _frees(st)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        groups = 2 * len(NGEN)  # one n=2 prefill per prompt for each of the two decodes
+        # each group: one member transferred (D read it), the other freed as its sibling
+        assert delta.get("expired", 0) == 0, delta
+        assert delta.get("transferred", 0) == groups, delta
+        assert delta.get("sibling", 0) == groups, delta
+        assert sum(delta.values()) == 2 * groups, delta
 
 
 def test_pair_journals_validate(pair: Pair) -> None:
