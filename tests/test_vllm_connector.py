@@ -133,6 +133,48 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         pr.close()
 
 
+@pytest.mark.parametrize("gap_ms", [50.0, 0.0], ids=["poller", "engine_thread_only"])
+def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> None:
+    """P's engine thread stops calling the worker (a long forward pass, a starved engine
+    loop) while D keeps stepping with a request it has not read yet. With the poller
+    (``poll_gap_ms`` 50), P still answers D's heartbeats: the lease is renewed on both
+    sides past D's give-up point, and once P's engine thread is back, D pulls the request
+    and P frees it as transferred. With only the engine thread polling
+    (``poll_gap_ms`` 0), nothing answers: D gives the request up (``lease_lost``)."""
+    pr = Pair(poll_gap_ms=gap_ms)
+    try:
+        params = pr.prefill("r1", [3, 5], 8)
+        pr.ds.new_request("r1", params)
+        pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
+        led = pr.p.adapter.ledger
+        with pr.p.lock:
+            (h,) = led.snapshot()
+            first = led.snapshot()[h][4]
+        # D alone steps, past the point where an unrenewed lease can no longer cover a
+        # READ: initial term - max_delay - (max_read_time + clock_drift) = 1.7 s
+        away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        ended: list[str] = []
+        while time.monotonic() < away:
+            pr.d.apply(Orders())
+            pr.d.poll()
+            ended += pr.d.take()[2]
+            time.sleep(0.005)
+        with pr.p.lock:
+            renewed = h in led.snapshot() and led.snapshot()[h][4] > first
+            polls = pr.p.poller_polls
+        if gap_ms == 0:
+            assert ended == ["r1"] and not renewed and polls == 0, (ended, renewed)
+            return
+        assert ended == [] and renewed and polls > 0, (ended, renewed, polls)
+        assert pr.ds.matched_tokens("r1", 8, 0) == (8, True)
+        pr.ds.allocated("r1", [9, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
+        assert pr.invalid == set() and led.frees["transferred"] == 1
+        assert pr.p.check_invariants() == []
+    finally:
+        pr.close()
+
+
 def test_stale_read_is_fenced_and_reported_for_recompute() -> None:
     """D arrives after P's lease ran out and the blocks were freed: fail closed."""
     pr = Pair()

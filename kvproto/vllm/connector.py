@@ -51,6 +51,10 @@ P (prefill engine)
     deadline. So an expiry is freed at most one slice late, a done at most one slice
     after it arrives, D's READs never wait on it (NIXL's progress thread serves them),
     and a client request arriving meanwhile is scheduled at most ``idle_wait_ms`` later.
+  * P's poller: when the engine thread has not polled the adapter for ``poll_gap_ms``
+    (a long forward pass, an engine loop short of CPU), a worker thread polls it, so
+    that heartbeats, claims and dones are answered and expiries run between steps; one
+    lock keeps the adapter single-threaded (``PWorker``).
   * The handshake listener answers from a thread of its own, so a long forward pass does
     not outlast D's handshake budget; the handshakes take effect on the engine thread at
     its next poll (``ProducerAdapter(handshake_thread=True)``).
@@ -546,7 +550,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             if self.pw is not None:
                 c.update(self.pw.counters())
                 if invariants:
-                    c["invariant_violations"] = float(len(self.pw.adapter.check_invariants()))
+                    c["invariant_violations"] = float(len(self.pw.check_invariants()))
             if self.dw is not None:
                 for k, v in self.dw.counters().items():
                     c[k] = c.get(k, 0.0) + v

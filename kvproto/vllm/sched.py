@@ -42,6 +42,10 @@ PROGRESS_DELAY_US = 0
 # waits up to this long in the connector; a request arriving then is scheduled at most
 # this much later
 IDLE_WAIT_MS = 20.0
+# P's poller (poll_gap_ms): when the engine thread has not polled the adapter for this
+# long (a long forward pass, an engine loop short of CPU), a thread of the worker polls it,
+# so that heartbeats, claims and dones are answered and expiries run between steps
+POLL_GAP_MS = 50.0
 # vLLM's n>1 children are named "<index>_<parent id>" (vllm/v1/engine/parallel_sampling).
 _CHILD_ID = re.compile(r"^(\d+)_(.+)$")
 
@@ -74,6 +78,10 @@ EXTRA_KEYS: dict[str, str] = {
     "progress_delay_us": "P: the NIXL progress thread sleeps this many microseconds between "
                          "its passes instead of busy-polling a core (0: NIXL's busy loop; "
                          f"default {PROGRESS_DELAY_US})",
+    "poll_gap_ms": "P: when the engine thread has not polled for this many milliseconds "
+                   "(a long forward pass, an engine short of CPU), a worker thread polls: "
+                   "heartbeats, claims and dones are answered and expiries run between "
+                   f"steps (0: only the engine thread polls; default {POLL_GAP_MS:g})",
     "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
                     "scheduled, no D work), each step waits up to this many milliseconds "
                     "for a message or the next lease deadline instead of spinning; a new "
@@ -110,6 +118,7 @@ class ConnectorOptions:
     progress_thread: bool = True
     progress_delay_us: int = PROGRESS_DELAY_US
     idle_wait_ms: float = IDLE_WAIT_MS
+    poll_gap_ms: float = POLL_GAP_MS
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
@@ -172,6 +181,9 @@ class ConnectorOptions:
                                      or len(revision) > MAX_NAME):
             raise ValueError(f"kvproto: model_revision must be a non-empty string of at most "
                              f"{MAX_NAME} characters, got {str(revision)[:40]!r}")
+        gap = num("poll_gap_ms", POLL_GAP_MS, 0.0, 60_000.0)
+        if 0 < gap < 1:
+            raise ValueError(f"kvproto: poll_gap_ms must be 0 (off) or at least 1, got {gap!r}")
         faults = extra.get("test_faults")
         if faults is not None:
             from kvproto.nixl.faults import FaultConfigError, FaultRates
@@ -191,6 +203,7 @@ class ConnectorOptions:
                    progress_delay_us=num("progress_delay_us", PROGRESS_DELAY_US, 0, 100_000,
                                          True),
                    idle_wait_ms=num("idle_wait_ms", IDLE_WAIT_MS, 0.0, 1000.0),
+                   poll_gap_ms=gap,
                    metrics_port=None if extra.get("metrics_port") is None
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,

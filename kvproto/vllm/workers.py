@@ -8,6 +8,7 @@ machines' (``kvproto.lifecycle``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -75,7 +76,19 @@ class Join:
 
 
 class PWorker:
-    """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener)."""
+    """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener).
+
+    Two threads drive it: the engine thread (vLLM's hooks: ``apply``, ``poll``,
+    ``idle_wait``, ``take``, ``counters``) and the poller (``poll_gap_ms`` > 0), which
+    polls the adapter whenever the engine thread has not for ``poll_gap_ms``: during a
+    long forward pass, or while the engine loop waits for CPU, P still answers
+    heartbeats, claims and dones and runs its expiries. ``lock`` serializes every call
+    into the adapter and every read or write of this worker's outputs
+    (``finished_sending``, ``stamps``), so the ledger and the adapter stay
+    single-threaded. A free the poller decides reaches vLLM at the engine thread's next
+    ``take``: vLLM keeps the blocks until then, and their stamps were bumped at the
+    free, so a READ of them in between is fenced.
+    """
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, port: int, metrics: Metrics | None = None,
@@ -108,6 +121,34 @@ class PWorker:
         self.steps = 0  # worker steps (get_finished calls)
         self.idle_waits = 0  # of those, steps that waited
         self.idle_polls = 0  # adapter polls made inside idle waits
+        self.poller_polls = 0  # adapter polls the poller made between engine polls
+        self.poller_errors = 0  # poller polls that raised (logged; the poller goes on)
+        self.lock = threading.Lock()
+        self._polled_at = time.monotonic()  # last adapter poll, either thread
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if opts.poll_gap_ms > 0:
+            self._poller = threading.Thread(target=self._poll_between_steps,
+                                            args=(opts.poll_gap_ms / 1000.0,),
+                                            name=f"kvproto-poller-{name}", daemon=True)
+            self._poller.start()
+
+    def _poll_between_steps(self, gap: float) -> None:
+        """The poller: every ``gap`` seconds, poll the adapter unless some thread polled
+        it less than ``gap`` ago. Each poll does the bounded work of one engine poll."""
+        while not self._stop.wait(gap):
+            if time.monotonic() - self._polled_at < gap:
+                continue
+            with self.lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    self.adapter.poll()
+                except Exception:
+                    self.poller_errors += 1
+                    log.exception("kvproto: P poller: poll failed")
+                self._polled_at = time.monotonic()
+                self.poller_polls += 1
 
     def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
@@ -122,6 +163,10 @@ class PWorker:
                 self.stranded += (now - t[0]) / 1000 * t[1]
 
     def apply(self, orders: Orders) -> None:
+        with self.lock:
+            self._apply(orders)
+
+    def _apply(self, orders: Orders) -> None:
         a = self.adapter
         for o in orders.registers:
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
@@ -143,34 +188,51 @@ class PWorker:
                 a._count("stale_stamp_snapshot")
 
     def poll(self) -> None:
-        self.adapter.poll()
+        with self.lock:
+            self.adapter.poll()
+            self._polled_at = time.monotonic()
 
     def idle_wait(self) -> None:
         """Wait up to ``idle_wait_s``, polling every ``IDLE_SLICE``; return as soon as a
-        poll handled a message or decided a free, and never after the ledger's next
-        deadline (so an expiry is late by at most one slice)."""
-        if self.idle_wait_s <= 0 or self.finished_sending or self.stamps:
-            return
+        poll handled a message or decided a free (the poller's too), and never after the
+        ledger's next deadline (so an expiry is late by at most one slice). The lock is
+        held for each poll, never across a sleep."""
         a = self.adapter
-        end = a.clock() + self.idle_wait_s
-        self.idle_waits += 1
+        with self.lock:
+            if self.idle_wait_s <= 0 or self.finished_sending or self.stamps:
+                return
+            end = a.clock() + self.idle_wait_s
+            self.idle_waits += 1
         while True:
-            due = a.ledger.next_deadline()
-            stop = end if due is None else min(end, due)
+            with self.lock:
+                due = a.ledger.next_deadline()  # whole milliseconds, like the adapter's now
+                stop = end if due is None else min(end, due / 1000.0)
             left = stop - a.clock()
             if left <= 0:
                 return
             time.sleep(min(IDLE_SLICE, left))
-            self.idle_polls += 1
-            if a.poll() or self.finished_sending or self.stamps:
-                return
+            with self.lock:
+                self.idle_polls += 1
+                handled = a.poll()
+                self._polled_at = time.monotonic()
+                if handled or self.finished_sending or self.stamps:
+                    return
 
     def take(self) -> tuple[set[str], dict[int, int]]:
-        out, self.finished_sending = self.finished_sending, set()
-        st, self.stamps = self.stamps, {}
+        with self.lock:
+            out, self.finished_sending = self.finished_sending, set()
+            st, self.stamps = self.stamps, {}
         return out, st
 
     def counters(self) -> dict[str, float]:
+        with self.lock:
+            return self._counters()
+
+    def check_invariants(self) -> list[str]:
+        with self.lock:
+            return list(self.adapter.check_invariants())
+
+    def _counters(self) -> dict[str, float]:
         led = self.adapter.ledger
         c: dict[str, float] = {f"frees_{r}": float(n) for r, n in led.frees.items()}
         c["stranded_block_seconds"] = self.stranded
@@ -186,14 +248,20 @@ class PWorker:
         c["worker_steps"] = float(self.steps)
         c["idle_waits"] = float(self.idle_waits)
         c["idle_polls"] = float(self.idle_polls)
+        c["poller_polls"] = float(self.poller_polls)
+        c["poller_errors"] = float(self.poller_errors)
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
         return c
 
     def close(self) -> None:
-        self.adapter.close()
-        if self.writer is not None:
-            self.writer.close()
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(5.0)
+        with self.lock:
+            self.adapter.close()
+            if self.writer is not None:
+                self.writer.close()
 
 
 class DWorker:
