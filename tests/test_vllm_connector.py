@@ -175,6 +175,45 @@ def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: flo
         pr.close()
 
 
+def test_p_poller_survives_a_failing_poll_and_counts_it(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A poll that raises inside the poller is counted (``poller_errors``) and logged,
+    never kills the thread: once the fault is gone the poller polls again, and the
+    engine thread's own steps still move a request through."""
+    pr = Pair(poll_gap_ms=5.0)
+    try:
+        real = pr.p.adapter.poll
+        calls = {"n": 0}
+
+        def broken() -> int:
+            calls["n"] += 1
+            raise RuntimeError("injected poll failure")
+
+        with pr.p.lock:
+            monkeypatch.setattr(pr.p.adapter, "poll", broken)
+        end = time.monotonic() + 15.0
+        while pr.p.counters()["poller_errors"] < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        with pr.p.lock:
+            monkeypatch.setattr(pr.p.adapter, "poll", real)
+            errors, polls = pr.p.poller_errors, pr.p.poller_polls
+        assert errors >= 3 and calls["n"] == errors, (errors, calls)
+        assert pr.p._poller is not None and pr.p._poller.is_alive()
+        while pr.p.counters()["poller_polls"] <= polls and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pr.p.counters()["poller_polls"] > polls, "the poller stopped polling"
+        assert pr.p.counters()["poller_errors"] == errors
+        params = pr.prefill("r1", [3, 5], 8)
+        pr.ds.new_request("r1", params)
+        pr.step()
+        assert pr.ds.matched_tokens("r1", 8, 0) == (8, True)
+        pr.ds.allocated("r1", [9, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
+        assert pr.p.adapter.ledger.frees["transferred"] == 1
+    finally:
+        pr.close()
+
+
 def test_stale_read_is_fenced_and_reported_for_recompute() -> None:
     """D arrives after P's lease ran out and the blocks were freed: fail closed."""
     pr = Pair()

@@ -613,84 +613,6 @@ def test_bench_server_client_through_router(stack: Stack) -> None:
         asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
 
 
-# D full for longer than two initial leases: the requests queued behind the fillers keep
-# P's blocks only through the heartbeats D sends while they wait in its queue.
-QUEUED = 3
-QUEUED_FOR = 2 * LEASES["initial_lease"] + 2 * LEASES["heartbeat_interval"]
-
-
-async def d_waiting(st: Stack) -> float:
-    """Requests in D's queue for want of room (``max_num_seqs`` or KV blocks)."""
-    return metric(await scrape(st.d_url + "/metrics"), "vllm:num_requests_waiting_by_reason",
-                  reason="capacity")
-
-
-async def _queued_past_lease(st: Stack) -> list[Reply]:
-    """Fill D with SEQS endless streamed decodes, route QUEUED prompts (COR[0:QUEUED])
-    to it, keep them queued for QUEUED_FOR seconds, then let the fillers' clients
-    leave; the queued requests' replies."""
-    rc = client(st.r_url)
-    tasks: list[asyncio.Task[Reply]] = []
-    try:
-        started = [asyncio.Event() for _ in range(SEQS)]
-        tasks += [asyncio.create_task(complete(rc, COR[-1 - i], stream=True, rid=f"qfill{i}",
-                                               max_tokens=LONG_TOKENS, first_chunk=ev))
-                  for i, ev in enumerate(started)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
-        queued = [asyncio.create_task(complete(rc, COR[i], stream=False, rid=f"dq{i}"))
-                  for i in range(QUEUED)]
-        tasks += queued
-        await until(lambda: _at_least(d_waiting(st), QUEUED), 120, "D's queue")
-        await asyncio.sleep(QUEUED_FOR)
-        # D was full the whole time: nothing queued could have been scheduled yet
-        assert await d_waiting(st) >= QUEUED, "the queued requests left D's queue early"
-        assert not any(t.done() for t in queued), "a queued request ended while D was full"
-        for t in tasks[:SEQS]:
-            t.cancel()  # the fillers' clients leave: D aborts them and takes the queue
-        return list(await asyncio.wait_for(asyncio.gather(*queued), 300))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await rc.close()
-
-
-async def _at_least(value: Awaitable[float], n: float) -> bool:
-    return await value >= n
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_d_queued_past_its_lease_is_pulled_not_recomputed(stack: Stack) -> None:
-    """D is full (two endless decodes) while three requests wait in its queue for more
-    than two initial leases. D admits each request as it arrives, so its heartbeats keep
-    P's blocks while it waits: once the fillers leave, D pulls every queued request
-    (none recomputed, none refused), each reply equals the reference token for token,
-    and P frees them as transferred, none by lease expiry (the queued-request lease of
-    upstream #38027)."""
-    with stack.explained():
-        pm0, dm0 = asyncio.run(scrape(stack.p_metrics)), asyncio.run(scrape(stack.d_metrics))
-        replies = asyncio.run(_queued_past_lease(stack))
-        _check_reference(stack, [(r.tokens, r.text) for r in replies], "queued on D")
-        asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
-        pm1, dm1 = asyncio.run(scrape(stack.p_metrics)), asyncio.run(scrape(stack.d_metrics))
-
-        def delta(before: Any, after: Any, name: str, **labels: str) -> float:
-            return metric(after, name, **labels) - metric(before, name, **labels)
-
-        freed = {r: delta(pm0, pm1, "kvproto_frees_total", reason=r)
-                 for r in ("transferred", "expired", "released", "aborted")}
-        # the fillers and the queued requests: each pulled by D, freed on its done
-        assert freed == {"transferred": SEQS + QUEUED, "expired": 0, "released": 0,
-                         "aborted": 0}, freed
-        assert delta(dm0, dm1, "kvproto_reads_total", outcome="done:pulled") == \
-            SEQS + QUEUED
-        assert delta(dm0, dm1, "kvproto_recomputed_blocks_total") == 0
-        # P answered D's heartbeats while they waited: at least half of those due
-        hbs = delta(pm0, pm1, "kvproto_heartbeats_total")
-        assert hbs >= QUEUED_FOR / LEASES["heartbeat_interval"] / 2, hbs
-
-
 @pytest.mark.vllm
 @needs_vllm
 def test_router_errors(stack: Stack) -> None:
@@ -950,6 +872,94 @@ def test_disconnect_storm(stack: Stack) -> None:
         _check_reference(stack, asyncio.run(_complete_all(stack.d_url, COR, stream=True)),
                          "D after the storm")
         asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "idle at the end"))
+
+
+# D full for one and a half initial leases: past the time P would expire an unrenewed
+# lease (initial_lease) and past D's give-up point for one (initial_lease - max_delay -
+# max_read_time - clock_drift), so the requests queued behind the fillers keep P's
+# blocks only through the heartbeats D sends, and P answers, while they wait.
+QUEUED = 3
+QUEUED_FOR = 1.5 * LEASES["initial_lease"]
+# Prompts no earlier test sent (D's prefix cache would otherwise supply them, and D
+# would pull nothing): the fillers', then the queued requests'.
+Q_PROMPTS = h.make_prompts(SEQS + QUEUED, seed=29)
+
+
+async def d_waiting(st: Stack) -> float:
+    """Requests in D's queue for want of room (``max_num_seqs`` or KV blocks)."""
+    return metric(await scrape(st.d_url + "/metrics"), "vllm:num_requests_waiting_by_reason",
+                  reason="capacity")
+
+
+async def _queued_past_lease(st: Stack) -> list[Reply]:
+    """Fill D with SEQS endless streamed decodes, route QUEUED prompts to it, keep them
+    queued for QUEUED_FOR seconds, then let the fillers' clients leave; the queued
+    requests' replies."""
+    rc = client(st.r_url)
+    tasks: list[asyncio.Task[Reply]] = []
+    try:
+        started = [asyncio.Event() for _ in range(SEQS)]
+        tasks += [asyncio.create_task(complete(rc, Q_PROMPTS[i], stream=True, rid=f"qfill{i}",
+                                               max_tokens=LONG_TOKENS, first_chunk=ev))
+                  for i, ev in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+        queued = [asyncio.create_task(complete(rc, Q_PROMPTS[SEQS + i], stream=False,
+                                               rid=f"dq{i}"))
+                  for i in range(QUEUED)]
+        tasks += queued
+        await until(lambda: _at_least(d_waiting(st), QUEUED), 120, "D's queue")
+        await asyncio.sleep(QUEUED_FOR)
+        # D was full the whole time: nothing queued could have been scheduled yet
+        assert await d_waiting(st) >= QUEUED, "the queued requests left D's queue early"
+        assert not any(t.done() for t in queued), "a queued request ended while D was full"
+        for t in tasks[:SEQS]:
+            t.cancel()  # the fillers' clients leave: D aborts them and takes the queue
+        return list(await asyncio.wait_for(asyncio.gather(*queued), 300))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await rc.close()
+
+
+async def _at_least(value: Awaitable[float], n: float) -> bool:
+    return await value >= n
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_d_queued_past_its_lease_is_pulled_not_recomputed(stack: Stack) -> None:
+    """D is full (two endless decodes) while three requests wait in its queue for one and
+    a half initial leases. D admits each request as it arrives, so its heartbeats keep
+    P's blocks while it waits, and P answers them between its engine steps (the
+    poller): once the fillers leave, D pulls every queued request (none recomputed, none
+    refused), each reply equals P's own token for token, and P frees them as
+    transferred, none by lease expiry (the queued-request lease of upstream #38027).
+    After the storm: its counts of router disconnects are not disturbed."""
+    with stack.explained():
+        pm0, dm0 = asyncio.run(scrape(stack.p_metrics)), asyncio.run(scrape(stack.d_metrics))
+        replies = asyncio.run(_queued_past_lease(stack))
+        want = asyncio.run(_complete_all(stack.p_url, Q_PROMPTS[SEQS:], stream=False))
+        for i, (r, (toks, text)) in enumerate(zip(replies, want, strict=True)):
+            assert len(toks) == MAX_TOKENS and r.tokens == toks, (i, r.tokens, toks)
+            assert r.text.strip() == text.strip(), (i, r.text, text)
+        asyncio.run(until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle"))
+        pm1, dm1 = asyncio.run(scrape(stack.p_metrics)), asyncio.run(scrape(stack.d_metrics))
+
+        def delta(before: Any, after: Any, name: str, **labels: str) -> float:
+            return metric(after, name, **labels) - metric(before, name, **labels)
+
+        freed = {r: delta(pm0, pm1, "kvproto_frees_total", reason=r)
+                 for r in ("transferred", "expired", "released", "aborted")}
+        # the fillers and the queued requests: each pulled by D, freed on its done
+        assert freed == {"transferred": SEQS + QUEUED, "expired": 0, "released": 0,
+                         "aborted": 0}, freed
+        assert delta(dm0, dm1, "kvproto_reads_total", outcome="done:pulled") == \
+            SEQS + QUEUED
+        assert delta(dm0, dm1, "kvproto_recomputed_blocks_total") == 0
+        # P answered D's heartbeats while they waited: at least half of those due
+        hbs = delta(pm0, pm1, "kvproto_heartbeats_total")
+        assert hbs >= QUEUED_FOR / LEASES["heartbeat_interval"] / 2, hbs
 
 
 @pytest.mark.vllm

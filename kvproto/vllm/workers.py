@@ -122,7 +122,7 @@ class PWorker:
         self.idle_waits = 0  # of those, steps that waited
         self.idle_polls = 0  # adapter polls made inside idle waits
         self.poller_polls = 0  # adapter polls the poller made between engine polls
-        self.poller_errors = 0  # poller polls that raised (logged; the poller goes on)
+        self.poller_errors = 0  # poller polls that raised (the poller goes on)
         self.lock = threading.Lock()
         self._polled_at = time.monotonic()  # last adapter poll, either thread
         self._stop = threading.Event()
@@ -145,8 +145,12 @@ class PWorker:
                 try:
                     self.adapter.poll()
                 except Exception:
+                    # Counted each time; logged at the 1st, 2nd, 4th, 8th... so that a
+                    # fault that persists cannot flood the log every poll_gap_ms.
                     self.poller_errors += 1
-                    log.exception("kvproto: P poller: poll failed")
+                    n = self.poller_errors
+                    if n & (n - 1) == 0:
+                        log.exception("kvproto: P poller: poll failed (%d so far)", n)
                 self._polled_at = time.monotonic()
                 self.poller_polls += 1
 
