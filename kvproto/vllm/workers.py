@@ -143,7 +143,7 @@ class PWorker:
                 if self._stop.is_set():
                     return
                 try:
-                    self.adapter.poll()
+                    self._poll_locked()
                 except Exception:
                     # Counted each time; logged at the 1st, 2nd, 4th, 8th... so that a
                     # fault that persists cannot flood the log every poll_gap_ms.
@@ -151,8 +151,14 @@ class PWorker:
                     n = self.poller_errors
                     if n & (n - 1) == 0:
                         log.exception("kvproto: P poller: poll failed (%d so far)", n)
-                self._polled_at = time.monotonic()
+                    self._polled_at = time.monotonic()
                 self.poller_polls += 1
+
+    def _poll_locked(self) -> int:
+        """One adapter poll, the lock held by the caller; the messages it handled."""
+        handled = self.adapter.poll()
+        self._polled_at = time.monotonic()
+        return handled
 
     def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
@@ -193,8 +199,7 @@ class PWorker:
 
     def poll(self) -> None:
         with self.lock:
-            self.adapter.poll()
-            self._polled_at = time.monotonic()
+            self._poll_locked()
 
     def idle_wait(self) -> None:
         """Wait up to ``idle_wait_s``, polling every ``IDLE_SLICE``; return as soon as a
@@ -217,9 +222,7 @@ class PWorker:
             time.sleep(min(IDLE_SLICE, left))
             with self.lock:
                 self.idle_polls += 1
-                handled = a.poll()
-                self._polled_at = time.monotonic()
-                if handled or self.finished_sending or self.stamps:
+                if self._poll_locked() or self.finished_sending or self.stamps:
                     return
 
     def take(self) -> tuple[set[str], dict[int, int]]:
