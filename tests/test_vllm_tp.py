@@ -16,6 +16,10 @@ requests, no transfer params: its connector does nothing for them). Checks:
   journal talks to one P engine): token for token; both D ranks pull E's one rank, and
   E's ledger frees each request as ``transferred`` only after two distinct readers are
   done (the reader count comes from the TP ratio, announced by D);
+* client aborts at TP 2 -> TP 2: on D before its READ (every D rank releases to its P
+  rank, which frees as ``released``, never by lease), on D during its READ (each P rank
+  frees the request once) and on P after its prefill (each P rank frees it once, by
+  lease); D then still decodes token for token;
 * every rank's journal (P's and D's ranks as P and as D, E as P and as D) passes
   ``kvproto validate``;
 * one D rank's worker is killed while D pulls: P gets every block back within the
@@ -55,7 +59,8 @@ KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(3, seed=23, lengths=[90,
 H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
 KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
-ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP}
+ABORT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=27, lengths=[70, 200, 45, 120]))}
+ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP, **ABORT}
 LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
@@ -223,6 +228,55 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
     for j in pair.journals[6:]:  # each D rank pulled every request (not recomputed)
         kinds = _finished(j)
         assert set(H12) <= kinds.get("pulled", set()), (j.name, kinds)
+
+
+def _freed_as(pair: Pair, rid: str) -> list[list[str]]:
+    """Per P rank, the reasons its ledger freed ``rid`` for (one entry per free)."""
+    return [sorted(reason for reason, ids in _frees(j).items()
+                   for x in ids if x.split("-")[0] == rid) for j in _rank_journals(pair)]
+
+
+def test_tp2_client_aborts_free_every_p_rank_once(pair: Pair) -> None:
+    """Client aborts at TP 2 -> TP 2, in three phases. On D before its READ (D's loop
+    paused, so the admit and the abort reach both D ranks in one step): every D rank
+    releases to its P rank, and each P rank frees the request as ``released``, not by
+    its lease. On D during its READ (aborted right after the step that issued it):
+    each P rank frees it exactly once. On P after its prefill (the request never goes
+    to D): each P rank frees it exactly once, by lease. Then D still decodes token for
+    token and P's pool is back where it was, not one block more."""
+    p, d = pair.pd.p, pair.pd.d
+    baseline = int(p.stats()["free_blocks"])
+    # before the READ
+    res = pair.pd.prefill("x0", ABORT["x0"])
+    d.pause(1.0)
+    pair.pd.submit_decode("x0", ABORT["x0"], res, max_tokens=MAX_TOKENS)
+    d.abort(["x0"])
+    assert d.wait(["x0"], 60)["x0"].error == "aborted"
+    # during the READ
+    res = pair.pd.prefill("x1", ABORT["x1"])
+    d.abort_on("x1", "WAITING_FOR_REMOTE_KVS")
+    pair.pd.submit_decode("x1", ABORT["x1"], res, max_tokens=MAX_TOKENS)
+    assert d.wait(["x1"], 60)["x1"].error == "aborted", \
+        "the READ finished before the abort could land"
+    # on P, after the prefill
+    pair.pd.prefill("x2", ABORT["x2"])
+    assert baseline - int(p.stats()["free_blocks"]) > 0, "P holds x2's blocks for D"
+    p.abort(["x2"], core=True)
+    ok, _, _ = sc.wait_free(p, baseline, FREE_TIMEOUT)
+    assert ok, "P did not get the aborted requests' blocks back"
+    assert int(p.stats()["free_blocks"]) == baseline, "more free blocks than before"
+    freed = {rid: _freed_as(pair, rid) for rid in ("x0", "x1", "x2")}
+    assert freed["x0"] == [["released"], ["released"]], freed
+    for rid in ("x1", "x2"):
+        assert [len(r) for r in freed[rid]] == [1, 1], freed
+    # vLLM ignores an abort of a request whose output already finished: the lease ends it
+    assert all(r[0] in ("expired", "aborted") for r in freed["x2"]), freed
+    # D still serves: pulled, token for token
+    out = sc.correctness(pair.pd, {"x3": ABORT["x3"]}, pair.ref, max_tokens=MAX_TOKENS)
+    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+    ok, _, _ = sc.wait_free(p, baseline, FREE_TIMEOUT)
+    assert ok and _freed_as(pair, "x3") == [["transferred"], ["transferred"]], \
+        _freed_as(pair, "x3")
 
 
 def test_every_rank_journal_validates(pair: Pair) -> None:
