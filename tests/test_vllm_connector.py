@@ -175,6 +175,59 @@ def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: flo
         pr.close()
 
 
+@pytest.mark.parametrize("gap_ms", [50.0, 0.0], ids=["poller", "engine_thread_only"])
+def test_d_poller_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> None:
+    """D's engine thread stops calling the worker (a long forward pass, a starved engine
+    loop) while it waits to read a request and P keeps stepping. With the poller
+    (``poll_gap_ms`` 50), D still heartbeats: P's lease is renewed, and once D's engine
+    thread is back it loads the request and P frees it as transferred. With only the
+    engine thread polling (``poll_gap_ms`` 0), P hears nothing and expires the lease, and
+    D, back, gives the request up (``lease_lost``): it is recomputed."""
+    pr = Pair(poll_gap_ms=gap_ms)
+    try:
+        params = pr.prefill("r1", [3, 5], 8)
+        pr.ds.new_request("r1", params)
+        pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
+        led = pr.p.adapter.ledger
+        with pr.p.lock:
+            (h,) = led.snapshot()
+            first = led.snapshot()[h][4]
+        # P alone steps, past the initial lease D would have to renew
+        away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        while time.monotonic() < away:
+            pr.p.apply(Orders())
+            pr.p.poll()
+            sent, stamps = pr.p.take()
+            pr.ps.on_stamps(stamps)
+            pr.ps.on_finished_sending(sent)
+            pr.sent |= sent
+            time.sleep(0.005)
+        with pr.p.lock:
+            renewed = h in led.snapshot() and led.snapshot()[h][4] > first
+            expired = led.frees.get("expired", 0)
+        polls = pr.d.counters()["poller_polls"]
+        if gap_ms == 0:
+            assert not renewed and expired == 1 and polls == 0, (renewed, expired, polls)
+            ended: list[str] = []
+            end = time.monotonic() + 10.0
+            while "r1" not in ended and time.monotonic() < end:
+                pr.d.apply(Orders())
+                pr.d.poll()
+                ended += pr.d.take()[2]
+                time.sleep(0.005)
+            assert ended == ["r1"], ended
+            return
+        assert renewed and expired == 0 and polls > 0, (renewed, expired, polls)
+        assert "r1" not in pr.sent
+        assert pr.ds.matched_tokens("r1", 8, 0) == (8, True)
+        pr.ds.allocated("r1", [9, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
+        assert pr.invalid == set() and led.frees["transferred"] == 1
+        assert pr.p.check_invariants() == []
+    finally:
+        pr.close()
+
+
 def test_p_poller_survives_a_failing_poll_and_counts_it(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """A poll that raises inside the poller is counted (``poller_errors``) and logged,

@@ -51,10 +51,12 @@ P (prefill engine)
     deadline. So an expiry is freed at most one slice late, a done at most one slice
     after it arrives, D's READs never wait on it (NIXL's progress thread serves them),
     and a client request arriving meanwhile is scheduled at most ``idle_wait_ms`` later.
-  * P's poller: when the engine thread has not polled the adapter for ``poll_gap_ms``
-    (a long forward pass, an engine loop short of CPU), a worker thread polls it, so
-    that heartbeats, claims and dones are answered and expiries run between steps; one
-    lock keeps the adapter single-threaded (``PWorker``).
+  * The workers' poller: when the engine thread has not polled the adapter for
+    ``poll_gap_ms`` (a long forward pass, an engine loop short of CPU), a worker thread
+    polls it, so that P answers heartbeats, claims and dones and runs its expiries, and
+    D (while it has requests in flight) heartbeats, claims and posts ordered READs,
+    between steps; one lock per worker keeps its adapter single-threaded (``PWorker``,
+    ``DWorker``).
   * The handshake listener answers from a thread of its own, so a long forward pass does
     not outlast D's handshake budget; the handshakes take effect on the engine thread at
     its next poll (``ProducerAdapter(handshake_thread=True)``).
@@ -511,9 +513,9 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
             sending = s or None
         if self.dw is not None:
             self.dw.poll()
-            r, inv, ended = self.dw.take()
+            r, inv, ended, failed = self.dw.take_all()
             self._invalid |= inv
-            self._failed |= self.dw.take_failed()
+            self._failed |= failed
             self._ended += ended
             recving = r or None
         return sending, recving

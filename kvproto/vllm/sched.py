@@ -42,9 +42,10 @@ PROGRESS_DELAY_US = 0
 # waits up to this long in the connector; a request arriving then is scheduled at most
 # this much later
 IDLE_WAIT_MS = 20.0
-# P's poller (poll_gap_ms): when the engine thread has not polled the adapter for this
-# long (a long forward pass, an engine loop short of CPU), a thread of the worker polls it,
-# so that heartbeats, claims and dones are answered and expiries run between steps
+# The workers' poller (poll_gap_ms): when the engine thread has not polled the adapter for
+# this long (a long forward pass, an engine loop short of CPU), a thread of the worker polls
+# it, so that P answers heartbeats, claims and dones and runs its expiries, and D sends its
+# heartbeats and claims and posts its ordered READs, between steps
 POLL_GAP_MS = 50.0
 # vLLM's n>1 children are named "<index>_<parent id>" (vllm/v1/engine/parallel_sampling).
 _CHILD_ID = re.compile(r"^(\d+)_(.+)$")
@@ -78,10 +79,12 @@ EXTRA_KEYS: dict[str, str] = {
     "progress_delay_us": "P: the NIXL progress thread sleeps this many microseconds between "
                          "its passes instead of busy-polling a core (0: NIXL's busy loop; "
                          f"default {PROGRESS_DELAY_US})",
-    "poll_gap_ms": "P: when the engine thread has not polled for this many milliseconds "
-                   "(a long forward pass, an engine short of CPU), a worker thread polls: "
-                   "heartbeats, claims and dones are answered and expiries run between "
-                   f"steps (0: only the engine thread polls; default {POLL_GAP_MS:g})",
+    "poll_gap_ms": "P and D: when the engine thread has not polled for this many "
+                   "milliseconds (a long forward pass, an engine short of CPU), a worker "
+                   "thread polls: P answers heartbeats, claims and dones and runs its "
+                   "expiries, D (while it has requests in flight) heartbeats, claims and "
+                   "posts ordered READs, between steps (0: only the engine thread polls; "
+                   f"default {POLL_GAP_MS:g})",
     "idle_wait_ms": "P: while the engine steps only because it holds blocks (nothing "
                     "scheduled, no D work), each step waits up to this many milliseconds "
                     "for a message or the next lease deadline instead of spinning; a new "
@@ -92,6 +95,8 @@ EXTRA_KEYS: dict[str, str] = {
                       "identity (default: fingerprint)",
     "test_read_stall_s": "TEST ONLY. D: block this many seconds between the data READ and "
                          "the stamp READ (0)",
+    "test_stall_post_s": "TEST ONLY. D: block this many seconds just before posting each "
+                         "data READ, after P granted its claim (0)",
     "test_delay_load_s": "TEST ONLY. D: start each READ this many seconds after vLLM "
                          "allocated its blocks (0)",
     "test_faults": "TEST ONLY. D: a seeded fault shim on D's notifications to P, "
@@ -122,6 +127,7 @@ class ConnectorOptions:
     metrics_port: int | None = None
     model_revision: str | None = None
     test_read_stall_s: float = 0.0
+    test_stall_post_s: float = 0.0
     test_delay_load_s: float = 0.0
     test_faults: Mapping[str, Any] | None = None
     test_hold_read_s: float = 0.0
@@ -208,6 +214,7 @@ class ConnectorOptions:
                    else num("metrics_port", 0, 0, 65535, True),
                    model_revision=revision,
                    test_read_stall_s=num("test_read_stall_s", 0.0, 0.0, 3600),
+                   test_stall_post_s=num("test_stall_post_s", 0.0, 0.0, 3600),
                    test_delay_load_s=num("test_delay_load_s", 0.0, 0.0, 3600),
                    test_faults=dict(faults) if faults else None,
                    test_hold_read_s=num("test_hold_read_s", 0.0, 0.0, 3600))

@@ -75,7 +75,71 @@ class Join:
         self.ended = False
 
 
-class PWorker:
+class _Polled:
+    """The poller both worker halves run (``poll_gap_ms`` > 0): a thread that polls the
+    adapter whenever no thread has for ``poll_gap_ms`` (a long forward pass, an engine
+    loop waiting for CPU), so heartbeats, claims, grants and dones still move and the
+    machines' timers still fire between engine steps. ``lock`` serializes every call
+    into the adapter and every read or write of the worker's state and outputs, so the
+    lifecycle machine and the adapter stay single-threaded; it is held for one poll,
+    never across a sleep. What a poll decides reaches vLLM at the engine thread's next
+    ``take``. A poll that raises is counted (``poller_errors``), logged at the 1st, 2nd,
+    4th, 8th... error, and the poller goes on."""
+
+    role = "?"
+
+    def _init_poller(self, gap_ms: float, name: str) -> None:
+        self.lock = threading.Lock()
+        self.poller_polls = 0  # adapter polls the poller made between engine polls
+        self.poller_errors = 0  # poller polls that raised (the poller goes on)
+        self._polled_at = time.monotonic()  # last adapter poll, either thread
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if gap_ms > 0:
+            self._poller = threading.Thread(target=self._poll_between_steps,
+                                            args=(gap_ms / 1000.0,),
+                                            name=f"kvproto-poller-{name}", daemon=True)
+            self._poller.start()
+
+    def _poll_locked(self) -> int:
+        """One adapter poll, the lock held by the caller; the messages it handled."""
+        raise NotImplementedError
+
+    def _poller_due(self) -> bool:
+        """Whether the poller should poll now (the lock held)."""
+        return True
+
+    def _poll_between_steps(self, gap: float) -> None:
+        """The poller: every ``gap`` seconds, poll the adapter unless some thread polled
+        it less than ``gap`` ago. Each poll does the bounded work of one engine poll."""
+        while not self._stop.wait(gap):
+            if time.monotonic() - self._polled_at < gap:
+                continue
+            with self.lock:
+                if self._stop.is_set():
+                    return
+                if not self._poller_due():
+                    continue
+                try:
+                    self._poll_locked()
+                except Exception:
+                    # Counted each time; logged at the 1st, 2nd, 4th, 8th... so that a
+                    # fault that persists cannot flood the log every poll_gap_ms.
+                    self.poller_errors += 1
+                    n = self.poller_errors
+                    if n & (n - 1) == 0:
+                        log.exception("kvproto: %s poller: poll failed (%d so far)",
+                                      self.role, n)
+                    self._polled_at = time.monotonic()
+                self.poller_polls += 1
+
+    def _stop_poller(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(5.0)
+
+
+class PWorker(_Polled):
     """P's worker half: the ProducerAdapter (agent, stamps, ledger, handshake listener).
 
     Two threads drive it: the engine thread (vLLM's hooks: ``apply``, ``poll``,
@@ -89,6 +153,8 @@ class PWorker:
     ``take``: vLLM keeps the blocks until then, and their stamps were bumped at the
     free, so a READ of them in between is fenced.
     """
+
+    role = "P"
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, port: int, metrics: Metrics | None = None,
@@ -121,41 +187,9 @@ class PWorker:
         self.steps = 0  # worker steps (get_finished calls)
         self.idle_waits = 0  # of those, steps that waited
         self.idle_polls = 0  # adapter polls made inside idle waits
-        self.poller_polls = 0  # adapter polls the poller made between engine polls
-        self.poller_errors = 0  # poller polls that raised (the poller goes on)
-        self.lock = threading.Lock()
-        self._polled_at = time.monotonic()  # last adapter poll, either thread
-        self._stop = threading.Event()
-        self._poller: threading.Thread | None = None
-        if opts.poll_gap_ms > 0:
-            self._poller = threading.Thread(target=self._poll_between_steps,
-                                            args=(opts.poll_gap_ms / 1000.0,),
-                                            name=f"kvproto-poller-{name}", daemon=True)
-            self._poller.start()
-
-    def _poll_between_steps(self, gap: float) -> None:
-        """The poller: every ``gap`` seconds, poll the adapter unless some thread polled
-        it less than ``gap`` ago. Each poll does the bounded work of one engine poll."""
-        while not self._stop.wait(gap):
-            if time.monotonic() - self._polled_at < gap:
-                continue
-            with self.lock:
-                if self._stop.is_set():
-                    return
-                try:
-                    self._poll_locked()
-                except Exception:
-                    # Counted each time; logged at the 1st, 2nd, 4th, 8th... so that a
-                    # fault that persists cannot flood the log every poll_gap_ms.
-                    self.poller_errors += 1
-                    n = self.poller_errors
-                    if n & (n - 1) == 0:
-                        log.exception("kvproto: P poller: poll failed (%d so far)", n)
-                    self._polled_at = time.monotonic()
-                self.poller_polls += 1
+        self._init_poller(opts.poll_gap_ms, name)
 
     def _poll_locked(self) -> int:
-        """One adapter poll, the lock held by the caller; the messages it handled."""
         handled = self.adapter.poll()
         self._polled_at = time.monotonic()
         return handled
@@ -262,17 +296,24 @@ class PWorker:
         return c
 
     def close(self) -> None:
-        self._stop.set()
-        if self._poller is not None:
-            self._poller.join(5.0)
+        self._stop_poller()
         with self.lock:
             self.adapter.close()
             if self.writer is not None:
                 self.writer.close()
 
 
-class DWorker:
-    """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer)."""
+class DWorker(_Polled):
+    """D's worker half: the ConsumerAdapter (agent, stamps landing area, Consumer).
+
+    Driven like ``PWorker``: the engine thread (``apply``, ``poll``, ``take``) and the
+    poller (``poll_gap_ms`` > 0), which polls while the engine thread has not for
+    ``poll_gap_ms`` and D has work (``busy``): during a long forward pass, or while the
+    engine loop waits for CPU, D still heartbeats the requests it waits for, sends its
+    claims, posts the READs of loads already ordered, and reports what completed at the
+    engine thread's next ``take``. ``lock`` serializes all of it (``_Polled``)."""
+
+    role = "D"
 
     def __init__(self, opts: ConnectorOptions, name: str, tensors: list[torch.Tensor],
                  num_blocks: int, metrics: Metrics | None = None,
@@ -285,12 +326,14 @@ class DWorker:
         self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
             else "prefilling locally"
         hook = None
-        if opts.test_read_stall_s > 0:
-            stall = opts.test_read_stall_s
+        stalls = {"before_gen": opts.test_read_stall_s, "before_post": opts.test_stall_post_s}
+        if any(v > 0 for v in stalls.values()):
 
             def hook(phase: str, rid: str) -> None:
-                if phase == "before_gen":
-                    log.warning("kvproto TEST HOOK: stalling %s for %.1fs", rid, stall)
+                stall = stalls.get(phase, 0.0)
+                if stall > 0:
+                    log.warning("kvproto TEST HOOK: stalling %s %s for %.1fs", rid, phase,
+                                stall)
                     time.sleep(stall)
         # D's own journal (the Consumer's events and effects) beside P's: with ``journal``
         # = X.jsonl it is X.consumer.jsonl; ``kvproto validate`` and ``replay`` take both.
@@ -342,8 +385,13 @@ class DWorker:
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0, "read_blocks": 0.0}
+        self._init_poller(opts.poll_gap_ms, name)
 
     def apply(self, orders: Orders) -> None:
+        with self.lock:
+            self._apply(orders)
+
+    def _apply(self, orders: Orders) -> None:
         a = self.adapter
         for ad in orders.admits:
             rid = ad.request_id
@@ -456,6 +504,13 @@ class DWorker:
                 self.adapter.abort(orid)
 
     def poll(self) -> None:
+        with self.lock:
+            self._poll_locked()
+
+    def _poller_due(self) -> bool:
+        return self._busy()
+
+    def _poll_locked(self) -> int:
         if self.delayed:
             now = time.monotonic()
             due = [(rid, ix) for t, rid, ix in self.delayed if t <= now]
@@ -466,14 +521,21 @@ class DWorker:
                 if local is not None and j is not None:
                     for prid in j.parts:
                         self.adapter.schedule(prid, local, ix)
-        self._drain(self.adapter.poll())
+        completions = self.adapter.poll()
+        self._polled_at = time.monotonic()
+        self._drain(completions)
         # what draining decided (an orphan's release, a failed part's siblings aborted)
         # leaves now: an idle engine may not step, and so not poll, for a long time
         self.adapter.flush()
+        return len(completions)
 
     @property
     def busy(self) -> bool:
         """Requests admitted, loading, delayed or quarantined: poll every step."""
+        with self.lock:
+            return self._busy()
+
+    def _busy(self) -> bool:
         return bool(self.admitted or self.loads or self.delayed or self.quarantined
                     or self.owner)
 
@@ -591,18 +653,38 @@ class DWorker:
             self.invalid.update(local)
 
     def take(self) -> tuple[set[str], set[int], list[str]]:
-        fr, self.finished_recving = self.finished_recving, set()
-        inv, self.invalid = self.invalid, set()
-        er, self.ended_report = self.ended_report, []
+        """Finished receives, the blocks to report as load errors, and the requests
+        ended before their load order, each taken once."""
+        with self.lock:
+            fr, self.finished_recving = self.finished_recving, set()
+            inv, self.invalid = self.invalid, set()
+            er, self.ended_report = self.ended_report, []
         return fr, inv, er
 
     def take_failed(self) -> set[str]:
         """The failed loads among the requests ``take`` reported (taken together)."""
-        out, self.failed = self.failed, set()
+        with self.lock:
+            out, self.failed = self.failed, set()
         return out
 
+    def take_all(self) -> tuple[set[str], set[int], list[str], set[str]]:
+        """``take`` and ``take_failed`` under one lock: a failed load is reported in the
+        same step as its finished receive, whatever the poller completes meanwhile."""
+        with self.lock:
+            fr, self.finished_recving = self.finished_recving, set()
+            inv, self.invalid = self.invalid, set()
+            er, self.ended_report = self.ended_report, []
+            failed, self.failed = self.failed, set()
+        return fr, inv, er, failed
+
     def counters(self) -> dict[str, float]:
+        with self.lock:
+            return self._counters()
+
+    def _counters(self) -> dict[str, float]:
         c = dict(self.stats)
+        c["poller_polls"] = float(self.poller_polls)
+        c["poller_errors"] = float(self.poller_errors)
         c.update(self.reads.counters)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
@@ -626,9 +708,11 @@ class DWorker:
         return c
 
     def close(self) -> None:
-        self.adapter.close()
-        if self.writer is not None:
-            self.writer.close()
+        self._stop_poller()
+        with self.lock:
+            self.adapter.close()
+            if self.writer is not None:
+                self.writer.close()
 
 
 # ---------------------------------------------------------------------------
