@@ -670,6 +670,40 @@ def test_router_errors(stack: Stack) -> None:
                 proc.stop()
 
 
+@needs_vllm
+def test_decode_rejection_before_admission_releases_p_at_once(stack: Stack) -> None:
+    """D's server refuses a request before its engine sees it (here ``max_tokens`` beyond
+    D's context: P prefilled with one token and holds the KV): the client gets D's 400,
+    and P's blocks are not stranded until the lease (upstream vLLM PR #41269). vLLM's
+    serving layer hands the refused request's transfer params to the engine as a request
+    aborted on arrival; D's connector admits and aborts it, D releases the handle, and P
+    frees it as ``released``, never ``expired``. One JSON and one streamed request."""
+    import openai
+
+    async def run() -> None:
+        pm0 = await scrape(stack.p_metrics)
+        c = client(stack.r_url)
+        try:
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as ei:
+                    await complete(c, COR[3], stream=stream, max_tokens=MAX_LEN + 16)
+                assert ei.value.status_code == 400, ei.value
+        finally:
+            await c.close()
+        await until(lambda: engines_idle(stack), FREE_BOUND, "P back after D refused")
+        pm1 = await scrape(stack.p_metrics)
+
+        def grew(reason: str) -> float:
+            return metric(pm1, "kvproto_frees_total", reason=reason) - \
+                metric(pm0, "kvproto_frees_total", reason=reason)
+
+        assert grew("released") == 2 and grew("expired") == 0, \
+            {r: grew(r) for r in ("released", "expired", "transferred", "aborted")}
+
+    with stack.explained():
+        asyncio.run(run())
+
+
 # The storm: each kind of disconnect, in the phase it names.
 KINDS = ("p_queued", "handoff", "d_queued", "d_read", "d_decode")
 PER_KIND = 3
