@@ -557,6 +557,45 @@ def test_correctness_through_router(stack: Stack) -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_parallel_sampling_through_router(stack: Stack) -> None:
+    """``n`` 2 through the router (P prefills once, with ``n`` 1; D's two children share
+    P's params): each completion equals P's own seeded answer to the same request, D
+    pulled the KV once (the other child prefilled locally: vLLM's n>1 children may not
+    both read one handle), and P freed the request as transferred, not by lease."""
+    prompt = h.make_prompts(1, seed=29, lengths=[70])[0]
+
+    async def ask(url: str) -> list[list[int]]:
+        c = client(url)
+        try:
+            r = await c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, n=2, temperature=1.0,
+                seed=7, extra_body={"ignore_eos": True, "return_token_ids": True})
+        finally:
+            await c.close()
+        return [list(ch.token_ids) for ch in sorted(r.choices, key=lambda ch: ch.index)]
+
+    async def run() -> None:
+        ref = await ask(stack.p_url)
+        assert len(ref) == 2 and all(len(t) == MAX_TOKENS for t in ref), ref
+        d0, p0 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
+        got = await ask(stack.r_url)
+        assert got == ref, (got, ref)
+        await until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle after n=2")
+        d1, p1 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
+        pulled = metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
+            metric(d0, "kvproto_reads_total", outcome="done:pulled")
+        freed = {r: metric(p1, "kvproto_frees_total", reason=r)
+                 - metric(p0, "kvproto_frees_total", reason=r)
+                 for r in ("transferred", "expired", "released")}
+        assert pulled == 1, pulled
+        assert freed == {"transferred": 1, "expired": 0, "released": 0}, freed
+
+    with stack.explained():
+        asyncio.run(run())
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_partial_prefix_hit_through_router(stack: Stack) -> None:
     """Prefix caching on both servers: D, whose prefix cache holds a prefix Y (it served
     Y + x itself), reads only the blocks after its hit when a request Y + y comes through
