@@ -596,6 +596,53 @@ def test_parallel_sampling_through_router(stack: Stack) -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_chat_completions_through_router(stack: Stack) -> None:
+    """``/v1/chat/completions`` through the router, JSON and streamed: each answer's text
+    equals P's own chat answer to the same messages, D pulled the KV of both (none
+    recomputed), and P freed both as transferred."""
+    words = " ".join(f"w{t}" for t in h.make_prompts(1, seed=31, lengths=[90])[0])
+    messages = [{"role": "system", "content": "w3 w4 w5"}, {"role": "user", "content": words}]
+    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
+                          "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+    async def ask(url: str, stream: bool) -> str:
+        c = client(url)
+        try:
+            if not stream:
+                r = await c.chat.completions.create(**kw)
+                return str(r.choices[0].message.content)
+            text = ""
+            s = await c.chat.completions.create(stream=True, **kw)
+            async for chunk in s:
+                for ch in chunk.choices:
+                    text += ch.delta.content or ""
+            return text
+        finally:
+            await c.close()
+
+    async def run() -> None:
+        ref = await ask(stack.p_url, False)
+        assert len(ref.split()) == MAX_TOKENS, ref
+        d0, p0 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
+        for stream in (False, True):
+            got = await ask(stack.r_url, stream)
+            assert got.split() == ref.split(), (stream, got, ref)
+        await until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle after chat")
+        d1, p1 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
+        pulled = metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
+            metric(d0, "kvproto_reads_total", outcome="done:pulled")
+        freed = {r: metric(p1, "kvproto_frees_total", reason=r)
+                 - metric(p0, "kvproto_frees_total", reason=r)
+                 for r in ("transferred", "expired", "released")}
+        assert pulled == 2, pulled
+        assert freed == {"transferred": 2, "expired": 0, "released": 0}, freed
+
+    with stack.explained():
+        asyncio.run(run())
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_partial_prefix_hit_through_router(stack: Stack) -> None:
     """Prefix caching on both servers: D, whose prefix cache holds a prefix Y (it served
     Y + x itself), reads only the blocks after its hit when a request Y + y comes through

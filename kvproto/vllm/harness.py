@@ -170,7 +170,9 @@ def write_word_tokenizer(directory: str | os.PathLike[str], *, vocab: int = 1024
     return text: token ``i`` is the word ``w<i>`` (ids 0-2 are ``<unk>``, ``<s>``,
     ``</s>``), words are split on white space, no special token is added, and decoding
     joins words with one space. Text and token ids then map one to one, so a prompt can
-    be written as ``"w17 w5 w900"``. Idempotent (an existing tokenizer is kept)."""
+    be written as ``"w17 w5 w900"``. A chat template joins the messages' contents with one
+    space (no role markers), so a chat request's prompt is its words. Idempotent (an
+    existing tokenizer is kept)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     d = Path(directory)
@@ -187,6 +189,8 @@ def write_word_tokenizer(directory: str | os.PathLike[str], *, vocab: int = 1024
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>",
         "model_max_length": 1 << 20, "add_bos_token": False, "add_eos_token": False,
+        "chat_template": "{% for m in messages %}{% if not loop.first %} {% endif %}"
+                         "{{ m['content'] }}{% endfor %}",
     }, indent=1))
     return d
 
