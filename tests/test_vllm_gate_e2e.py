@@ -10,6 +10,10 @@ chunked prefill, and a router retry with stale params.
   stamps changed), never served: it recomputes locally, and its output still matches
   the single engine's token for token.
 
+P and D run with vLLM's one-way roles, as vLLM's disaggregation examples start them:
+``kv_role`` ``kv_producer`` on P and ``kv_consumer`` on D (the connector takes its role
+from it: P only holds and serves, D only pulls).
+
 Engines are started under the machine-wide engine lock (``/work/wt/engines``)."""
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     model = str(h.build_tiny_model(wd / "model").path)
     kw: dict[str, Any] = sc.kvproto_extras(str(wd), 2 * sc.LEASE, tag="g")  # first contacts under load
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="g", **kw)
+    for spec, role in ((p_spec, "kv_producer"), (d_spec, "kv_consumer")):
+        spec.kv_transfer_config = {**(spec.kv_transfer_config or {}), "kv_role": role}
     p_spec.max_num_batched_tokens = CHUNK
     p_spec.max_num_seqs = 4
     ref_spec = h.EngineSpec("REFg", model, env=h.engine_env(), log_path=str(wd / "REFg.log"))
@@ -74,6 +80,8 @@ def test_chunked_prefill_registers_after_the_last_chunk(engines: Engines) -> Non
     assert _num(ps, "rejected_unready_register") == 0, ps
     assert _num(ds, "reads_ok") >= len(LONG), ds  # D pulled P's KV, did not recompute
     assert _num(ds, "fenced_reads") == 0, ds
+    # one-way roles: P's connector has no D half, D's no P half
+    assert "reads_ok" not in ps and "held_blocks" not in ds, (sorted(ps), sorted(ds))
 
 
 def test_retry_with_stale_params_is_refused_or_fenced_never_served(engines: Engines) -> None:
