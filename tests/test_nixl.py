@@ -436,6 +436,53 @@ def test_heartbeats_keep_queued_request_alive_and_are_chunked() -> None:
         p.close()
 
 
+def test_clock_epochs_and_rates_differ_between_p_and_d() -> None:
+    """P and D on hosts whose clocks share nothing: P's monotonic epoch is 10^7 s ahead,
+    D's starts near 42 s and runs 0.3% fast (within ``clock_drift`` over a lease). Only
+    durations cross the wire, so no lease expires on arrival (upstream: different
+    perf_counter epochs did that): a request D keeps waiting for twice the initial lease
+    is renewed and then pulled, and one whose D goes silent is expired by P's own clock
+    after its initial lease, not before."""
+    t0 = time.monotonic()
+
+    def p_clock() -> float:
+        return time.monotonic() + 1.0e7
+
+    def d_clock() -> float:
+        return 42.0 + (time.monotonic() - t0) * 1.003
+
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=32, block_bytes=BB, clock=p_clock)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=32, block_bytes=BB, clock=d_clock)
+    silent = ConsumerAdapter(uniq("D"), CFG, num_blocks=32, block_bytes=BB, clock=d_clock)
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        silent.add_engine(p.name, p.host, p.port)
+        kept = prefill(p, "kept", 3)
+        left = prefill(p, "left", 2)
+        registered = time.monotonic()
+        d.admit("kept", kept)
+        silent.admit("left", left)
+        silent.poll()  # one poll: its handshake starts, then it never polls again
+        half = registered + CFG.initial_lease / 2
+        pump(p, [d], lambda: time.monotonic() > half, timeout=10)
+        assert sum(p.ledger.frees.values()) == 0, p.ledger.frees  # nothing on arrival
+        t_end = registered + 2 * CFG.initial_lease
+        pump(p, [d], lambda: time.monotonic() > t_end, timeout=10)
+        assert p.ledger.frees.get("expired", 0) == 1, p.ledger.frees  # "left" only
+        d.schedule("kept")
+        comps = pump(p, [d], lambda: p.pool.held_count == 0)
+        comps = pump(p, [d], lambda: bool(comps), sink=comps)
+        assert [(c.request_id, c.reason) for c in comps] == [("kept", "pulled")]
+        assert verified(d, comps[0], "kept")
+        assert {k: n for k, n in p.ledger.frees.items() if n} == \
+            {"expired": 1, "transferred": 1}, p.ledger.frees
+        assert p.check_invariants() == []
+    finally:
+        silent.close(1.0)
+        d.close(1.0)
+        p.close()
+
+
 def test_dead_producer_does_not_delay_other_handshakes() -> None:
     """A P that accepts the connection but never answers must not hold up a live P."""
     silent = socket.socket()
