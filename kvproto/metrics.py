@@ -38,7 +38,11 @@ Metric names (each with the constant labels):
 * ``kvproto_recomputed_blocks_total``: blocks D could not pull and must recompute (a
   request that failed for any reason but a client abort);
 * ``kvproto_handshake_failures_total{reason}``: D handshakes that failed;
-* ``kvproto_reads_in_flight``: D READs not finished yet.
+* ``kvproto_reads_in_flight``: D READs not finished yet;
+* ``kvproto_params_delay_seconds``: how long D's transfer params took from P's issue to
+  D's admit (a histogram, by the two hosts' wall clocks; only params that carry P's issue
+  time), and ``kvproto_late_params_total``: those beyond ``max_delay``. Diagnostics for
+  sizing ``max_delay`` and the leases; no decision reads them.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 MAX_LABEL_VALUES: Final = 64
 _STRANDED: Final = frozenset({R_EXPIRED, R_ABORTED})  # nobody pulled: blocks sat unused
 TICK_BUCKETS: Final = (1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 0.05, 0.25, 1.0)
+DELAY_BUCKETS: Final = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 # registry -> {(namespace, constant label names): {metric name: metric family}}
 _FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, dict[tuple[str, tuple[str, ...]],
@@ -156,6 +161,12 @@ class Metrics:
         self._held_blocks = gauge("held_blocks", "blocks P holds now")
         self._held_requests = gauge("held_requests", "requests P holds now")
         self._in_flight = gauge("reads_in_flight", "D READs not finished yet")
+        dh = family(Histogram, "params_delay_seconds", "D: transfer params' delay from P's "
+                    "issue to D's admit (wall clocks of both hosts)", None,
+                    buckets=DELAY_BUCKETS)
+        self._params_delay = dh.labels(*values) if names else dh
+        self._late_params = counter("late_params", "D: transfer params that reached D later "
+                                    "than max_delay after P issued them (wall clocks)")
         self._stuck = gauge("d_stuck_reads", "D READs past max_read_time + read_grace whose "
                             "transfer has not ended (their local blocks quarantined)")
 
@@ -217,6 +228,13 @@ class Metrics:
 
     def handshake_failed(self, reason: str) -> None:
         self._hs_failures.child(reason).inc()
+
+    def params_delay(self, seconds: float, late: bool) -> None:
+        """One admitted request's params delay (negative: D's wall clock is behind P's
+        by more than the delay; observed as 0)."""
+        self._params_delay.observe(max(0.0, seconds))
+        if late:
+            self._late_params.inc()
 
     def track_in_flight(self, reads: Callable[[], float]) -> None:
         self._in_flight.set_function(reads)

@@ -8,6 +8,7 @@ with real vLLM engines in tests/test_vllm_e2e.py.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -169,6 +170,47 @@ def test_p_scheduler_handles_stamps_and_orders() -> None:
 def _remote(handle: int, num_tokens: int = 10) -> dict[str, Any]:
     """D's params for one of P's requests (3 blocks of 4 tokens by default)."""
     return encode_remote_params(replace(TP, handle=handle), "127.0.0.1", 4000, num_tokens)
+
+
+def test_late_params_are_counted_logged_and_passed_to_the_worker(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """P's params carry its issue time (``issued_ms``, P's wall clock); D compares it with
+    its own wall clock at admit: params later than ``max_delay`` are counted
+    (``late_params``) and logged at the 1st, 2nd, 4th... occurrence, and every admit
+    carries its delay to the worker's metrics. No decision changes: late params are
+    admitted like the others."""
+    o = opts()
+    ps = PScheduler(o, 16)
+    ps.set_peer(PeerInfo("P", 1, "127.0.0.1", 4000, b""))
+    ps.wall = lambda: 1000.0
+    out = ps.finished("r", [1, 2, 3], 10, {"do_remote_decode": True})
+    assert out is not None and out[PARAMS_KEY]["issued_ms"] == 1_000_000
+    ds = DScheduler(block_size=4, max_delay_ms=500)
+    now = [1000.3]
+    ds.wall = lambda: now[0]
+    ds.new_request("on-time", out)
+    caplog.set_level(logging.WARNING, logger="kvproto.vllm.connector")
+    late = []
+    for i in range(5):
+        now[0] = 1002.0 + i
+        ds.new_request(f"late{i}", {**out, PARAMS_KEY: {**out[PARAMS_KEY], "handle": 10 + i}})
+        late.append(f"late{i}")
+    assert ds.counters == {"late_params": 5}
+    admits = ds.drain().admits
+    assert [a.request_id for a in admits] == ["on-time", *late]  # all admitted
+    assert [(a.delay_ms, a.late) for a in admits] == [(300, False)] + [
+        (2000 + 1000 * i, True) for i in range(5)]
+    lines = [r.getMessage() for r in caplog.records if "beyond max_delay" in r.message]
+    assert len(lines) == 3, lines  # the 1st, 2nd and 4th
+    assert "late0" in lines[0] and "2.00 s after P issued them" in lines[0]
+    assert "max_delay 0.50 s" in lines[0] and "\n" not in lines[0]
+    # no issue time (an older P), or a malformed one
+    ds.new_request("no-time", {**out, PARAMS_KEY: {k: v for k, v in out[PARAMS_KEY].items()
+                                                   if k != "issued_ms"} | {"handle": 30}})
+    ds.new_request("bad-time", {**out, PARAMS_KEY: {**out[PARAMS_KEY], "handle": 31,
+                                                    "issued_ms": "soon"}})
+    assert [(a.request_id, a.delay_ms) for a in ds.drain().admits] == [("no-time", None)]
+    assert ds.counters == {"late_params": 5, "rejected_params": 1}
 
 
 def test_d_scheduler_admit_load_abort() -> None:

@@ -643,6 +643,41 @@ def test_chat_completions_through_router(stack: Stack) -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_late_params_are_measured_on_d(stack: Stack) -> None:
+    """The router holds P's params 2 s before it asks D (its test hold), beyond
+    ``max_delay`` (0.67 s here): D's metrics show the delay (``kvproto_params_delay_
+    seconds``) and count the params late (``kvproto_late_params_total``), and the log says
+    to raise ``max_delay``. Within the lease the request is still pulled, token for token."""
+    hold = 2.0
+
+    async def run() -> None:
+        d0 = await scrape(stack.d_metrics)
+        c = client(stack.r_url)
+        try:
+            r = await complete(c, COR[4], stream=False, hold=hold)
+        finally:
+            await c.close()
+        assert r.tokens == stack.ref[4], (r.tokens, stack.ref[4])
+        d1 = await scrape(stack.d_metrics)
+
+        def grew(name: str) -> float:
+            return metric(d1, name) - metric(d0, name)
+
+        assert grew("kvproto_late_params_total") == 1, grew("kvproto_late_params_total")
+        assert grew("kvproto_params_delay_seconds_count") == 1
+        assert hold <= grew("kvproto_params_delay_seconds_sum") < hold + 30.0
+        assert grew("kvproto_reads_total") == 1 and \
+            metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
+            metric(d0, "kvproto_reads_total", outcome="done:pulled") == 1
+        log = (stack.workdir / "D.log").read_text(errors="replace")
+        assert "beyond max_delay 0.67 s" in log, "no late-params line in D's log"
+
+    with stack.explained():
+        asyncio.run(run())
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_partial_prefix_hit_through_router(stack: Stack) -> None:
     """Prefix caching on both servers: D, whose prefix cache holds a prefix Y (it served
     Y + x itself), reads only the blocks after its hit when a request Y + y comes through

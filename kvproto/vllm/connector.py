@@ -406,7 +406,8 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
                 self.psched = PScheduler(self.opts, self.num_blocks)
             if self.opts.consumer:
                 self.dsched = DScheduler(self.block_size, self.load_failure_policy,
-                                         [g.block_size for g in self.groups] or None)
+                                         [g.block_size for g in self.groups] or None,
+                                         max_delay_ms=self.opts.config.ms.max_delay)
         log.info("kvproto connector (%s, %s) for engine %s, data-parallel rank %d, "
                  "kv_load_failure_policy %s, KV cache groups %s", role.name.lower(),
                  self.opts.role, self.engine_id, self.dp_rank, self.load_failure_policy,

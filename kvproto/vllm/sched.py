@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import PurePath
@@ -265,6 +266,9 @@ class RemoteParams:
     # Per KV cache group ``(skip, count)`` (kvproto.vllm.groups); None: one group.
     layout: tuple[tuple[int, int], ...] | None = None
     block_size: int | None = None  # P's block size (tokens); None: not given
+    # P's wall clock (Unix ms) when it issued the params; None: not given. A diagnostic
+    # only (the delivery delay D observes, ``DScheduler``), never an input to a decision.
+    issued_ms: int | None = None
 
     def groups(self) -> list[list[int]]:
         if self.layout is None:
@@ -327,8 +331,9 @@ def parse_remote_params(kv_params: Any, *, max_blocks: int = MAX_PARAM_BLOCKS) -
                         initial_term=term, expected=expected, group=group,
                         generations=tuple(gens), capability=cap)
     block_size = None if d.get("block_size") is None else _int(d, "block_size", 1, 1 << 20)
+    issued = None if d.get("issued_ms") is None else _int(d, "issued_ms", 0, 1 << 53)
     layout = _layout(d.get("groups"), len(blocks))
-    return RemoteParams(tp, host, port, num_tokens, layout, block_size)
+    return RemoteParams(tp, host, port, num_tokens, layout, block_size, issued)
 
 
 def _layout(v: Any, nblocks: int) -> tuple[tuple[int, int], ...] | None:
@@ -399,6 +404,11 @@ class AdmitOrder:
     # The per-rank params as the client sent them (kvproto.vllm.topology.RANKS_KEY),
     # validated by each D rank (kvproto.vllm.topology.rank_admit); None: P runs TP 1.
     ranks: Any = None
+    # How long the params took from P's issue to D's admit (ms, the two wall clocks; None:
+    # P gave no issue time), and whether that is beyond max_delay: a diagnostic for the
+    # worker's metrics, never an input to a decision.
+    delay_ms: int | None = None
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -453,6 +463,7 @@ class PScheduler:
         self._orders: list[RegisterOrder] = []
         self.held: dict[str, int] = {}  # request id -> handle, until finished_sending
         self.counters: dict[str, int] = {}
+        self.wall = time.time  # the params' issue time (a diagnostic for D: issued_ms)
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -497,7 +508,8 @@ class PScheduler:
                             initial_term=self.options.config.ms.initial_lease,
                             expected=expected, group=group, generations=gens,
                             capability=cap)
-        return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens, extra)
+        return encode_remote_params(tp, self.peer.host, self.peer.port, num_tokens,
+                                    {**(extra or {}), "issued_ms": int(self.wall() * 1000)})
 
     def finished_groups(self, request_id: str, block_ids: Sequence[Sequence[int]],
                         num_tokens: int, kv_params: Mapping[str, Any] | None,
@@ -550,10 +562,20 @@ class DScheduler:
     fails at once, so that vLLM ends it with an error (the connector names its blocks
     as load errors and the request as a failed receive). A full local prefix hit and a
     second request carrying a handle already in use (vLLM's n>1 children share their
-    parent's params) are not failures: they prefill locally under either policy."""
+    parent's params) are not failures: they prefill locally under either policy.
+
+    Late params (a diagnostic): params that carry P's issue time (``issued_ms``, P's wall
+    clock) and reach ``new_request`` more than ``max_delay_ms`` later by D's wall clock
+    are counted (``late_params``) and logged at the 1st, 2nd, 4th, 8th... occurrence. The
+    protocol assumes params arrive within ``max_delay`` (D ages P's initial term by it),
+    so late ones may lose their lease on D and be recomputed (never served stale: P's
+    gate and stamps still hold). The figure compares two hosts' wall clocks: it means
+    something only where those are synchronized well below ``max_delay``, and no decision
+    reads it."""
 
     def __init__(self, block_size: int, load_failure_policy: str = "recompute",
-                 group_block_sizes: list[int] | None = None) -> None:
+                 group_block_sizes: list[int] | None = None,
+                 max_delay_ms: int | None = None) -> None:
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kvproto: kv_load_failure_policy must be one of "
                              f"{LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
@@ -566,9 +588,30 @@ class DScheduler:
         self.pulling: dict[tuple[str, int, int], str] = {}
         self._orders = Orders()
         self.counters: dict[str, int] = {}
+        self.max_delay_ms = max_delay_ms
+        self.wall = time.time
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _delay(self, request_id: str, rp: RemoteParams) -> tuple[int | None, bool]:
+        """The params' delivery delay (ms) and whether it exceeds ``max_delay_ms``."""
+        if rp.issued_ms is None:
+            return None, False
+        delay = int(self.wall() * 1000) - rp.issued_ms
+        late = self.max_delay_ms is not None and delay > self.max_delay_ms
+        if late:
+            self._count("late_params")
+            n = self.counters["late_params"]
+            if n & (n - 1) == 0:
+                log.warning("kvproto: transfer params of %s reached D %.2f s after P issued "
+                            "them, beyond max_delay %.2f s (%d late so far; wall clocks of "
+                            "P's and D's hosts): D's lease estimate runs ahead of P's "
+                            "deadline, so such requests may lose their lease and be "
+                            "recomputed; set max_delay to the real worst delay from P's "
+                            "answer to D's engine, router included", request_id,
+                            delay / 1000, (self.max_delay_ms or 0) / 1000, n)
+        return delay, late
 
     def state(self, request_id: str) -> str | None:
         r = self.reqs.get(request_id)
@@ -590,6 +633,7 @@ class DScheduler:
             if self.fail:
                 self.reqs[request_id] = (S_FAILED, None)
             return
+        delay_ms, late = self._delay(request_id, rp)
         why = self._refusal(rp)
         if why:
             # Different block sizes or groups: P's blocks do not map onto D's. Refused
@@ -609,7 +653,7 @@ class DScheduler:
         self.pulling[key] = request_id
         self.reqs[request_id] = (S_ADMITTED, rp)
         self._orders.admits.append(AdmitOrder(request_id, rp.params, rp.host, rp.port,
-                                               kv_params.get("kvproto_tp")))
+                                               kv_params.get("kvproto_tp"), delay_ms, late))
 
     def _refusal(self, rp: RemoteParams) -> tuple[str, str] | None:
         """(counter reason, one line) when P's blocks cannot map onto D's, else None."""

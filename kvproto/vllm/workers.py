@@ -323,6 +323,7 @@ class DWorker(_Polled):
         from kvproto.nixl.consumer import ConsumerAdapter
 
         self.opts = opts
+        self.metrics = metrics
         self.outcome = "failing it (kv_load_failure_policy fail)" if fail \
             else "prefilling locally"
         hook = None
@@ -395,6 +396,8 @@ class DWorker(_Polled):
         a = self.adapter
         for ad in orders.admits:
             rid = ad.request_id
+            if ad.delay_ms is not None and self.metrics is not None:
+                self.metrics.params_delay(ad.delay_ms / 1000, ad.late)
             try:
                 plan = self.reads.plan(ad)
             except (TopologyUnsupported, ParamsError) as e:
