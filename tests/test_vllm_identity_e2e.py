@@ -7,7 +7,9 @@ Three engine starts: P on a directory holding A (then replaced in place by B, as
 rolling update would: new files renamed over the old ones), D2 on another directory
 holding B (case "two paths"), and D1 started on P's directory after the replacement
 (case "same path"). The reference outputs of each model come from the engines
-themselves, as single engines: plain requests without transfer params.
+themselves, as single engines: plain requests without transfer params. P, whose
+handshake D refused, is never told that D will not read: it frees each request once, by
+its lease.
 """
 
 from __future__ import annotations
@@ -86,8 +88,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def _check_refused(fleet: Fleet, d: h.Engine, tag: str) -> None:
     prompts = {f"{k}-{tag}": v for k, v in PROMPTS.items()}
+    baseline = int(fleet.p.stats()["free_blocks"])
     before_d, before_p = d.connector_stats(), fleet.p.connector_stats()
     res = h.PD(fleet.p, d).run(prompts, max_tokens=MAX_TOKENS)
+    # D never handshook, so it cannot release: P frees each request by its lease, once
+    ok, _, _ = sc.wait_free(fleet.p, baseline, 4 * sc.LEASE + 30.0)
+    assert ok and int(fleet.p.stats()["free_blocks"]) == baseline, fleet.p.stats()
     after_d, after_p = d.connector_stats(), fleet.p.connector_stats()
     for k in PROMPTS:
         r = res[f"{k}-{tag}"]
@@ -100,6 +106,9 @@ def _check_refused(fleet: Fleet, d: h.Engine, tag: str) -> None:
     assert delta(before_d, after_d, "model_mismatches") >= 1, after_d
     assert delta(before_d, after_d, "reads_ok") == 0, after_d
     assert delta(before_p, after_p, "model_mismatches") >= 1, after_p
+    frees = {k: delta(before_p, after_p, k) for k in after_p if k.startswith("frees_")}
+    assert frees.get("frees_expired") == len(PROMPTS), frees
+    assert sum(frees.values()) == len(PROMPTS), frees
     log = Path(d.spec.log_path or "").read_text(errors="replace")
     line = next((x for x in log.splitlines() if "model_mismatch" in x), "")
     assert "1 identity field(s) differ: weights: P has 'sha256:" in line, line
