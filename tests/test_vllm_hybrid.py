@@ -255,6 +255,7 @@ def test_block_size_ratio_is_refused_and_recomputed(trio: Trio) -> None:
     (d,) = h.start_engines([d64])
     try:
         pair = h.PD(pd.p, d)
+        p0 = trio.worker(pd.p)
         for rid, prompt in RATIO.items():
             r = pd.prefill(rid, prompt)
             assert r.kv_transfer_params["kvproto"]["block_size"] == BS  # type: ignore[index]
@@ -271,5 +272,10 @@ def test_block_size_ratio_is_refused_and_recomputed(trio: Trio) -> None:
         assert _num(wst, "reads_ok") == 0 and _num(wst, "read_blocks") == 0, wst
         log = Path(d64.log_path or "").read_text()
         assert "P's block size is 32 tokens, D's 64" in log
+        # refused before any admit (no handshake): P frees each by its lease, once
+        p1 = trio.wait_worker(pd.p, "frees_expired", _num(p0, "frees_expired") + len(RATIO))
+        frees = {k: _num(p1, k) - _num(p0, k) for k in p1 if k.startswith("frees_")}
+        assert frees.get("frees_expired") == len(RATIO) and \
+            sum(frees.values()) == len(RATIO), frees
     finally:
         d.close()
