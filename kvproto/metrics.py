@@ -24,6 +24,8 @@ Metric names (each with the constant labels):
 * ``kvproto_stranded_block_seconds_total``: P blocks x seconds held by requests that were
   freed by expiry or abort (nobody pulled them), from registration to the free;
 * ``kvproto_held_blocks``, ``kvproto_held_requests``: P's current holdings;
+  ``kvproto_held_tokens``: the prompt tokens whose KV they hold (the vLLM connector: the
+  KV pinned for pending transfers, in tokens);
 * ``kvproto_rejections_total{reason}``: bad or stale input, counted and dropped;
 * ``kvproto_heartbeats_total``: heartbeat messages (P: received and handled by the
   ledger; D: sent); ``kvproto_heartbeat_ids_total``: request ids they carried;
@@ -160,6 +162,8 @@ class Metrics:
                                "how late the last tick ran after its earliest due deadline")
         self._held_blocks = gauge("held_blocks", "blocks P holds now")
         self._held_requests = gauge("held_requests", "requests P holds now")
+        self._held_tokens = gauge("held_tokens", "prompt tokens whose KV P holds for D now "
+                                  "(the vLLM connector)")
         self._in_flight = gauge("reads_in_flight", "D READs not finished yet")
         dh = family(Histogram, "params_delay_seconds", "D: transfer params' delay from P's "
                     "issue to D's admit (wall clocks of both hosts)", None,
@@ -209,6 +213,10 @@ class Metrics:
         """Held blocks and requests, read at scrape time (no per-event cost)."""
         self._held_blocks.set_function(blocks)
         self._held_requests.set_function(requests)
+
+    def track_tokens(self, tokens: Callable[[], float]) -> None:
+        """Held prompt tokens, read at scrape time (the vLLM connector knows them)."""
+        self._held_tokens.set_function(tokens)
 
     # -- D and the connector ----------------------------------------------------------------
     def fenced(self) -> None:

@@ -116,6 +116,7 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         pr.ds.new_request("r1", params)
         pr.step()  # admit (heartbeats start, handshake) and register
         assert pr.p.adapter.check_invariants() == []  # holding, with vLLM's allocator
+        assert pr.p.counters()["held_tokens"] == 12  # the prompt's tokens, held for D
         assert pr.ds.matched_tokens("r1", 12, 4) == (8, True)  # one block is local already
         pr.ds.allocated("r1", [9, 2, 11], local_prefix_blocks=1, num_external_tokens=8)
         pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
@@ -124,6 +125,7 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
             assert torch.equal(dk[9], pk[5]) and torch.equal(dk[2], pk[7])
             assert not dk[11].any() and not dk[3].any()
         assert pr.p.adapter.ledger.frees["transferred"] == 1
+        assert pr.p.counters()["held_tokens"] == 0
         # The free bumped the stamps before "r1" was reported, and the mirror follows.
         assert [pr.ps.mirror[b] for b in (3, 5, 7)] == [1, 1, 1]
         assert pr.p.adapter.check_invariants() == []

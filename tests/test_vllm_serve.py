@@ -293,12 +293,18 @@ async def engines_idle(st: Stack) -> dict[str, float] | None:
     pv, dv = await scrape(st.p_url + "/metrics"), await scrape(st.d_url + "/metrics")
     seen = {"p_held_blocks": metric(pm, "kvproto_held_blocks"),
             "p_held_requests": metric(pm, "kvproto_held_requests"),
+            "p_held_tokens": metric(pm, "kvproto_held_tokens"),
             "d_reads_in_flight": metric(dm, "kvproto_reads_in_flight"),
             "d_held_blocks": metric(dm, "kvproto_held_blocks"),
             **{f"{e}_{k}": metric(v, f"vllm:{k}") for e, v in (("p", pv), ("d", dv))
                for k in ("num_requests_running", "num_requests_waiting",
                          "kv_cache_usage_perc")}}
     return None if any(seen.values()) else seen
+
+
+async def _held_tokens(st: Stack) -> float:
+    """P's held prompt tokens (its metrics_port); 0 when it holds nothing."""
+    return metric(await scrape(st.p_metrics), "kvproto_held_tokens")
 
 
 def _check_reference(st: Stack, outs: list[tuple[list[int], str]], who: str) -> None:
@@ -645,7 +651,8 @@ def test_chat_completions_through_router(stack: Stack) -> None:
 @needs_vllm
 def test_late_params_are_measured_on_d(stack: Stack) -> None:
     """The router holds P's params 2 s before it asks D (its test hold), beyond
-    ``max_delay`` (0.67 s here): D's metrics show the delay (``kvproto_params_delay_
+    ``max_delay`` (0.67 s here). Meanwhile P's ``kvproto_held_tokens`` shows the prompt's
+    tokens pinned for D (then 0 again, with every other idle check). D's metrics show the delay (``kvproto_params_delay_
     seconds``) and count the params late (``kvproto_late_params_total``), and the log says
     to raise ``max_delay``. Within the lease the request is still pulled, token for token."""
     hold = 2.0
@@ -654,9 +661,13 @@ def test_late_params_are_measured_on_d(stack: Stack) -> None:
         d0 = await scrape(stack.d_metrics)
         c = client(stack.r_url)
         try:
-            r = await complete(c, COR[4], stream=False, hold=hold)
+            ask = asyncio.create_task(complete(c, COR[4], stream=False, hold=hold))
+            # while the router holds the params, P holds the prompt's KV for D
+            held = await until(lambda: _held_tokens(stack), hold + 30.0, "P holds the KV")
+            r = await ask
         finally:
             await c.close()
+        assert held == len(COR[4]), (held, len(COR[4]))
         assert r.tokens == stack.ref[4], (r.tokens, stack.ref[4])
         d1 = await scrape(stack.d_metrics)
 

@@ -576,6 +576,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         c = self.kvproto_stats(invariants=False)
         c.pop("held_requests", None)  # levels, not counters
         c.pop("held_blocks", None)
+        c.pop("held_tokens", None)
         c.pop("kv_cache_groups", None)
         return self._delta.take(c)
 

@@ -391,6 +391,7 @@ class RegisterOrder:
     # completed (never an earlier chunk of a chunked prefill). P's gate refuses a
     # register without it.
     ready: bool = False
+    tokens: int = 0  # the prompt tokens whose KV the blocks hold (held-tokens gauge)
 
 
 @dataclass(frozen=True)
@@ -499,7 +500,7 @@ class PScheduler:
         group = sibling_group(request_id, kv_params, self.options.group_siblings)
         expected = self.options.expected_readers
         self._orders.append(RegisterOrder(request_id, handle, tuple(blocks), group, expected,
-                                          gens, ready))
+                                          gens, ready, num_tokens))
         self.held[request_id] = handle
         cap = capability(self.peer.cap_key, self.peer.engine, self.peer.epoch, handle) \
             if len(self.peer.cap_key) >= 16 else ""

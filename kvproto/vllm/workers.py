@@ -172,7 +172,10 @@ class PWorker(_Polled):
                                         flush_every=opts.journal_flush_every)
         self.finished_sending: set[str] = set()
         self.stamps: dict[int, int] = {}
-        self._reg_at: dict[int, tuple[int, int]] = {}  # handle -> (ms, blocks)
+        # handle -> (ms, blocks, tokens) of every request the ledger holds; size: the
+        # ledger's held requests (an entry leaves at the request's Free)
+        self._reg_at: dict[int, tuple[int, int, int]] = {}
+        self.held_tokens = 0  # prompt tokens whose KV the ledger holds now
         self.stranded = 0.0
         self.adapter: ProducerAdapter = ProducerAdapter(
             name, opts.config, num_blocks=num_blocks, block_bytes=1,
@@ -183,6 +186,8 @@ class PWorker(_Polled):
             metrics=metrics, identity=identity, handshake_thread=True, tp_rank=tp[0],
             tp_size=tp[1])
         self._gen = self.adapter.region.gen
+        if metrics is not None:
+            metrics.track_tokens(lambda: self.held_tokens)
         self.idle_wait_s = opts.idle_wait_ms / 1000.0
         self.steps = 0  # worker steps (get_finished calls)
         self.idle_waits = 0  # of those, steps that waited
@@ -203,8 +208,10 @@ class PWorker(_Polled):
                 for b, g in zip(e.reclaimed, gens, strict=True):
                     self.stamps[b] = int(g)
             t = self._reg_at.pop(e.handle, None)
-            if t is not None and e.reason in ("expired", "aborted"):
-                self.stranded += (now - t[0]) / 1000 * t[1]
+            if t is not None:
+                self.held_tokens -= t[2]
+                if e.reason in ("expired", "aborted"):
+                    self.stranded += (now - t[0]) / 1000 * t[1]
 
     def apply(self, orders: Orders) -> None:
         with self.lock:
@@ -213,9 +220,17 @@ class PWorker(_Polled):
     def _apply(self, orders: Orders) -> None:
         a = self.adapter
         for o in orders.registers:
+            # Recorded before the register: a register can free at once (dones staged
+            # before it), and the Free's observer then removes the entry.
+            new = o.handle not in self._reg_at
+            if new:
+                self._reg_at[o.handle] = (now_ms(a.clock), len(o.blocks), o.tokens)
+                self.held_tokens += o.tokens
             tp = a.register(o.request_id, list(o.blocks), group=o.group, expected=o.expected,
                             handle=o.handle, ready=o.ready)
             if a.ledger.state(o.handle) == UNREGISTERED:
+                if new and self._reg_at.pop(o.handle, None) is not None:
+                    self.held_tokens -= o.tokens
                 # Rejected: the ledger holds nothing, so vLLM may free the blocks now. The
                 # adapter bumped their stamps (D may already hold params for them); the
                 # mirror learns the new stamps before vLLM frees the blocks.
@@ -226,7 +241,6 @@ class PWorker(_Polled):
                     self.stamps[b] = int(g)
                 self.finished_sending.add(o.request_id)
                 continue
-            self._reg_at.setdefault(o.handle, (now_ms(a.clock), len(o.blocks)))
             if tp is not None and tp.generations != o.generations:
                 # The scheduler's snapshot lagged a bump: D's stamp check will fence it.
                 a._count("stale_stamp_snapshot")
@@ -293,6 +307,7 @@ class PWorker(_Polled):
         c["poller_errors"] = float(self.poller_errors)
         c["held_requests"] = float(led.held_requests)
         c["held_blocks"] = float(led.pool.held_count)
+        c["held_tokens"] = float(self.held_tokens)
         return c
 
     def close(self) -> None:
