@@ -55,7 +55,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     wd = tmp_path_factory.mktemp("fenced_read")
     model = str(h.build_tiny_model(wd / "model").path)
     kw = sc.kvproto_extras(str(wd), LEASE, tag="f")
-    kw["d_extra"] = {**kw["d_extra"], "test_stall_post_s": STALL}
+    # D's READ deadline (max_read_time + read_grace) runs from when D queued the READ,
+    # before the stall: a grace longer than the stall keeps the READ from going overdue
+    # (quarantined, read_timeout) before it lands, the case under test being the landing
+    d_lease = {**sc.lease_config(LEASE), "read_grace": STALL + 60.0}
+    kw["d_extra"] = {**kw["d_extra"], "lease": d_lease, "test_stall_post_s": STALL}
     p_spec, d_rec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="f",
                                p_kv_bytes=P_KV_BYTES, **kw)
     d_rec.prefix_caching = True
@@ -63,7 +67,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                            **sc.kvproto_extras(str(wd), LEASE, tag="ff"))
     ktc = dict(d_fail.kv_transfer_config or {})
     ktc["kv_load_failure_policy"] = "fail"
-    ktc["kv_connector_extra_config"] = {**ktc["kv_connector_extra_config"],
+    ktc["kv_connector_extra_config"] = {**ktc["kv_connector_extra_config"], "lease": d_lease,
                                         "test_stall_post_s": STALL}
     d_fail.kv_transfer_config = ktc
     d_fail.prefix_caching = True
