@@ -135,6 +135,18 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         pr.close()
 
 
+def _waiting(pr: Pair) -> tuple[Any, int, int]:
+    """Request "r1" (two blocks, 8 tokens) prefilled on P and admitted on D until D waits
+    to read it: P's ledger, the request's handle and its deadline there."""
+    params = pr.prefill("r1", [3, 5], 8)
+    pr.ds.new_request("r1", params)
+    pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
+    led = pr.p.adapter.ledger
+    with pr.p.lock:
+        (h,) = led.snapshot()
+        return led, h, led.snapshot()[h][4]
+
+
 @pytest.mark.parametrize("gap_ms", [50.0, 0.0], ids=["poller", "engine_thread_only"])
 def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> None:
     """P's engine thread stops calling the worker (a long forward pass, a starved engine
@@ -145,13 +157,7 @@ def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: flo
     (``poll_gap_ms`` 0), nothing answers: D gives the request up (``lease_lost``)."""
     pr = Pair(poll_gap_ms=gap_ms)
     try:
-        params = pr.prefill("r1", [3, 5], 8)
-        pr.ds.new_request("r1", params)
-        pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
-        led = pr.p.adapter.ledger
-        with pr.p.lock:
-            (h,) = led.snapshot()
-            first = led.snapshot()[h][4]
+        led, h, first = _waiting(pr)
         # D alone steps, past the point where an unrenewed lease can no longer cover a
         # READ: initial term - max_delay - (max_read_time + clock_drift) = 1.7 s
         away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
@@ -187,13 +193,7 @@ def test_d_poller_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> N
     D, back, gives the request up (``lease_lost``): it is recomputed."""
     pr = Pair(poll_gap_ms=gap_ms)
     try:
-        params = pr.prefill("r1", [3, 5], 8)
-        pr.ds.new_request("r1", params)
-        pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
-        led = pr.p.adapter.ledger
-        with pr.p.lock:
-            (h,) = led.snapshot()
-            first = led.snapshot()[h][4]
+        led, h, first = _waiting(pr)
         # P alone steps, past the initial lease D would have to renew
         away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
         while time.monotonic() < away:

@@ -307,6 +307,20 @@ async def _held_tokens(st: Stack) -> float:
     return metric(await scrape(st.p_metrics), "kvproto_held_tokens")
 
 
+async def _pulled_and_freed(st: Stack, d0: dict[Any, float], p0: dict[Any, float],
+                            what: str) -> tuple[float, dict[str, float]]:
+    """Once both engines are idle: the requests D pulled since its scrape ``d0``, and
+    P's frees by reason since ``p0``."""
+    await until(lambda: engines_idle(st), FREE_BOUND, f"P and D idle {what}")
+    d1, p1 = await scrape(st.d_metrics), await scrape(st.p_metrics)
+    pulled = metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
+        metric(d0, "kvproto_reads_total", outcome="done:pulled")
+    freed = {r: metric(p1, "kvproto_frees_total", reason=r)
+             - metric(p0, "kvproto_frees_total", reason=r)
+             for r in ("transferred", "expired", "released")}
+    return pulled, freed
+
+
 def _check_reference(st: Stack, outs: list[tuple[list[int], str]], who: str) -> None:
     for i, (toks, text) in enumerate(outs):
         assert toks == st.ref[i], f"{who}: prompt {i} ({len(COR[i])} tokens): {toks} != " \
@@ -586,13 +600,7 @@ def test_parallel_sampling_through_router(stack: Stack) -> None:
         d0, p0 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
         got = await ask(stack.r_url)
         assert got == ref, (got, ref)
-        await until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle after n=2")
-        d1, p1 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
-        pulled = metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
-            metric(d0, "kvproto_reads_total", outcome="done:pulled")
-        freed = {r: metric(p1, "kvproto_frees_total", reason=r)
-                 - metric(p0, "kvproto_frees_total", reason=r)
-                 for r in ("transferred", "expired", "released")}
+        pulled, freed = await _pulled_and_freed(stack, d0, p0, "after n=2")
         assert pulled == 1, pulled
         assert freed == {"transferred": 1, "expired": 0, "released": 0}, freed
 
@@ -633,13 +641,7 @@ def test_chat_completions_through_router(stack: Stack) -> None:
         for stream in (False, True):
             got = await ask(stack.r_url, stream)
             assert got.split() == ref.split(), (stream, got, ref)
-        await until(lambda: engines_idle(stack), FREE_BOUND, "P and D idle after chat")
-        d1, p1 = await scrape(stack.d_metrics), await scrape(stack.p_metrics)
-        pulled = metric(d1, "kvproto_reads_total", outcome="done:pulled") - \
-            metric(d0, "kvproto_reads_total", outcome="done:pulled")
-        freed = {r: metric(p1, "kvproto_frees_total", reason=r)
-                 - metric(p0, "kvproto_frees_total", reason=r)
-                 for r in ("transferred", "expired", "released")}
+        pulled, freed = await _pulled_and_freed(stack, d0, p0, "after chat")
         assert pulled == 2, pulled
         assert freed == {"transferred": 2, "expired": 0, "released": 0}, freed
 
@@ -652,9 +654,9 @@ def test_chat_completions_through_router(stack: Stack) -> None:
 def test_late_params_are_measured_on_d(stack: Stack) -> None:
     """The router holds P's params 2 s before it asks D (its test hold), beyond
     ``max_delay`` (0.67 s here). Meanwhile P's ``kvproto_held_tokens`` shows the prompt's
-    tokens pinned for D (then 0 again, with every other idle check). D's metrics show the delay (``kvproto_params_delay_
-    seconds``) and count the params late (``kvproto_late_params_total``), and the log says
-    to raise ``max_delay``. Within the lease the request is still pulled, token for token."""
+    tokens pinned for D (then 0 again, with every other idle check). D's metrics show the
+    delay (``kvproto_params_delay_seconds``) and count the params late
+    (``kvproto_late_params_total``), and the log says to raise ``max_delay``. Within the lease the request is still pulled, token for token."""
     hold = 2.0
 
     async def run() -> None:
