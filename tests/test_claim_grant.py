@@ -271,12 +271,23 @@ def test_the_gate_answers_claims_and_d_reads_only_after_the_grant() -> None:
     for i, d in enumerate((d1, d2)):
         d.handshake_result("P0", True, 0)
         assert d.admit(f"r{i}", _params(1, cap=cap), 0) == [SendClaim(f"r{i}", "P0", 1, cap)]
+    # D1 claims before P's worker registered the handle (D can hold the params first):
+    # bound, but answered only at the register, so D never reads blocks the ledger does
+    # not hold (nor before the readiness mark and the checksums of the register)
     out = p_receive(gate, "D1", encode_claim(7, 1, cap), 1, known=True, epoch=7,
                     max_bytes=1 << 16, consumer="D1")
-    assert out == [ClaimAnswer("D1", 1, True)] and gate.consumer(1) == "D1"
+    assert out == [] and gate.consumer(1) == "D1"
+    assert gate.counters["claim_before_register"] == 1
     out2 = p_receive(gate, "D2", encode_claim(7, 1, cap), 2, known=True, epoch=7,
                      max_bytes=1 << 16, consumer="D2")
     assert ClaimAnswer("D2", 1, False) in out2 and gate.counters["foreign_consumer"] == 1
+    reg = gate.register(1, "r", [0, 1], 2, ready=True, expected=1)
+    assert reg == [ClaimAnswer("D1", 1, True)], reg
+    assert gate.register(2, "s", [2], 2, ready=True, expected=1) == []  # nothing owed
+    # a claim of a registered handle is answered at once
+    out3 = p_receive(gate, "D1", encode_claim(7, 2, gate.capability(2)), 2, known=True,
+                     epoch=7, max_bytes=1 << 16, consumer="D1")
+    assert out3 == [ClaimAnswer("D1", 2, True)], out3
     # D's ports: D1 may read now, D2 fails without reading or releasing
     got = d_receive(d1, "P0", encode_grant(7, 1, True), 3, known=True, epoch=7,
                     max_bytes=1 << 16)

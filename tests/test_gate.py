@@ -201,7 +201,7 @@ GATE_CFG = """CONSTANTS
     BugReadBeforeGrant = FALSE
 INIT Init
 NEXT Next
-INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed
+INVARIANT GateTypeOK NoFreeUnderRead ReadinessHolds NeverToldAtOnce OneConsumerServed NoGrantBeforeRegister
     OnlyHoldersBind
 """
 

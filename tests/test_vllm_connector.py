@@ -135,6 +135,42 @@ def test_worker_halves_pull_a_suffix_into_engine_blocks_and_free_on_done() -> No
         pr.close()
 
 
+def test_a_claim_before_the_register_is_granted_at_the_register() -> None:
+    """D can hold P's params before P's worker registers them (the scheduler hands them
+    out when the request finishes; the worker registers at its next step), and P answers
+    claims between steps (its poller). A claim that arrives first is bound but answered
+    only at the register: D does not read before it, so the READ finds the checksums
+    the register seals (with checksums on), verifies, and is served."""
+    pr = Pair(checksums=True)
+    try:
+        params = pr.prefill("r1", [3, 5], 8)
+        pr.ds.new_request("r1", params)
+        admits = pr.ds.drain()
+        regs = pr.ps.drain()
+        pr.d.apply(admits)  # D admits and claims; P's worker has not registered yet
+        end = time.monotonic() + 1.0  # well within the lease: D does not give up
+        while time.monotonic() < end:  # P answers between steps, the register to come
+            pr.p.poll()
+            pr.d.poll()
+            time.sleep(0.002)
+        # D got no grant: it is still claiming, its claim bound and waiting on P
+        assert pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "claiming"
+        assert pr.p.adapter.gate.counters.get("claim_before_register") == 1
+        o = Orders()
+        o.registers = regs
+        pr.p.apply(o)  # the register: seals the checksums, and grants the claim
+        pr.pump(lambda: pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "waiting")
+        assert pr.ds.matched_tokens("r1", 8, 0) == (8, True)
+        pr.ds.allocated("r1", [9, 2], local_prefix_blocks=0, num_external_tokens=8)
+        pr.pump(lambda: "r1" in pr.recv and "r1" in pr.sent)
+        st = pr.d.counters()
+        assert pr.invalid == set() and st["reads_ok"] == 1, st
+        assert st["checksum_failures"] == 0 and st["checksum_verified_blocks"] == 2, st
+        assert pr.p.adapter.ledger.frees["transferred"] == 1
+    finally:
+        pr.close()
+
+
 def _waiting(pr: Pair) -> tuple[Any, int, int]:
     """Request "r1" (two blocks, 8 tokens) prefilled on P and admitted on D until D waits
     to read it: P's ledger, the request's handle and its deadline there."""

@@ -13,12 +13,16 @@
 (*   pstate[r]   the ledger, abstracted: "unregistered", "held", "freed"   *)
 (*               (leases are KVLifecycle's: here only a done frees)        *)
 (*   cstate[p]   consumer p[2]'s view of request p[1]: "waiting" (holds    *)
-(*               the params), "granted" (the gate let its claim through),  *)
-(*               "reading", "done", "failed" (refused or told: recompute)  *)
+(*               the params), "claimed" (its claim bound the handle before *)
+(*               the register: answered at the register), "granted" (the  *)
+(*               gate let its claim through), "reading", "done", "failed"  *)
+(*               (refused or told: recompute)                              *)
 (*   told        GHOST: pairs told by a never-registered notice            *)
 (*   untold      GHOST: pairs owed a notice that Abandon did not send      *)
-(* A consumer posts its READ only after the gate granted its claim, so     *)
-(* NoFreeUnderRead holds per claimant.                                     *)
+(* A consumer posts its READ only after the gate granted its claim, and   *)
+(* the gate grants a claim only while the ledger holds the handle (a claim *)
+(* of an unregistered one is answered at the register), so NoFreeUnderRead *)
+(* holds per claimant.                                                     *)
 (*                                                                         *)
 (* REFUSALS, row for row: register/unready and register/never change       *)
 (* nothing (GateRegister's stuttering cases); present/bad_capability (a    *)
@@ -67,7 +71,10 @@ GateRegister(r) ==
     /\ CASE gstate[r] = "never" -> UNCHANGED vars                        \* register/never
          [] written[r] = Chunks \/ BugRegisterUnready ->                  \* register/ready
               /\ pstate' = [pstate EXCEPT ![r] = "held"]
-              /\ UNCHANGED <<written, aborted, gstate, bound, cstate, told, untold>>
+              \* the claim that bound r before its register is granted now
+              /\ cstate' = [p \in Pairs |-> IF p[1] = r /\ cstate[p] = "claimed"
+                                            THEN "granted" ELSE cstate[p]]
+              /\ UNCHANGED <<written, aborted, gstate, bound, told, untold>>
          [] OTHER -> UNCHANGED vars                                      \* register/unready
 
 (* mirrors Gate.present for a claim: rows present/first (bind), present/bad_capability
@@ -85,7 +92,9 @@ PresentOpen(r, c, full) ==
       [] OTHER ->                                                      \* present/first
               /\ gstate' = [gstate EXCEPT ![r] = "bound"]
               /\ bound' = [bound EXCEPT ![r] = c]
-              /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "granted"]
+              \* answered at once when the ledger holds r, else at r's register
+              /\ cstate' = [cstate EXCEPT ![<<r, c>>] =
+                              IF pstate[r] = "unregistered" THEN "claimed" ELSE "granted"]
               /\ UNCHANGED told
 
 Present(r, c) ==
@@ -94,7 +103,9 @@ Present(r, c) ==
               \E full \in (IF MayBeFull THEN BOOLEAN ELSE {FALSE}) : PresentOpen(r, c, full)
          [] gstate[r] = "bound" ->
               /\ cstate' = [cstate EXCEPT ![<<r, c>>] =
-                              IF bound[r] = c \/ BugSkipBinding THEN "granted" ELSE "failed"]
+                              IF bound[r] = c \/ BugSkipBinding
+                              THEN IF pstate[r] = "unregistered" THEN "claimed" ELSE "granted"
+                              ELSE "failed"]
               /\ UNCHANGED <<gstate, bound, told>>
          [] gstate[r] = "never" ->
               /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
@@ -102,8 +113,10 @@ Present(r, c) ==
               /\ UNCHANGED <<gstate, bound>>
     /\ UNCHANGED <<written, aborted, pstate, untold>>
 
-(* The consumer posts its READ once granted, while the ledger holds the blocks (D's
-   claiming state: KVConsumer's ReadOnlyGranted). The bug reads without the grant. *)
+(* The consumer posts its READ once granted (D's claiming state: KVConsumer's
+   ReadOnlyGranted), while the ledger holds the blocks: the gate grants no claim before
+   the register (NoGrantBeforeRegister); a READ of blocks freed since is KVLifecycle's
+   (stamps fence it). The bug reads without the grant. *)
 Read(r, c) ==
     /\ cstate[<<r, c>>] = "granted" \/ (BugReadBeforeGrant /\ cstate[<<r, c>>] = "waiting")
     /\ pstate[r] = "held"
@@ -132,7 +145,7 @@ Done(r, c) ==
    (present/never) or a freed one (the ledger's refusal): a refused heartbeat fails that
    consumer (refused in its ack, D's ack/refused row). *)
 Release(r, c) ==
-    /\ cstate[<<r, c>>] \in {"waiting", "granted", "failed"}
+    /\ cstate[<<r, c>>] \in {"waiting", "claimed", "granted", "failed"}
     /\ pstate[r] # "unregistered"  \* one before register is staged: KVLifecycle's business
     /\ cstate' = [cstate EXCEPT ![<<r, c>>] = "failed"]
     /\ IF (gstate[r] = "open" \/ bound[r] = c \/ BugSkipBinding) /\ pstate[r] = "held"
@@ -160,10 +173,12 @@ Abandon(r) ==
            to == IF claimed THEN {<<r, bound[r]>>}
                  ELSE IF BugNoNeverNotice THEN {} ELSE {r} \X Consumers
            owed == {p \in {r} \X Consumers :
-                      cstate[p] \in (IF claimed THEN {"granted"} ELSE {"waiting", "granted"})}
+                      cstate[p] \in (IF claimed THEN {"claimed", "granted"}
+                                     ELSE {"waiting", "claimed", "granted"})}
        IN  /\ told' = told \cup to
            /\ untold' = untold \cup (owed \ to)
-           /\ cstate' = [p \in Pairs |-> IF p \in to /\ cstate[p] \in {"waiting", "granted"}
+           /\ cstate' = [p \in Pairs |-> IF p \in to /\ cstate[p] \in {"waiting", "claimed",
+                                                                    "granted"}
                                          THEN "failed" ELSE cstate[p]]
     /\ aborted' = [aborted EXCEPT ![r] = TRUE]
     /\ gstate' = [gstate EXCEPT ![r] = "never"]
@@ -200,11 +215,16 @@ GateTypeOK ==
     /\ gstate \in [Requests -> {"open", "bound", "never"}]
     /\ bound \in [Requests -> Consumers \cup {"none"}]
     /\ pstate \in [Requests -> {"unregistered", "held", "freed"}]
-    /\ cstate \in [Pairs -> {"waiting", "granted", "reading", "done", "failed"}]
+    /\ cstate \in [Pairs -> {"waiting", "claimed", "granted", "reading", "done", "failed"}]
     /\ \A r \in Requests : (gstate[r] = "bound") = (bound[r] # "none")
 
 (* Per claimant: every consumer whose READ is in flight reads blocks the ledger holds. *)
 NoFreeUnderRead == \A p \in Pairs : cstate[p] = "reading" => pstate[p[1]] = "held"
+
+(* No consumer is granted a handle the ledger has not registered: a claim that binds
+   it earlier is answered at its register. *)
+NoGrantBeforeRegister ==
+    \A p \in Pairs : cstate[p] = "granted" => pstate[p[1]] # "unregistered"
 
 (* The ledger holds only requests whose every chunk was written. *)
 ReadinessHolds == \A r \in Requests : pstate[r] # "unregistered" => written[r] = Chunks

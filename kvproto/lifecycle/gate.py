@@ -45,7 +45,7 @@ from types import MappingProxyType
 from typing import Final
 
 from kvproto.lifecycle.producer import Ack, Effect, Free, Ledger, Rejected
-from kvproto.lifecycle.table import UNREGISTERED, TableError
+from kvproto.lifecycle.table import HELD_STATES, UNREGISTERED, TableError
 
 # Gate states of one handle. "open" is also the state of every handle the gate keeps no
 # record of (its capability is checked without one).
@@ -223,6 +223,11 @@ class Gate:
         # Invariant: handles abandoned (never registered), oldest first, none in _bound.
         # Cap: max_records together with _bound (the oldest evicted).
         self._never: OrderedDict[int, None] = OrderedDict()
+        # Invariant: handle -> the peer owed the answer to the bound consumer's claim, for
+        # bound handles the ledger has not registered yet: the grant goes out at the
+        # register (``register``), a never notice at the abandon. A subset of _bound's
+        # keys (its cap covers it).
+        self._pending: dict[int, str] = {}
         self.counters: dict[str, int] = {}
 
     @classmethod
@@ -269,12 +274,14 @@ class Gate:
             self._bound[handle] = consumer
         if row.dst == G_NEVER and row.src != G_NEVER:
             self._bound.pop(handle, None)
+            self._pending.pop(handle, None)  # the never notice answers the claim
             self._never[handle] = None
             while len(self._never) > 1 and len(self) > self.max_records:
                 self._never.popitem(last=False)
                 self.counters["never_evicted"] = self.counters.get("never_evicted", 0) + 1
         elif row.dst == G_OPEN and row.src == G_BOUND:
             self._bound.pop(handle, None)
+            self._pending.pop(handle, None)
         if row.notify:
             out.append(NeverNotice(handle, consumer))
         return row.passes
@@ -314,8 +321,11 @@ class Gate:
         if ready is True and handle not in self._never:
             st = G_BOUND if handle in self._bound else G_OPEN
             if self._REG_PASS[st]:  # a row that only lets the register through
-                return list(self.ledger.register(handle, request_id, blocks, now, group=group,
-                                                 expected=expected))
+                fx: list[GateEffect] = list(self.ledger.register(
+                    handle, request_id, blocks, now, group=group, expected=expected))
+                if self._pending:
+                    self._answer_pending(handle, fx)
+                return fx
         out: list[GateEffect] = []
         st = self.state(handle)
         guard = "never" if st == G_NEVER else ("ready" if ready is True else "unready")
@@ -327,7 +337,23 @@ class Gate:
             return out
         out += self.ledger.register(handle, request_id, blocks, now, group=group,
                                     expected=expected)
+        if self._pending:
+            self._answer_pending(handle, out)
         return out
+
+    def _answer_pending(self, handle: int, out: list[GateEffect]) -> None:
+        """After a register of ``handle``: answer the claim that waited for it. Granted
+        when the ledger now holds the handle and it is still bound; refused when the
+        register freed it at once (it cannot be read). A register the ledger rejected
+        leaves the claim waiting (the adapter abandons the handle: a never notice)."""
+        peer = self._pending.get(handle)
+        if peer is None:
+            return
+        st = self.ledger.state(handle)
+        if st == UNREGISTERED:
+            return
+        del self._pending[handle]
+        out.append(ClaimAnswer(peer, handle, handle in self._bound and st in HELD_STATES))
 
     def abandon(self, handle: int) -> list[GateEffect]:
         """Transfer params for ``handle`` were handed out but it will never be registered
@@ -344,6 +370,10 @@ class Gate:
         """The ledger freed ``handles`` (its ``Free`` effects): drop their bindings."""
         if self._FORGET_PASS:  # rows that only drop the binding (the hot path)
             pop = self._bound.pop
+            if self._pending:
+                handles = list(handles)
+                for h in handles:
+                    self._pending.pop(h, None)
             for h in handles:
                 pop(h, None)
             return
@@ -360,7 +390,12 @@ class Gate:
     # in its ack, so that consumer fails the request at once). A heartbeat about a
     # never-registered handle is refused in its ack too (row present/never).
     # The claim is answered (``ClaimAnswer`` to the sending ``peer``): D posts its READ
-    # only once granted, so only the bound consumer ever reads the handle's blocks.
+    # only once granted, so only the bound consumer ever reads the handle's blocks. A
+    # claim that binds a handle the ledger has not registered yet (D can hold the params
+    # before P's worker registers them) is answered at the register: D never reads
+    # blocks the ledger does not hold, nor before the readiness mark and the checksums
+    # that come with the register (the spec's Read: the consumer is granted and the
+    # ledger holds the blocks). Abandoned instead, the never notice answers it.
     def claim(self, consumer: str, handle: int, cap: str, now: int,
               peer: str = "") -> list[GateEffect]:
         out: list[GateEffect] = []
@@ -369,6 +404,11 @@ class Gate:
             for e in out:
                 if isinstance(e, Rejected):
                     self.ledger.reject(e.reason, consumer[:64], e.detail, now)
+        elif self.ledger.state(handle) == UNREGISTERED:
+            self._pending[handle] = peer or consumer
+            self.counters["claim_before_register"] = \
+                self.counters.get("claim_before_register", 0) + 1
+            return out
         out.append(ClaimAnswer(peer or consumer, handle, granted))
         return out
 

@@ -9,6 +9,8 @@ prefill after the params left (``abandon``). After every step the oracle checks:
 * ``NoFreeUnderRead`` per claimant: every consumer whose READ is in flight reads blocks
   the ledger still holds (or that the engine still pins before register);
 * ``ReadinessHolds``: the ledger holds only requests whose every chunk was written;
+* ``NoGrantBeforeRegister``: no consumer is granted a handle the ledger has not
+  registered (a claim that binds it earlier is answered at the register);
 * ``NeverToldAtOnce``: in the step that abandoned a request, the consumer bound to it
   was told (a ``NeverNotice``), or, when none was bound, every holder of its params (a
   notice to every peer); a consumer presenting later is told then, and refused;
@@ -19,7 +21,7 @@ Besides claims, reads and dones, a consumer may claim while the gate's records a
 of other handles' bindings (``claim_full``: fillers bound, the claim, fillers forgotten),
 release (after it gave up) and heartbeat; all go through the gate's refusal rows.
 
-``GATE_MUTANTS`` re-introduce the three bugs the gate prevents; ``run_ops`` returns the
+``GATE_MUTANTS`` re-introduce the bugs the gate prevents; ``run_ops`` returns the
 first violation, and ``tests/test_gate.py`` shows hypothesis finding each.
 """
 
@@ -35,6 +37,7 @@ from kvproto.lifecycle.gate import (
     G_OPEN,
     G_REGISTER,
     PRESENT,
+    ClaimAnswer,
     Gate,
     GateEffect,
     GateRow,
@@ -73,7 +76,8 @@ class World:
         self.consumers = [f"c{i}" for i in range(consumers)]
         self.forgers = set(range(consumers - forgers, consumers))
         self.seq = 0
-        # (request, consumer) -> "waiting" | "granted" | "reading" | "done" | "failed"
+        # (request, consumer) -> "waiting" | "claimed" (its claim awaits the gate's
+        # answer) | "granted" | "reading" | "done" | "failed"
         self.cstate = {(r, c): "waiting" for r in range(requests) for c in range(consumers)}
         self.told: set[tuple[int, int]] = set()
         self.now = 0
@@ -91,8 +95,12 @@ class World:
                 for c in range(len(self.consumers)):
                     if e.consumer is None or e.consumer == self.consumers[c]:
                         self.told.add((r, c))
-                        if self.cstate[(r, c)] in ("waiting", "granted"):
+                        if self.cstate[(r, c)] in ("waiting", "claimed", "granted"):
                             self.cstate[(r, c)] = "failed"
+            elif isinstance(e, ClaimAnswer) and 0 < e.handle <= len(self.reqs):
+                key = (e.handle - 1, self.consumers.index(e.peer))
+                if self.cstate[key] == "claimed":  # D's claim_granted / claim_refused rows
+                    self.cstate[key] = "granted" if e.granted else "failed"
 
     def step(self, op: Op) -> str | None:
         name, ri, ci = op
@@ -119,13 +127,13 @@ class World:
                 for f in fill:  # other requests' bindings, up to the cap
                     if len(self.gate) < MAX_RECORDS:
                         self.gate.present("filler", f, self.gate.capability(f), [])
-                ok = self.gate.present(cname, h, cap, out)
+                self.cstate[(r, c)] = "claimed"
+                out = self.gate.claim(cname, h, cap, self.now)  # answered now or at register
                 self.gate.forget(fill)
-                self.cstate[(r, c)] = "granted" if ok else "failed"
         elif name == "release":
             # A consumer that gave up releases (D's give-up rows); one before register
             # is staged by the ledger (KVLifecycle's business: not drawn here).
-            if self.cstate[(r, c)] in ("waiting", "granted", "failed") and \
+            if self.cstate[(r, c)] in ("waiting", "claimed", "granted", "failed") and \
                     self.ledger.state(h) != UNREGISTERED:
                 self.cstate[(r, c)] = "failed"
                 out = list(self.gate.release(cname, [h], 1, self.now, consumer=cname))
@@ -136,6 +144,9 @@ class World:
                 if any(isinstance(a, Ack) and h in a.refused for a in acks):
                     self.cstate[(r, c)] = "failed"  # D's ack/refused row: recompute
         elif name == "read":
+            # D reads once the gate granted its claim (the gate answers a claim of a
+            # handle not registered yet at its register); a READ of blocks freed since
+            # is the main model's (stamps fence it): not drawn here
             if self.cstate[(r, c)] == "granted" and \
                     self.ledger.state(h) in HELD_STATES:
                 self.cstate[(r, c)] = "reading"
@@ -152,7 +163,7 @@ class World:
                 self._effects(out)
                 # Told at once: the consumer that presented; when none did, every holder
                 # of the params (a consumer presenting later is told then, refused).
-                owed = ("granted",) if claimed else ("waiting", "granted")
+                owed = ("claimed", "granted") if claimed else ("waiting", "claimed", "granted")
                 for cc in range(len(self.consumers)):
                     if self.cstate[(r, cc)] in owed and (r, cc) not in self.told:
                         return f"NeverToldAtOnce: {self.consumers[cc]} waits on abandoned r{r}"
@@ -169,6 +180,8 @@ class World:
             st = self.ledger.state(self.reqs[r].handle)
             if s == "reading" and st not in HELD_STATES:
                 return f"NoFreeUnderRead: c{c} reads r{r} in ledger state {st}"
+            if s == "granted" and st == UNREGISTERED:
+                return f"NoGrantBeforeRegister: c{c} granted r{r} before its register"
         for r, q in enumerate(self.reqs):
             if self.ledger.state(q.handle) != UNREGISTERED and q.written < CHUNKS:
                 return f"ReadinessHolds: r{r} registered after {q.written}/{CHUNKS} chunks"
@@ -208,6 +221,19 @@ def _mutant(name: str, row: GateRow, **changes: object) -> type[Gate]:
     return Gate.with_rows(GateRow(**fields), name=name)  # type: ignore[arg-type]
 
 
+class GrantBeforeRegisterGate(Gate):
+    """Answers every claim at once, also for a handle the ledger has not registered yet
+    (overrides the documented ``claim``): D reads blocks the ledger does not hold, before
+    the readiness mark and the checksums its register brings."""
+
+    def claim(self, consumer: str, handle: int, cap: str, now: int,
+              peer: str = "") -> list[GateEffect]:
+        out: list[GateEffect] = []
+        granted = self.present(consumer, handle, cap, out)
+        out.append(ClaimAnswer(peer or consumer, handle, granted))
+        return out
+
+
 GATE_MUTANTS: tuple[GateMutant, ...] = (
     GateMutant("skip_binding",
                _mutant("SkipBindingGate", _row(G_BOUND, PRESENT, "foreign"), passes=True,
@@ -228,6 +254,9 @@ GATE_MUTANTS: tuple[GateMutant, ...] = (
                "OnlyHoldersBind",
                "a wrong capability binds like the right one: a consumer that never got "
                "the params binds the handle and is served", forgers=1),
+    GateMutant("grant_before_register", GrantBeforeRegisterGate, "NoGrantBeforeRegister",
+               "a claim of a handle not registered yet is granted at once: D reads blocks "
+               "the ledger does not hold"),
     GateMutant("no_never_notice",
                _mutant("NoNeverNoticeGate", _row(G_OPEN, ABANDON, "unclaimed"),
                        notify=False),

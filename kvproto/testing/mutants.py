@@ -58,9 +58,10 @@ test where the second part is fenced (``tests/test_nixl_split.py``).
 
 P's gate (``kvproto.lifecycle.gate``) has its own mutants, ``GATE_MUTANTS`` in
 ``kvproto.testing.gatefuzz`` (``skip_binding``, ``register_unready``,
-``skip_capability``, ``no_never_notice``), caught by hypothesis there
-(``tests/test_gate.py``) and by TLC (the ``bug_skip_binding``, ``bug_register_unready``,
-``bug_skip_capability`` and ``bug_no_never_notice`` models).
+``skip_capability``, ``grant_before_register``, ``no_never_notice``), caught by hypothesis
+there (``tests/test_gate.py``) and, all but ``grant_before_register``, by TLC (the
+``bug_skip_binding``, ``bug_register_unready``, ``bug_skip_capability`` and
+``bug_no_never_notice`` models).
 
 Driver mutants (``DRIVER_MUTANTS``) are bugs of D's driver, which the simulator and the
 fuzzer run as production code does: ``no_fencing`` never compares the stamps a READ

@@ -98,7 +98,8 @@ _TLC: Final[tuple[TlcModel, ...]] = (
           "P's gate: 2 requests x 3 consumers holding the same params and 1 without them "
           "(a forger), chunked prefill, aborts after the params left, a gate that may be "
           "full, releases and heartbeats from any consumer; NoFreeUnderRead per claimant, "
-          "ReadinessHolds, NeverToldAtOnce, OneConsumerServed, OnlyHoldersBind",
+          "ReadinessHolds, NeverToldAtOnce, OneConsumerServed, OnlyHoldersBind, "
+          "NoGrantBeforeRegister",
           module="MC_gate"),
     TlcModel("bug_skip_binding", "MC_bug_skip_binding.cfg",
           "BUG: a second consumer of a bound handle (router retry) is let through; the "
