@@ -281,8 +281,12 @@ def test_the_gate_answers_claims_and_d_reads_only_after_the_grant() -> None:
     out2 = p_receive(gate, "D2", encode_claim(7, 1, cap), 2, known=True, epoch=7,
                      max_bytes=1 << 16, consumer="D2")
     assert ClaimAnswer("D2", 1, False) in out2 and gate.counters["foreign_consumer"] == 1
+    # the consumer's second D rank (P TP 1 -> D TP 2: both ranks read P's one rank)
+    out_b = p_receive(gate, "D1b", encode_claim(7, 1, cap), 2, known=True, epoch=7,
+                      max_bytes=1 << 16, consumer="D1")
+    assert out_b == [] and gate.counters["claim_before_register"] == 2
     reg = gate.register(1, "r", [0, 1], 2, ready=True, expected=1)
-    assert reg == [ClaimAnswer("D1", 1, True)], reg
+    assert reg == [ClaimAnswer("D1", 1, True), ClaimAnswer("D1b", 1, True)], reg
     assert gate.register(2, "s", [2], 2, ready=True, expected=1) == []  # nothing owed
     # a claim of a registered handle is answered at once
     out3 = p_receive(gate, "D1", encode_claim(7, 2, gate.capability(2)), 2, known=True,

@@ -223,11 +223,12 @@ class Gate:
         # Invariant: handles abandoned (never registered), oldest first, none in _bound.
         # Cap: max_records together with _bound (the oldest evicted).
         self._never: OrderedDict[int, None] = OrderedDict()
-        # Invariant: handle -> the peer owed the answer to the bound consumer's claim, for
-        # bound handles the ledger has not registered yet: the grant goes out at the
-        # register (``register``), a never notice at the abandon. A subset of _bound's
-        # keys (its cap covers it).
-        self._pending: dict[int, str] = {}
+        # Invariant: handle -> the peers (the bound consumer's D ranks, each once) owed the
+        # answer to their claims, for bound handles the ledger has not registered yet:
+        # the grants go out at the register (``register``), a never notice at the
+        # abandon. A subset of _bound's keys (its cap covers it); at most one entry per
+        # rank of the consumer.
+        self._pending: dict[int, list[str]] = {}
         self.counters: dict[str, int] = {}
 
     @classmethod
@@ -346,14 +347,15 @@ class Gate:
         when the ledger now holds the handle and it is still bound; refused when the
         register freed it at once (it cannot be read). A register the ledger rejected
         leaves the claim waiting (the adapter abandons the handle: a never notice)."""
-        peer = self._pending.get(handle)
-        if peer is None:
+        peers = self._pending.get(handle)
+        if peers is None:
             return
         st = self.ledger.state(handle)
         if st == UNREGISTERED:
             return
         del self._pending[handle]
-        out.append(ClaimAnswer(peer, handle, handle in self._bound and st in HELD_STATES))
+        granted = handle in self._bound and st in HELD_STATES
+        out.extend(ClaimAnswer(p, handle, granted) for p in peers)
 
     def abandon(self, handle: int) -> list[GateEffect]:
         """Transfer params for ``handle`` were handed out but it will never be registered
@@ -405,7 +407,9 @@ class Gate:
                 if isinstance(e, Rejected):
                     self.ledger.reject(e.reason, consumer[:64], e.detail, now)
         elif self.ledger.state(handle) == UNREGISTERED:
-            self._pending[handle] = peer or consumer
+            waiting = self._pending.setdefault(handle, [])
+            if (peer or consumer) not in waiting:
+                waiting.append(peer or consumer)
             self.counters["claim_before_register"] = \
                 self.counters.get("claim_before_register", 0) + 1
             return out
