@@ -296,6 +296,9 @@ class PWorker(_Polled):
                 key = "rejected_" + k[9:]
                 c[key] = c.get(key, 0.0) + n
         c["stale_stamp_snapshots"] = float(self.adapter.counters.get("stale_stamp_snapshot", 0))
+        # claims that reached P before the register of their handle (answered at it)
+        c["claims_before_register"] = float(
+            self.adapter.gate.counters.get("claim_before_register", 0))
         ac = self.adapter.counters
         c["handshake_failures"] = float(ac.get("handshake_refused", 0)
                                         + ac.get("handshake_metadata_error", 0))
