@@ -98,9 +98,11 @@ class Config:
     # Block checksums (opt-in): P checksums every block at register, D verifies every
     # block it read against them, and a READ with a mismatch is fenced (never served).
     checksums: bool = False
-    # D: a READ still in flight max_read_time + read_grace after it was posted is overdue:
-    # its request fails (recomputed or an error, per the engine's policy) and its local
-    # blocks stay quarantined until the transfer ends (spec/PROTOCOL.md, "Bounded reads").
+    # D: a READ still in flight max_read_time + read_grace after D's machine posted it
+    # (its PostRead effect, at the schedule; the adapter hands it to NIXL within the same
+    # poll) is overdue: its request fails (recomputed or an error, per the engine's
+    # policy) and its local blocks stay quarantined until the transfer ends
+    # (spec/PROTOCOL.md, "Bounded reads").
     read_grace: float = 5.0
 
     @property
