@@ -48,14 +48,59 @@ def test_a_request_with_a_capability_reads_only_after_the_grant() -> None:
     assert out == [SendClaim("r1", "P0", 1, CAP)] and c.state("r1") == "claiming"
     assert c.schedule("r1", 1) == [] and c.state("r1") == "claiming"  # no READ yet
     assert c.counters["schedule_not_waiting"] == 1
-    hb = [e for e in c.tick(1000) if isinstance(e, SendHeartbeat)]
+    out = c.tick(1000)
+    hb = [e for e in out if isinstance(e, SendHeartbeat)]
     assert not hb  # a claiming request is not heartbeated: its initial lease bounds it
+    assert [e for e in out if isinstance(e, SendClaim)] == [SendClaim("r1", "P0", 1, CAP)]
     assert c.claim_result("r1", True, 1001) == [] and c.state("r1") == "waiting"
     out = c.schedule("r1", 1002)
     assert [type(e) for e in out] == [PostRead] and c.state("r1") == "reading"
     # a second answer changes nothing (counted)
     assert c.claim_result("r1", True, 1003) == []
     assert c.counters["claim_answer_unexpected"] == 1
+
+
+def test_an_unanswered_claim_is_presented_again_at_each_heartbeat() -> None:
+    """A lost claim (or grant) costs one heartbeat interval, not the transfer: every due
+    heartbeat re-presents the claim of each request still claiming; once granted, no
+    more claims, heartbeats instead. A consumer without the retry loses the request
+    once its initial lease can no longer cover a READ."""
+    cfg = Config()
+    hb = cfg.ms.heartbeat_interval
+
+    def run(c: Consumer) -> tuple[int, list[Any]]:
+        c.handshake_result("P0", True, 0)
+        c.tick(0)  # the first heartbeat round is due at once: nothing to name yet
+        assert c.admit("r1", _params(1), 1) == [SendClaim("r1", "P0", 1, CAP)]
+        claims = 0
+        t = 1
+        out: list[Any] = []
+        # the first claim and its first repeat are lost; the second repeat is answered
+        while c.state("r1") == "claiming" and t < 40_000:
+            t = min(t + hb, max(t + 1, c.next_deadline()))
+            out = c.tick(t)
+            sent = [e for e in out if isinstance(e, SendClaim)]
+            assert sent in ([], [SendClaim("r1", "P0", 1, CAP)]), out
+            claims += len(sent)
+            if claims == 2 and sent:
+                c.claim_result("r1", True, t + 1)
+        return t, out
+
+    c = Consumer("D0", cfg)
+    t, _ = run(c)
+    assert c.state("r1") == "waiting" and c.counters["claims_retried"] == 2
+    out = c.tick(t + hb)
+    assert not any(isinstance(e, SendClaim) for e in out)  # granted: no more claims
+    assert any(isinstance(e, SendHeartbeat) and e.handles == (1,) for e in out)
+    assert [type(e) for e in c.schedule("r1", t + hb + 1)] == [PostRead]
+
+    class NoRetry(Consumer):
+        def tick(self, now: int) -> list[Any]:
+            return [e for e in super().tick(now) if not isinstance(e, SendClaim)]
+
+    c = NoRetry("D0", cfg)
+    _, out = run(c)
+    assert _finished(out) == [("r1", "failed", "lease_lost")]
 
 
 def test_params_without_a_capability_do_not_claim() -> None:

@@ -7,6 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -431,6 +432,53 @@ def test_heartbeats_keep_queued_request_alive_and_are_chunked() -> None:
         comps = pump(p, [d], lambda: p.pool.held_count == 0)
         comps = pump(p, [d], lambda: len(comps) == 20, sink=comps)
         assert {c.reason for c in comps} == {"pulled"}
+    finally:
+        d.close(1.0)
+        p.close()
+
+
+@pytest.mark.parametrize("retry", [True, False], ids=["retry", "no_retry"])
+def test_a_lost_claim_is_presented_again_and_the_request_pulled(retry: bool) -> None:
+    """D's first claim is lost on the wire (nothing else is): D re-presents it with its
+    next heartbeat round, P's gate grants it, and the request is pulled and freed as
+    transferred. The ``no_retry`` case is the mutant (the tick's repeated claims
+    dropped): the request is lost once its initial lease can no longer cover a READ,
+    released, and P frees it as released."""
+    dropped: list[int] = []
+
+    def lose_first_claim(kind: str, engine: str, buf: bytes) -> list[bytes]:
+        if kind == "claim" and not dropped:
+            dropped.append(len(buf))
+            return []
+        return [buf]
+
+    p = ProducerAdapter(uniq("P"), CFG, num_blocks=32, block_bytes=BB)
+    d = ConsumerAdapter(uniq("D"), CFG, num_blocks=32, block_bytes=BB,
+                        fault_hook=lose_first_claim)
+    if not retry:
+        tick = d.machine.tick
+
+        def no_retry(now: int) -> list[Any]:
+            return [e for e in tick(now) if type(e).__name__ != "SendClaim"]
+        d.machine.tick = no_retry  # type: ignore[method-assign]
+    try:
+        d.add_engine(p.name, p.host, p.port)
+        params = prefill(p, "r1", 3)
+        assert params.capability  # the request is claimed
+        d.admit("r1", params)
+        d.schedule("r1")
+        comps = pump(p, [d], lambda: p.pool.held_count == 0, timeout=3 * CFG.initial_lease)
+        comps = pump(p, [d], lambda: bool(comps), sink=comps)
+        assert dropped, "the first claim was sent (and lost)"
+        got = [(c.request_id, c.state, c.reason) for c in comps]
+        if retry:
+            assert got == [("r1", "done", "pulled")]
+            assert verified(d, comps[0], "r1")
+            assert p.ledger.frees["transferred"] == 1
+            assert d.machine.counters["claims_retried"] >= 1
+        else:
+            assert got == [("r1", "failed", "lease_lost")]
+            assert p.ledger.frees["released"] == 1
     finally:
         d.close(1.0)
         p.close()

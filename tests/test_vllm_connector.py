@@ -155,7 +155,8 @@ def test_a_claim_before_the_register_is_granted_at_the_register() -> None:
             time.sleep(0.002)
         # D got no grant: it is still claiming, its claim bound and waiting on P
         assert pr.d.adapter.machine.state(pr.d._parts("r1")[0]) == "claiming"
-        assert pr.p.adapter.gate.counters.get("claim_before_register") == 1
+        # its claim, and each repeat of it (the claim rides D's heartbeats), waited
+        assert pr.p.adapter.gate.counters.get("claim_before_register", 0) >= 1
         o = Orders()
         o.registers = regs
         pr.p.apply(o)  # the register: seals the checksums, and grants the claim

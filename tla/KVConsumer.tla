@@ -323,14 +323,20 @@ TickLossLagOp(C, Late) ==
 (* The prompt lease check: every lost lease fails at this tick (an unbounded budget). *)
 TickLossOp(C) == TickLossLagOp(C, {})
 
+(* The requests whose claim a due heartbeat re-presents: claiming, of a ready peer. *)
+Reclaim(C) == IF C.peer = "ready" THEN {q \in Requests : C.dst[q] = "claiming"} ELSE {}
+
 (* event tick, second part: when the heartbeat is due, forget heartbeats older than
-   LeaseExtension (no ack of theirs could extend anything) and send the batches B. *)
+   LeaseExtension (no ack of theirs could extend anything), send the batches B, and
+   re-present every unanswered claim (effect claim: a lost claim or grant costs one
+   heartbeat interval; P's gate answers a repeat as the first). *)
 TickHbOp(C, B) ==
     IF C.hbWait > 0 THEN C
     ELSE [C EXCEPT !.hbWait = HeartbeatInterval,
                    !.hbs = {h \in C.hbs : h.age <= LeaseExtension}
                            \cup {[seq |-> b.seq, rs |-> b.rs, age |-> 0] : b \in B},
-                   !.eff = IF B = {} THEN @ ELSE @ \cup {HbEffect}]
+                   !.eff = (IF B = {} THEN @ ELSE @ \cup {HbEffect})
+                           \cup {E("claim", q, "") : q \in Reclaim(C)}]
 
 (* event tick (Consumer.tick), at the current time; DTickLagOp: the partial tick whose
    work budget left the lost leases in Late for a later tick *)

@@ -876,7 +876,8 @@ class Consumer:
         return self._rg.deadline(rid)
 
     def tick(self, now: int) -> list[DEffect]:
-        """Heartbeat every request still to be pulled (queued ones too), per P engine;
+        """Heartbeat every request still to be pulled (queued ones too), per P engine,
+        and re-present the claim of every request still claiming (effect claim);
         fail requests whose lease can no longer cover a READ (at most
         ``config.max_tick_work`` lease-heap entries per call, see ``sweep_leases``);
         lose peers that left heartbeats unanswered for ``peer_timeout``. Mirrors
@@ -915,6 +916,15 @@ class Consumer:
                 for h, r in peer.reqs.items():
                     if r.state == WAITING or r.state == READING:
                         by_expected.setdefault(r.params.expected, []).append(h)
+                    elif r.state == CLAIMING:
+                        # The claim rides the heartbeat: re-presented every
+                        # heartbeat_interval while unanswered, so a lost claim or grant
+                        # costs one interval, not the transfer. P's gate answers a
+                        # repeat as the first (idempotent; a second answer is counted
+                        # here as claim_answer_unexpected and changes nothing).
+                        p = r.params
+                        out.append(SendClaim(r.rid, engine, p.handle, p.capability))
+                        self._count("claims_retried")
                 for expected, handles in by_expected.items():
                     handles.sort()
                     for run in chunk_handles(handles, cfg.max_message_bytes):
