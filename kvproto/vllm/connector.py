@@ -263,7 +263,7 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
 # checksum_failures, recomputed_blocks, handshake_failures, model_mismatches,
 # rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots,
-# claims_before_register;
+# claims_before_register (P), claims_retried (D);
 # tensor parallelism (kvproto.vllm.dcover): tp_refused, orphan, coverage_complete,
 # coverage_short, coverage_missing_regions, coverage_coverage_full.
 

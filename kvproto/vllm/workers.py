@@ -716,7 +716,9 @@ class DWorker(_Polled):
         c["peer_lost"] = float(ac.get("peer_lost", 0))
         c["stuck_reads"] = float(len(self.quarantined))
         c["read_timeouts"] = float(ac.get("quarantined", 0))
-        c["second_pulls"] = float(self.adapter.machine.counters.get("second_pull", 0))
+        mc = self.adapter.machine.counters
+        c["second_pulls"] = float(mc.get("second_pull", 0))
+        c["claims_retried"] = float(mc.get("claims_retried", 0))
         c["handshake_failures"] = float(sum(n for k, n in ac.items()
                                             if k.startswith("handshake_failed:")))
         c["model_mismatches"] = float(ac.get("handshake_failed:model_mismatch", 0))
