@@ -323,13 +323,18 @@ TickLossLagOp(C, Late) ==
 (* The prompt lease check: every lost lease fails at this tick (an unbounded budget). *)
 TickLossOp(C) == TickLossLagOp(C, {})
 
-(* The requests whose claim a due heartbeat re-presents: claiming, of a ready peer. *)
-Reclaim(C) == IF C.peer = "ready" THEN {q \in Requests : C.dst[q] = "claiming"} ELSE {}
+(* The requests whose claim a due heartbeat re-presents: claiming, of a ready peer, and
+   admitted at least HeartbeatInterval ago (their lease ran down that far). *)
+Reclaim(C) ==
+    IF C.peer = "ready"
+    THEN {q \in Requests : C.dst[q] = "claiming"
+                          /\ C.dlease[q] <= TermOf[q] - MaxDelay - HeartbeatInterval}
+    ELSE {}
 
 (* event tick, second part: when the heartbeat is due, forget heartbeats older than
    LeaseExtension (no ack of theirs could extend anything), send the batches B, and
-   re-present every unanswered claim (effect claim: a lost claim or grant costs one
-   heartbeat interval; P's gate answers a repeat as the first). *)
+   re-present the unanswered claims of Reclaim(C) (effect claim: a lost claim or grant
+   costs about one heartbeat interval; P's gate answers a repeat as the first). *)
 TickHbOp(C, B) ==
     IF C.hbWait > 0 THEN C
     ELSE [C EXCEPT !.hbWait = HeartbeatInterval,

@@ -877,7 +877,8 @@ class Consumer:
 
     def tick(self, now: int) -> list[DEffect]:
         """Heartbeat every request still to be pulled (queued ones too), per P engine,
-        and re-present the claim of every request still claiming (effect claim);
+        and re-present the claim of every request still claiming a heartbeat_interval
+        after its admit (effect claim);
         fail requests whose lease can no longer cover a READ (at most
         ``config.max_tick_work`` lease-heap entries per call, see ``sweep_leases``);
         lose peers that left heartbeats unanswered for ``peer_timeout``. Mirrors
@@ -908,6 +909,7 @@ class Consumer:
         if now >= self._next_hb:
             self._next_hb = now + ms.heartbeat_interval
             cap = self.heartbeat_chunk or 1 << 30
+            reclaim_after = self._max_delay + ms.heartbeat_interval
             for engine, peer in self.peers.items():
                 _prune_outstanding(peer, now - ms.lease_extension)
                 if peer.state != PEER_READY or not peer.reqs:
@@ -916,12 +918,15 @@ class Consumer:
                 for h, r in peer.reqs.items():
                     if r.state == WAITING or r.state == READING:
                         by_expected.setdefault(r.params.expected, []).append(h)
-                    elif r.state == CLAIMING:
-                        # The claim rides the heartbeat: re-presented every
-                        # heartbeat_interval while unanswered, so a lost claim or grant
-                        # costs one interval, not the transfer. P's gate answers a
-                        # repeat as the first (idempotent; a second answer is counted
-                        # here as claim_answer_unexpected and changes nothing).
+                    elif r.state == CLAIMING and \
+                            r.lease_end - now <= r.params.initial_term - reclaim_after:
+                        # The claim rides the heartbeat: re-presented at each round once
+                        # the request has waited heartbeat_interval since its admit
+                        # (its lease ran down that far), so a lost claim or grant costs
+                        # about one interval, not the transfer, and a claim answered
+                        # within an interval is not repeated. P's gate answers a repeat
+                        # as the first (a second answer is counted here as
+                        # claim_answer_unexpected and changes nothing).
                         p = r.params
                         out.append(SendClaim(r.rid, engine, p.handle, p.capability))
                         self._count("claims_retried")
