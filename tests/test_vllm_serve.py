@@ -75,7 +75,7 @@ LONG_TOKENS = 60000      # a filler: a decode long enough to keep an engine full
 KV_BYTES = 512 << 20     # each server's KV cache: two fillers (2 KiB per token) and the rest
 DELAY_LOAD = 3.0         # D's test_delay_load_s: D holds each load open this long, the
                          # window in which the storm's D-reading clients leave
-READ_ATTEMPTS = 3        # tries per D-reading client to leave inside that window
+READ_ATTEMPTS = 5        # tries per D-reading client to leave inside that window
 # P's lease: short, so that the requests nobody pulls come back soon, yet well above
 # DELAY_LOAD, so that a load D holds open never outlives it (a lost lease would make D
 # recompute: correct, but not the path under test)
@@ -845,6 +845,8 @@ PER_KIND = 3
 
 
 async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
+    import httpx
+
     rc, pc = client(st.r_url), client(st.p_url)
     log: list[str] = []
     d_read: list[str] = []  # the clients that left while D held their load open
@@ -914,30 +916,43 @@ async def _storm(st: Stack, rng: random.Random) -> dict[str, Any]:
         await disconnect(d_fill, 0.2)
         # D reading: D holds the load open DELAY_LOAD seconds after it allocated the
         # blocks; once D's engine has the request ("Added request" in its log), each
-        # client leaves well inside that window (D allocates within a few steps), so
-        # before its READ completes
-        # A loaded machine can stall the test past that window (the request then ends
-        # normally): such an attempt is logged and repeated under a new id, a bounded
-        # number of times, so that PER_KIND clients do leave while D reads.
-        for i in range(PER_KIND):
-            for attempt in range(READ_ATTEMPTS):
-                rid = f"d_read{i}" + (f"_{attempt}" if attempt else "")
-                start(rid, rc, stream=rng.random() < 0.5)
+        # client leaves at a seeded moment well inside that window (D allocates within a
+        # few steps), so before its READ completes, if the router still has it in the
+        # decode phase at that moment.
+        # A loaded machine can stall the test itself past that window (the request then
+        # ends normally): such an attempt is logged with its timings and repeated under a
+        # new id, a bounded number of times, so that PER_KIND clients do leave while D
+        # reads. The router's status is read through one client, opened once.
+        async with httpx.AsyncClient(timeout=10.0) as hc:
+            for i in range(PER_KIND):
+                for attempt in range(READ_ATTEMPTS):
+                    rid = f"d_read{i}" + (f"_{attempt}" if attempt else "")
+                    t0 = time.monotonic()
+                    start(rid, rc, stream=rng.random() < 0.5)
 
-                async def added(rid: str = rid) -> bool:
-                    return f"Added request cmpl-{rid}-0" in \
-                        _proc(st, "D").log_path.read_text(errors="replace")
-                await until(added, 60, f"{rid} in D's engine")
-                await asyncio.sleep(rng.uniform(0.05, 0.25 * DELAY_LOAD))
-                if (await router_status(st))["in_flight"].get(rid) == "decode":
-                    await disconnect([rid], 0.0)
-                    d_read.append(rid)
-                    break
-                await tasks.pop(rid)  # it ended before its client left: not this phase
-                log.append(f"{rid} ended before its client left (missed the window)")
-            else:
-                raise AssertionError(f"d_read{i}: every attempt ended before its client "
-                                     f"left; {log}")
+                    async def added(rid: str = rid) -> bool:
+                        return f"Added request cmpl-{rid}-0" in \
+                            _proc(st, "D").log_path.read_text(errors="replace")
+                    await until(added, 60, f"{rid} in D's engine")
+                    t_seen = time.monotonic()
+                    wait = rng.uniform(0.05, 0.25 * DELAY_LOAD)
+                    await asyncio.sleep(max(0.0, t_seen + wait - time.monotonic()))
+                    t_check = time.monotonic()
+                    r = await hc.get(st.r_url + "/router/status")
+                    phase = r.json()["in_flight"].get(rid) if r.status_code == 200 else None
+                    if phase == "decode":
+                        await disconnect([rid], 0.0)
+                        d_read.append(rid)
+                        break
+                    await tasks.pop(rid)  # it ended before its client left: not this phase
+                    log.append(f"{rid} ended before its client left (missed the window: "
+                               f"in D's log {t_seen - t0:.2f} s after its start, router "
+                               f"asked {t_check - t_seen:.2f} s later, answered "
+                               f"{time.monotonic() - t_check:.2f} s later: phase {phase}, "
+                               f"status {r.status_code})")
+                else:
+                    raise AssertionError(f"d_read{i}: every attempt ended before its "
+                                         f"client left; {log}")
         # D decoding: the client reads a few chunks, then closes the stream (the answer
         # is long, so that the router is still streaming it when the client leaves)
         rids = [f"d_decode{i}" for i in range(PER_KIND)]
