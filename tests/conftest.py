@@ -33,7 +33,7 @@ from kvproto.lifecycle import (
 )
 
 # Fast and deterministic by default (the whole suite, TLC and NIXL included, must stay well
-# inside CI's 30 minutes on 2 cores; the long runs are `kvproto fuzz` and `kvproto check large`).
+# inside CI's 40 minutes on 2 cores; the long runs are `kvproto fuzz` and `kvproto check large`).
 settings.register_profile(
     "kvproto", max_examples=150, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

@@ -148,8 +148,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             sv.Server("P", serve_cmd(str(model.path), pp, {"lease": LEASES,
                                                            "metrics_port": pm}),
                       sv.server_env(cores[0]), st.p_url + "/health"),
+            # D only reads: nobody reads its blocks, so its producer side needs no NIXL
+            # progress thread (NIXL's busy loop would take D's core from its engine)
             sv.Server("D", serve_cmd(str(model.path), dp, {"lease": LEASES,
                                                            "metrics_port": dm,
+                                                           "progress_thread": False,
                                                            "test_delay_load_s": DELAY_LOAD}),
                       sv.server_env(cores[1]), st.d_url + "/health")], START_TIMEOUT)
         st.start(wd, [sv.Server("router", router_cmd(rp, st.p_url, st.d_url),

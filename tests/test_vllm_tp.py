@@ -76,6 +76,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     wd = tmp_path_factory.mktemp("vllm_tp")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=1).path)
     kw = sc.kvproto_extras(str(wd), LEASE, tag="1")
+    # D only reads: nobody reads its blocks, so its producer side needs no NIXL progress
+    # thread (NIXL's busy loop would take a core from the engines on this machine)
+    kw["d_extra"] = {**kw.get("d_extra", {}), "progress_thread": False}
     p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="1",
                                 p_kv_bytes=P_KV_BYTES, **kw)
     e_spec, _ = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="E",
