@@ -85,6 +85,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
                            **sc.kvproto_extras(str(wd), LEASE, tag="E"))
     e_spec.name = "E"
     p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
+    # TP workers forked from their engine process: no fresh torch/vLLM import per worker
+    # (a TP 2 engine's spawned workers took up to 114 s to start beside two running
+    # engines). tests/test_vllm_tp_slices.py keeps vLLM's spawned workers.
+    p_spec.worker_start = d_spec.worker_start = "fork"
     started: list[h.Engine] = []
     try:
         for spec in (e_spec, p_spec, d_spec):  # one at a time: 7 processes on 2 cores
@@ -299,7 +303,7 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
     baseline = int(p.stats()["free_blocks"])
     res = {rid: pair.pd.prefill(rid, pr) for rid, pr in KILL.items()}
     assert baseline - int(p.stats()["free_blocks"]) > 0  # P holds them for D
-    victim = sc.worker_pid(pair.pd.d.pid, "Worker_TP1")
+    victim = sc.worker_pid(pair.pd.d.pid, "Worker_TP1", pair.pd.d.spec.log_path)
     for rid, pr in KILL.items():
         pair.pd.submit_decode(rid, pr, res[rid], max_tokens=MAX_TOKENS)
     os.kill(victim, signal.SIGKILL)

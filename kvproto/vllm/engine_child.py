@@ -57,6 +57,8 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
     from vllm.config import KVTransferConfig
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    if spec.get("worker_start", "spawn") == "fork":
+        _fork_workers()
     ktc = spec["kv_transfer_config"]
     args = EngineArgs(
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
@@ -70,6 +72,21 @@ def _build_engine(spec: dict[str, Any]) -> Any:  # pragma: no cover - child proc
            if spec.get("max_num_batched_tokens") else {}),
     )
     return LLMEngine.from_engine_args(args)
+
+
+def _fork_workers() -> None:  # pragma: no cover - child process
+    """Make vLLM's multiprocess executor fork its TP workers from this process instead
+    of spawning them (vLLM's CPU platform forces spawn in its config hook, so the
+    executor's own context getter is replaced here). Safe while this process has started
+    no thread: the engine is built before the outbox thread starts."""
+    import multiprocessing
+
+    import vllm.v1.executor.multiproc_executor as mpe
+
+    if threading.active_count() != 1:
+        raise RuntimeError("worker_start=fork needs a single-threaded engine process")
+    ctx = multiprocessing.get_context("fork")
+    mpe.get_mp_context = lambda: ctx
 
 
 class _Outbox:  # pragma: no cover - runs in the engine process

@@ -19,7 +19,9 @@ Start: engines fork from a server process that imported torch and vLLM once
 (``multiprocessing``'s fork server, preloading :mod:`kvproto.vllm.preload`), which saves
 each engine its imports; ``KVPROTO_ENGINE_START=spawn`` starts each one in a fresh
 interpreter instead. Each engine gets the parent's environment as it is at its start, plus
-its own (``EngineSpec.env``).
+its own (``EngineSpec.env``). A TP > 1 engine's worker processes are vLLM's own; vLLM's
+CPU platform spawns them (each imports torch and vLLM afresh, 20–90 s on 2 loaded cores),
+and ``EngineSpec.worker_start="fork"`` forks them from the engine process instead.
 
 Cleanup: every child runs in its own session (process group) and exits when its parent
 (the fork server, which exits with this process) goes away (pipe closed, or parent pid
@@ -278,6 +280,11 @@ class EngineSpec:
     prefix_caching: bool = False
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int | None = None  # small: chunked prefill of long prompts
+    # How vLLM starts the worker processes of a TP > 1 engine: "spawn" (what vLLM's CPU
+    # platform does: each worker imports torch and vLLM afresh) or "fork" (each worker is
+    # a copy of the engine process, imports done; the engine process has started no
+    # thread by then). Either way the workers are vLLM's own and load the connector.
+    worker_start: str = "spawn"
 
 
 @dataclass
@@ -588,7 +595,8 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "max_num_seqs": spec.max_num_seqs, "log_path": spec.log_path,
             "prefix_caching": spec.prefix_caching,
             "tensor_parallel_size": spec.tensor_parallel_size,
-            "max_num_batched_tokens": spec.max_num_batched_tokens}
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+            "worker_start": spec.worker_start}
 
 
 # ---------------------------------------------------------------------------- P/D pairs

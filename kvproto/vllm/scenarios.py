@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -227,10 +228,14 @@ def wait_free(p: Engine, baseline: int, timeout: float, *, others: Sequence[Engi
         time.sleep(interval)
 
 
-def worker_pid(engine_pid: int, name: str) -> int:
-    """The pid of the child of ``engine_pid`` whose command line names ``name`` (vLLM's
-    worker processes: ``VLLM::Worker_TP0``, ...), for tests that kill one rank;
-    ``HarnessError`` when there is none (Linux ``/proc``)."""
+def worker_pid(engine_pid: int, name: str, log_path: str | None = None) -> int:
+    """The pid of the child of ``engine_pid`` that is vLLM's worker ``name``
+    (``Worker_TP0``, ...), for tests that kill one rank; ``HarnessError`` when there is
+    none (Linux ``/proc``). A spawned worker names itself in its command line
+    (``VLLM::Worker_TP0``); a forked one (``EngineSpec.worker_start``) keeps its
+    parent's, so it is found by the ``(Worker_TP0 pid=N)`` prefix vLLM writes on its log
+    lines in ``log_path`` (the engine's log), N checked to be a child of the engine."""
+    children: dict[int, str] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -239,8 +244,19 @@ def worker_pid(engine_pid: int, name: str) -> int:
             cmd = (d / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if int(stat[1]) == engine_pid and name in cmd:
-            return int(d.name)
+        if int(stat[1]) == engine_pid:
+            children[int(d.name)] = cmd
+    for pid, cmd in children.items():
+        if name in cmd:
+            return pid
+    if log_path is not None:
+        try:
+            text = Path(log_path).read_text(errors="replace")
+        except OSError:
+            text = ""
+        for m in reversed(re.findall(rf"\({re.escape(name)} pid=(\d+)\)", text)):
+            if int(m) in children:
+                return int(m)
     raise HarnessError(f"no {name} under engine {engine_pid}")
 
 
@@ -250,7 +266,7 @@ def p_rank_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, max_tokens: i
     while D pulls. Returns D's results once every request ended (``HarnessError`` if one
     has not after ``timeout`` seconds: a hang)."""
     params = {rid: pd.prefill(rid, pr) for rid, pr in prompts.items()}
-    victim = worker_pid(pd.p.pid, f"Worker_TP{rank}")
+    victim = worker_pid(pd.p.pid, f"Worker_TP{rank}", pd.p.spec.log_path)
     for rid, pr in prompts.items():
         pd.submit_decode(rid, pr, params[rid], max_tokens=max_tokens)
     os.kill(victim, signal.SIGKILL)
