@@ -31,6 +31,7 @@ from kvproto.lifecycle import (
     SendRelease,
     TransferParams,
 )
+from kvproto.vllm import harness as h
 
 # Fast and deterministic by default (the whole suite, TLC and NIXL included, must stay well
 # inside CI's 40 minutes on 2 cores; the long runs are `kvproto fuzz` and `kvproto check large`).
@@ -39,6 +40,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("kvproto")
+
+# The engines the tests start through ``pd_specs`` run NIXL's progress thread with a 50 µs
+# sleep between passes instead of the connector's default busy loop. On this suite's 2
+# cores each busy loop takes most of a core from the engines beside it (one TP module ran
+# 201 s with busy loops, 96 s without). The busy default still runs wherever a test builds
+# its connector config itself: the chaos campaign, the `vllm serve` stack, bench scale.
+h.CONNECTOR_DEFAULTS["progress_delay_us"] = 50
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

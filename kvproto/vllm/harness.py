@@ -67,6 +67,11 @@ KVPROTO_CONNECTOR: dict[str, Any] = {"kv_connector": "KVProtoConnector",
                                      "kv_role": "kv_both", "kv_buffer_device": "cpu",
                                      "kv_load_failure_policy": "recompute"}
 
+# KVProtoConnector options that ``pd_specs`` gives both engines of a pair unless the call
+# sets them itself. Empty here (the connector's own defaults, what ``bench vllm`` measures);
+# the test suite sets ``progress_delay_us`` (tests/conftest.py).
+CONNECTOR_DEFAULTS: dict[str, Any] = {}
+
 
 class HarnessError(KVProtoError, RuntimeError):
     """An engine process failed to start, died, or did not answer in time."""
@@ -639,14 +644,16 @@ def pd_specs(model: str, workdir: str | os.PathLike[str], connector: dict[str, A
              ) -> tuple[EngineSpec, EngineSpec]:
     """Specs of a P and a D engine with ``connector`` (``STOCK_CONNECTOR`` or
     ``KVPROTO_CONNECTOR``); ``extra_config`` goes into both engines'
-    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only;
-    ``prefix_caching`` on both engines."""
+    ``kv_connector_extra_config``, ``p_extra``/``d_extra`` into one only, both over
+    ``CONNECTOR_DEFAULTS`` (KVProtoConnector only); ``prefix_caching`` on both engines."""
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     specs = []
     for role, extra, kvb in (("P", p_extra, p_kv_bytes), ("D", d_extra, d_kv_bytes)):
         cfg = dict(connector)
         ec = dict(cfg.get("kv_connector_extra_config") or {})
+        if cfg.get("kv_connector") == KVPROTO_CONNECTOR["kv_connector"]:
+            ec = {**CONNECTOR_DEFAULTS, **ec}
         ec.update(extra_config or {})
         ec.update(extra or {})
         if ec:
