@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from kvproto.errors import KVProtoError
+from kvproto.errors import KVProtoError, UsageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -188,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvproto {args.command}: {me}", file=sys.stderr)
         return EXIT_MISSING_DEP
+    except UsageError as e:  # the caller's own mistake, found while running: one line
+        print(f"kvproto {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvproto: interrupted", file=sys.stderr)
         return 130

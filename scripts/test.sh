@@ -9,7 +9,9 @@
 #   2. the tests that do (real engines, real NIXL agents), one at a time: they share
 #      engine pairs per module, and their leases assume the cores are theirs.
 # KVPROTO_TEST_WORKERS sets pass 1's worker count (default: the machine's cores; 1 runs
-# it in this process). With arguments: one pytest run with them, as given
+# it in this process); with more than one, each TLC run in pass 1 gets one TLC worker
+# (KVPROTO_TLC_WORKERS=1, unless set: the xdist workers already fill the cores, and one
+# TLC worker spends less CPU per model). With arguments: one pytest run with them, as given
 # (`scripts/test.sh -k storm`, `scripts/test.sh tests/test_ledger.py`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +43,11 @@ if [ "$workers" -gt 1 ] && "$VENV/bin/python" -c "import xdist" >/dev/null 2>&1;
 fi
 start=$SECONDS
 echo "== pass 1 of 2: tests without engines or NIXL agent pairs ($how)" >&2
-run -m "not vllm and not nixl" "${xdist[@]}"
+if [ "${#xdist[@]}" -gt 0 ]; then
+  KVPROTO_TLC_WORKERS=${KVPROTO_TLC_WORKERS:-1} run -m "not vllm and not nixl" "${xdist[@]}"
+else
+  run -m "not vllm and not nixl"
+fi
 rc1=$?
 echo "== pass 1 of 2: exit $rc1 after $((SECONDS - start)) s" >&2
 echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2

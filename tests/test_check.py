@@ -472,3 +472,20 @@ def test_buggy_safety_model_is_caught_under_the_view(name: str) -> None:
     assert "VIEW" not in text
     o = check.check_model(model, cfg_text=text + "\nVIEW SafetyView\n")
     assert o.result.result == "violation" and o.as_expected, o.summary
+
+
+def test_tlc_workers_env_sets_the_default_and_bad_values_exit_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(tlc.ENV_WORKERS, "3")
+    assert tlc.default_workers() == 3
+    monkeypatch.delenv(tlc.ENV_WORKERS)
+    assert 1 <= tlc.default_workers() <= 8
+    for bad in ("0", "-1", "two", "", "1.5"):
+        monkeypatch.setenv(tlc.ENV_WORKERS, bad)
+        with pytest.raises(tlc.WorkersEnvError, match="KVPROTO_TLC_WORKERS"):
+            tlc.default_workers()
+        assert main(["check", "ci"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "KVPROTO_TLC_WORKERS" in err[0], err
+    # an explicit --workers wins over the environment
+    assert main(["check", "ci", "--workers", "1", "--plan"]) == 0

@@ -49,6 +49,8 @@ from kvproto.verify.tlc import (
     MissingJava,
     Progress,
     TlcResult,
+    WorkersEnvError,
+    default_workers,
     render_trace,
     run_tlc,
 )
@@ -403,6 +405,12 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         print("kvproto check: --workers must be >= 1", file=err)
         return EXIT_USAGE
+    if args.workers is None:
+        try:
+            default_workers()
+        except WorkersEnvError as e:
+            print(f"kvproto check: {e}", file=err)
+            return EXIT_USAGE
     jobs: list[tuple[Model, str | None]] = []
     models = [*args.models, *(getattr(args, "model_opts", None) or [])]
     if _lease_mode(args):
