@@ -50,7 +50,7 @@ from kvproto.testing.script import ScriptError
 from kvproto.verify.check import LeaseConfigError
 from kvproto.verify.dsplit import SplitError
 from kvproto.verify.oracle import InvariantViolation
-from kvproto.verify.tlc import MissingDependency, ParseError, TLCError
+from kvproto.verify.tlc import MissingDependency, ParseError, TLCError, WorkersEnvError
 from kvproto.verify.trace import TraceError
 from kvproto.vllm.groups import GroupsError
 from kvproto.vllm.harness import HarnessError
@@ -67,6 +67,7 @@ ERRORS: dict[type[Exception], tuple[type[KVProtoError], type[Exception]]] = {
     JournalError: (UsageError, ValueError),
     TraceError: (UsageError, ValueError),
     LeaseConfigError: (UsageError, ValueError),
+    WorkersEnvError: (UsageError, ValueError),
     wire.WireError: (RemoteInputError, ValueError),
     FrameError: (RemoteInputError, Exception),
     ParamsError: (RemoteInputError, ValueError),
