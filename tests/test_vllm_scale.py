@@ -162,3 +162,10 @@ def test_one_p_many_d_scaled_down(tmp_path: Path) -> None:
             e.close()
     ok, last = scale.validate(scale.journals(tmp_path, DECODERS))
     assert ok, last
+
+
+def test_engine_spec_refuses_an_unknown_worker_start() -> None:
+    assert h.EngineSpec("F", "/m", worker_start="fork").worker_start == "fork"
+    assert h.EngineSpec("S", "/m").worker_start == "spawn"  # vLLM's own on CPU
+    with pytest.raises(h.HarnessError, match="worker_start='forkserver'"):
+        h.EngineSpec("X", "/m", worker_start="forkserver")

@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvproto.errors import KVProtoError
 from kvproto.vllm.engine_child import engine_main
@@ -268,6 +268,9 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------- the engine
 
 
+WORKER_STARTS: Final = ("spawn", "fork")
+
+
 @dataclass
 class EngineSpec:
     """What one engine process runs. ``kv_transfer_config`` None: a plain engine (the
@@ -290,6 +293,11 @@ class EngineSpec:
     # a copy of the engine process, imports done; the engine process has started no
     # thread by then). Either way the workers are vLLM's own and load the connector.
     worker_start: str = "spawn"
+
+    def __post_init__(self) -> None:
+        if self.worker_start not in WORKER_STARTS:
+            raise HarnessError(f"EngineSpec {self.name}: worker_start={self.worker_start!r}, "
+                               f"expected one of {', '.join(WORKER_STARTS)}")
 
 
 @dataclass
