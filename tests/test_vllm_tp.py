@@ -85,9 +85,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
                            **sc.kvproto_extras(str(wd), LEASE, tag="E"))
     e_spec.name = "E"
     p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
-    # TP workers forked from their engine process: no fresh torch/vLLM import per worker
-    # (a TP 2 engine's spawned workers took up to 114 s to start beside two running
-    # engines). tests/test_vllm_tp_slices.py keeps vLLM's spawned workers.
+    # TP workers forked from their engine process: no fresh torch/vLLM import per worker.
+    # tests/test_vllm_tp_slices.py keeps vLLM's spawned workers (the production path).
     p_spec.worker_start = d_spec.worker_start = "fork"
     started: list[h.Engine] = []
     try:
