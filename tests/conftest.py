@@ -48,6 +48,48 @@ settings.load_profile("kvproto")
 # config itself: the chaos campaign, the `vllm serve` stack, bench scale.
 h.CONNECTOR_DEFAULTS["progress_delay_us"] = 50
 
+# Rule: a test that starts a vLLM engine or a `vllm serve` process carries the `vllm`
+# marker (or `nixl`), so that `make test` runs it in its serial pass 2 and never beside
+# pass 1's CPU-bound tests. Such a start from any other test fails at once, naming the
+# test. ``UNMARKED`` holds the id of the test being set up or run when it has neither
+# marker (module-scoped fixtures start their engines inside the first test's setup).
+UNMARKED: list[str] = []
+ENGINE_MARKERS = ("vllm", "nixl")
+
+
+class UnmarkedEngineTest(RuntimeError):
+    """A test without the `vllm` or `nixl` marker tried to start an engine or server."""
+
+
+def refuse_unmarked(what: str) -> None:
+    if UNMARKED:
+        raise UnmarkedEngineTest(
+            f"{UNMARKED[0]} starts {what} but is not marked vllm or nixl: mark it "
+            "(pytest.mark.vllm) so that it runs in the serial engine pass")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marked = any(item.get_closest_marker(m) is not None for m in ENGINE_MARKERS)
+    UNMARKED[:] = [] if marked else [item.nodeid]
+
+
+def _guarded(method: Callable[..., Any], what: str) -> Callable[..., Any]:
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_unmarked(what)
+        return method(self, *args, **kwargs)
+    return guarded
+
+
+def _install_engine_guard() -> None:
+    from kvproto.testing import serve as sv
+
+    h.Engine.__init__ = _guarded(h.Engine.__init__, "a vLLM engine")  # type: ignore[method-assign]
+    sv.HasProcs.start = _guarded(sv.HasProcs.start, "`vllm serve` servers")  # type: ignore[method-assign]
+
+
+_install_engine_guard()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--rewrite", action="store_true", default=False,

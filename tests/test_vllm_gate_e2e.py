@@ -26,8 +26,9 @@ import pytest
 from kvproto.vllm import harness as h
 from kvproto.vllm import scenarios as sc
 
-pytestmark = pytest.mark.skipif(h.vllm_available() is not None,
-                                reason=str(h.vllm_available()))
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(h.vllm_available() is not None,
+                                 reason=str(h.vllm_available()))]
 
 MAX_TOKENS = 6
 CHUNK = 64  # max_num_batched_tokens on P: a 300-token prompt takes 5 forward passes

@@ -169,3 +169,29 @@ def test_engine_spec_refuses_an_unknown_worker_start() -> None:
     assert h.EngineSpec("S", "/m").worker_start == "spawn"  # vLLM's own on CPU
     with pytest.raises(h.HarnessError, match="worker_start='forkserver'"):
         h.EngineSpec("X", "/m", worker_start="forkserver")
+
+
+def test_an_unmarked_test_cannot_start_an_engine_or_a_server(tmp_path: Path) -> None:
+    """This test carries no `vllm` marker: starting an engine or `vllm serve` servers
+    from it fails before any process starts, naming the test."""
+    from conftest import UNMARKED, UnmarkedEngineTest
+
+    from kvproto.testing import serve as sv
+
+    assert UNMARKED and UNMARKED[0].endswith(
+        "test_an_unmarked_test_cannot_start_an_engine_or_a_server")
+    before = list(h.STARTED)
+    with pytest.raises(UnmarkedEngineTest, match="not marked vllm"):
+        h.Engine(h.EngineSpec("X", "/nonexistent", env={}))
+    assert h.STARTED == before
+    procs = sv.HasProcs()
+    procs.procs = []
+    with pytest.raises(UnmarkedEngineTest, match="starts `vllm serve` servers"):
+        procs.start(tmp_path, [], 1.0)
+
+
+@pytest.mark.vllm
+def test_a_marked_test_may_start_engines() -> None:
+    from conftest import UNMARKED
+
+    assert UNMARKED == []

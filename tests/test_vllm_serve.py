@@ -812,6 +812,7 @@ def test_router_errors(stack: Stack) -> None:
                 proc.stop()
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_decode_rejection_before_admission_releases_p_at_once(stack: Stack) -> None:
     """D's server refuses a request before its engine sees it (here ``max_tokens`` beyond
