@@ -145,12 +145,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                f"http://127.0.0.1:{dm}/metrics")
     try:
         st.start(wd, [
-            sv.Server("P", serve_cmd(str(model.path), pp, {"lease": LEASES,
+            # the suite's engine settings (tests/conftest.py: NIXL's progress thread
+            # sleeps between passes); the connector's busy default runs in the chaos
+            # campaign
+            sv.Server("P", serve_cmd(str(model.path), pp, {**h.CONNECTOR_DEFAULTS,
+                                                           "lease": LEASES,
                                                            "metrics_port": pm}),
                       sv.server_env(cores[0]), st.p_url + "/health"),
             # D only reads: nobody reads its blocks, so its producer side needs no NIXL
             # progress thread (NIXL's busy loop would take D's core from its engine)
-            sv.Server("D", serve_cmd(str(model.path), dp, {"lease": LEASES,
+            sv.Server("D", serve_cmd(str(model.path), dp, {**h.CONNECTOR_DEFAULTS,
+                                                           "lease": LEASES,
                                                            "metrics_port": dm,
                                                            "progress_thread": False,
                                                            "test_delay_load_s": DELAY_LOAD}),
@@ -289,6 +294,9 @@ async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str,
             await asyncio.sleep(max(interval, 0.5))
             continue
         if last:
+            waited = time.monotonic() - (deadline - timeout)
+            if waited > 5.0:
+                log.info("%s: reached after %.1f s", what, waited)
             return last
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached in {timeout:.0f} s (last: {last!r})")
