@@ -20,6 +20,10 @@ from kvproto.cli import main
 from kvproto.lifecycle import Config
 from kvproto.verify import check, tlc
 
+# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
+# at idle CPU priority (scripts/test.sh)
+pytestmark = pytest.mark.background
+
 # ---------------------------------------------------------------------------
 # Lease numbers -> model time units.
 # ---------------------------------------------------------------------------

@@ -39,6 +39,10 @@ from kvproto.lifecycle import (
 )
 from kvproto.testing import fuzz
 
+# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
+# at idle CPU priority (scripts/test.sh)
+pytestmark = pytest.mark.background
+
 # ---------------------------------------------------------------------------
 # The CI profile over the real ledger
 # ---------------------------------------------------------------------------

@@ -20,6 +20,10 @@ from kvproto.lifecycle import BlockPool, Config, Done, Effect, Event, Free, Ledg
 from kvproto.lifecycle.gate import Gate
 from kvproto.testing.mutants import MUTANTS
 
+# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
+# at idle CPU priority (scripts/test.sh)
+pytestmark = pytest.mark.background
+
 HANDLES = 6
 BLOCKS = 12
 READERS = ("d0", "d1", "d2")

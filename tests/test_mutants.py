@@ -24,6 +24,10 @@ from kvproto.testing import fuzz
 from kvproto.testing.mutants import D_MUTANTS, DRIVER_MUTANTS, MUTANTS, DriverMutant, Mutant
 from kvproto.verify.dconformance import check_d_journal
 
+# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
+# at idle CPU priority (scripts/test.sh)
+pytestmark = pytest.mark.background
+
 
 def mutant_budget() -> settings:
     """The CI budget, deterministic; shrinking off (only *whether* and *how* the mutant is

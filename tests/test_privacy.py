@@ -21,6 +21,10 @@ from pathlib import Path
 
 import pytest
 
+# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
+# at idle CPU priority (scripts/test.sh)
+pytestmark = pytest.mark.background
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "kvproto"
 LIFECYCLE = PKG / "lifecycle"
