@@ -2,7 +2,6 @@
 # Each one sets up its own environment on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: setup demo test lint check bench clean
 
@@ -29,3 +28,4 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis kvproto/tla/states
+	find kvproto tests scripts examples -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true

@@ -20,6 +20,11 @@
 # given (`scripts/test.sh -k storm`, `scripts/test.sh tests/test_ledger.py`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The suite starts hundreds of Python processes (xdist workers, CLI subprocesses, engines):
+# with bytecode caching off (some machines set PYTHONDONTWRITEBYTECODE globally) each one
+# compiles kvproto and pytest rewrites every test module again, about 10 s per pytest
+# process. The caches (__pycache__) are ignored by git.
+unset PYTHONDONTWRITEBYTECODE
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check kvproto tests || exit 1
 "$VENV/bin/mypy" || exit 1
