@@ -44,6 +44,11 @@ if [ "$#" -gt 0 ]; then
   exit $?
 fi
 
+engine_pass() {
+  echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2
+  run -m "vllm or nixl"
+}
+
 workers=${KVPROTO_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 start=$SECONDS
 if [ "$workers" -le 1 ] || ! "$VENV/bin/python" -c "import xdist" >/dev/null 2>&1; then
@@ -51,8 +56,7 @@ if [ "$workers" -le 1 ] || ! "$VENV/bin/python" -c "import xdist" >/dev/null 2>&
   run -m "not vllm and not nixl"
   rc1=$?
   echo "== pass 1 of 2: exit $rc1 after $((SECONDS - start)) s" >&2
-  echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2
-  run -m "vllm or nixl"
+  engine_pass
   rc2=$?
   echo "== pass 2 of 2: exit $rc2; both passes took $((SECONDS - start)) s" >&2
   [ "$rc1" = 0 ] && [ "$rc2" = 0 ]
@@ -84,8 +88,7 @@ echo "== pass 1 of 2: other tests without engines or NIXL agent pairs (on $worke
 run -m "not background and not vllm and not nixl" "${xdist[@]}"
 rc1=$?
 echo "== pass 1 of 2: exit $rc1 after $((SECONDS - start)) s" >&2
-echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2
-run -m "vllm or nixl"
+engine_pass
 rc2=$?
 echo "== pass 2 of 2: exit $rc2 after $((SECONDS - start)) s" >&2
 if [ -z "$(cat "$bg_log.rc" 2>/dev/null)" ]; then
