@@ -64,7 +64,7 @@ if [ "$workers" -le 1 ] || ! "$VENV/bin/python" -c "import xdist" >/dev/null 2>&
 fi
 
 xdist=(-n "$workers" --dist loadfile)
-export KVPROTO_TLC_WORKERS=${KVPROTO_TLC_WORKERS:-1}
+tlc_workers=${KVPROTO_TLC_WORKERS:-1}
 idle=(nice -n 19)
 if chrt --idle 0 true >/dev/null 2>&1; then
   idle=(chrt --idle 0)
@@ -73,8 +73,8 @@ bg_log=$(mktemp "${TMPDIR:-/tmp}/kvproto-test-background.XXXXXX")
 echo "== background: the background tests at idle CPU priority (${idle[*]}), on $workers" \
      "workers, beside the two passes; log: $bg_log" >&2
 # its own process group (setsid), so that an interrupted run stops it with its workers
-( setsid "${idle[@]}" "$VENV/bin/python" -m pytest -m "background and not vllm and not nixl" \
-    "${xdist[@]}" >"$bg_log" 2>&1 &
+( KVPROTO_TLC_WORKERS=$tlc_workers setsid "${idle[@]}" "$VENV/bin/python" -m pytest \
+    -m "background and not vllm and not nixl" "${xdist[@]}" >"$bg_log" 2>&1 &
   echo "$!" >"$bg_log.pid"; wait "$!"; echo "$?" >"$bg_log.rc" ) &
 bg_pid=$!
 stop_background() {
@@ -85,7 +85,7 @@ stop_background() {
 }
 trap 'stop_background; exit 130' INT TERM
 echo "== pass 1 of 2: other tests without engines or NIXL agent pairs (on $workers workers)" >&2
-run -m "not background and not vllm and not nixl" "${xdist[@]}"
+KVPROTO_TLC_WORKERS=$tlc_workers run -m "not background and not vllm and not nixl" "${xdist[@]}"
 rc1=$?
 echo "== pass 1 of 2: exit $rc1 after $((SECONDS - start)) s" >&2
 engine_pass

@@ -20,9 +20,7 @@ from kvproto.cli import main
 from kvproto.lifecycle import Config
 from kvproto.verify import check, tlc
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 # ---------------------------------------------------------------------------
 # Lease numbers -> model time units.

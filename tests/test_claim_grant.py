@@ -29,9 +29,7 @@ from kvproto.verify import validate as va
 from kvproto.verify.dconformance import check_d_journal
 from kvproto.verify.tlc import MissingDependency as TLCMissing
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 CAP = "ab" * 16
 MUTANT = D_MUTANTS["read_before_grant"]

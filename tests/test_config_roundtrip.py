@@ -31,9 +31,7 @@ from kvproto.lifecycle import (
 )
 from kvproto.testing.sim import Simulator
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 MAX_MS = round(MAX_DURATION * 1000)
 # Durations are whole milliseconds (what validate() accepts), drawn in ms at every scale.

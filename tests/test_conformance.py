@@ -25,9 +25,7 @@ from kvproto.verify import conformance as cf
 from kvproto.verify import oracle as orc
 from kvproto.verify import tlc
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 log = logging.getLogger(__name__)
 

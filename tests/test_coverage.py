@@ -24,9 +24,7 @@ from kvproto.lifecycle.topology import Source, Topology, TopologyError, heads_of
 from kvproto.testing import cfuzz
 from kvproto.testing.mutants import COVERAGE_MUTANTS
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 # -- topology ------------------------------------------------------------------------
 

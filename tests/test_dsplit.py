@@ -38,9 +38,7 @@ from kvproto.verify.dtrace import d_journal_engine_traces
 from kvproto.verify.tlc import MissingDependency as TLCMissing
 from kvproto.verify.trace import DEFAULT_SEGMENT_STEPS, Verdict, check_batch
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 ENGINES = (("Pa", 7), ("Pb", 8), ("Pc", 9))
 

@@ -36,9 +36,7 @@ from kvproto.lifecycle.dstep import compile_row, step_functions
 from kvproto.lifecycle.table import MissingRow
 from kvproto.testing.mutants import ReadBeforeGrantConsumer
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 ENGINES = ("P0", "P1")
 RIDS = tuple(f"r{i}" for i in range(4))

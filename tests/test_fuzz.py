@@ -39,9 +39,7 @@ from kvproto.lifecycle import (
 )
 from kvproto.testing import fuzz
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 # ---------------------------------------------------------------------------
 # The CI profile over the real ledger

@@ -21,9 +21,7 @@ from kvproto.lifecycle.gate import (
 )
 from kvproto.testing.gatefuzz import GATE_MUTANTS, OP_NAMES, GateMutant, Op, explore, run_ops
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 CFG = Config(initial_lease=10.0, lease_extension=10.0, heartbeat_interval=1.0,
              abort_grace=10.0, max_delay=0.5, max_read_time=1.0, clock_drift=0.1)

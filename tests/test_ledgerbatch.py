@@ -20,9 +20,7 @@ from kvproto.lifecycle import BlockPool, Config, Done, Effect, Event, Free, Ledg
 from kvproto.lifecycle.gate import Gate
 from kvproto.testing.mutants import MUTANTS
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 HANDLES = 6
 BLOCKS = 12

@@ -24,9 +24,7 @@ from kvproto.testing import fuzz
 from kvproto.testing.mutants import D_MUTANTS, DRIVER_MUTANTS, MUTANTS, DriverMutant, Mutant
 from kvproto.verify.dconformance import check_d_journal
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 
 def mutant_budget() -> settings:

@@ -21,9 +21,7 @@ from pathlib import Path
 
 import pytest
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "kvproto"

@@ -22,9 +22,7 @@ from kvproto.verify import ptrace, trace
 from kvproto.verify import validate as va
 from kvproto.verify.tlc import MissingDependency as TLCMissing
 
-# CPU-bound and without wall-clock bounds: `make test` runs it beside the engine pass,
-# at idle CPU priority (scripts/test.sh)
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.background  # CPU-bound, no wall-clock bound (scripts/test.sh)
 
 log = logging.getLogger(__name__)
 

@@ -278,7 +278,8 @@ async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str,
     """Poll ``check`` until it returns a true value; fail after ``timeout`` seconds."""
     import httpx
 
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     last: Any = None
     while True:
         try:
@@ -294,7 +295,7 @@ async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str,
             await asyncio.sleep(max(interval, 0.5))
             continue
         if last:
-            waited = time.monotonic() - (deadline - timeout)
+            waited = time.monotonic() - t0
             if waited > 5.0:
                 log.info("%s: reached after %.1f s", what, waited)
             return last
