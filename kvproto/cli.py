@@ -74,11 +74,15 @@ def number(lo: float | None = None, hi: float | None = None, *, integer: bool = 
         what = "an integer"
     else:
         what = "a finite number"
+
+    def show(b: float) -> str:  # an integer bound in full (2**63, not 9.22337e+18)
+        return str(int(b)) if integer or (float(b).is_integer() and abs(b) < 1e16) else f"{b:g}"
+
     rng = []
     if lo is not None:
-        rng.append(f"{'>' if lo_open else '>='} {lo:g}")
+        rng.append(f"{'>' if lo_open else '>='} {show(lo)}")
     if hi is not None:
-        rng.append(f"<= {hi:g}")
+        rng.append(f"<= {show(hi)}")
     want = what + (" " + " and ".join(rng) if rng else "")
 
     def parse(text: str) -> float:

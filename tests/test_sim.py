@@ -102,7 +102,9 @@ def test_simulate_without_faults_completes_reads(capsys: pytest.CaptureFixture[s
     (["--seeds", "0"], "argument --seeds: must be an integer >= 1"),
     (["--duration", "0"], "argument --duration: must be a finite number > 0"),
     (["--duration", "nan"], "argument --duration: must be a finite number > 0"),
-    (["--capacity", "8"], "argument --capacity: must be an integer >= 16")])
+    (["--capacity", "8"], "argument --capacity: must be an integer >= 16"),
+    # An integer bound is written in full, not as 9.22337e+18.
+    (["--seed", "x"], "argument --seed: must be an integer >= 0 and <= 9223372036854775808,")])
 def test_simulate_refuses_bad_parameters(capsys: pytest.CaptureFixture[str],
                                          argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as info:
