@@ -315,6 +315,25 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.tlc
+def test_batches_side_by_side_keep_each_journals_verdict(tmp_path: Path) -> None:
+    good = scripted_journal(tmp_path / "good.jsonl")
+    rows = read_lines(good)
+    idx, _ = _tamper_done_twice(rows)
+    bad = write_lines(tmp_path / "bad.jsonl", rows)
+    paths = [good, bad, good, bad]
+    try:  # batch_bytes=1: one TLC run per journal, up to three at a time
+        side = va.validate(paths, batch_bytes=1, jobs=3, workdir=tmp_path / "side")
+        one = va.validate(paths, batch_bytes=1, jobs=1, workdir=tmp_path / "one")
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    assert [v.allowed for v in side] == [True, False, True, False]
+    assert [(v.path, v.allowed, v.steps, v.why) for v in side] == \
+        [(v.path, v.allowed, v.steps, v.why) for v in one]
+    assert (tmp_path / "side" / "batch3").is_dir()  # each run in its own directory
+    assert [side[1].line, side[3].line] == [idx + 1, idx + 1]
+
+
+@pytest.mark.tlc
 def test_tlc_timeout_is_a_clear_error_not_a_traceback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = scripted_journal(tmp_path / "good.jsonl")

@@ -39,6 +39,10 @@ from kvproto.wire import Handshake, Layout
 
 log = logging.getLogger(__name__)
 
+# A remote agent's metadata load (NIXL add_remote_agent) slower than this is logged: it
+# takes tens of milliseconds here, and seconds were seen on an overloaded 2-core host.
+SLOW_METADATA_LOAD_S = 1.0
+
 
 
 def _notifs(agent: Any) -> list[tuple[str, bytes]]:
@@ -353,7 +357,14 @@ class NixlDTransport:
         r = self._remote(engine)
         r.sum_algo = str(algo)
         try:
+            t0 = time.monotonic()
             name = self.agent.add_remote_agent(hs.agent_metadata)
+            took = time.monotonic() - t0
+            if took > SLOW_METADATA_LOAD_S:
+                # It runs on the thread that polls this adapter (an engine's step loop):
+                # every request of the engine waited this long.
+                log.warning("loading the NIXL metadata of %s took %.1f s (this thread was "
+                            "blocked meanwhile)", engine, took)
             name_s = name.decode() if isinstance(name, bytes) else str(name)
             if name_s != engine:  # pragma: no cover - the name was read out above
                 raise PeerError("handshake_wrong_peer", f"metadata of {name_s!r}", final=True)

@@ -38,6 +38,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -51,6 +52,7 @@ from kvproto.verify.ptrace import journal_to_traces
 from kvproto.verify.tlc import (
     MissingDependency,
     TLCError,
+    default_workers,
 )
 from kvproto.verify.trace import (
     DEFAULT_BATCH_BYTES,
@@ -75,10 +77,13 @@ EXIT_MISSING: Final = 3
 
 def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BYTES,
              workdir: Path | None = None, timeout: float = DEFAULT_TIMEOUT,
-             segment_steps: int = DEFAULT_SEGMENT_STEPS) -> list[Verdict]:
+             segment_steps: int = DEFAULT_SEGMENT_STEPS,
+             jobs: int | None = None) -> list[Verdict]:
     """Validate journals, one verdict each (raises JournalError/TraceError on bad input,
     TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
-    is its first segment's rejection. A D journal that names several P engines (its P
+    is its first segment's rejection. The traces go to TLC in batches of about
+    ``batch_bytes``, at most ``jobs`` TLC runs at a time (default: ``default_workers()``,
+    one per core or ``$KVPROTO_TLC_WORKERS``), each with one TLC worker. A D journal that names several P engines (its P
     restarted) is traced per engine (``kvproto.verify.dsplit``) and replayed whole
     (verdict status ``traced``); one that cannot be split is replayed only (``replayed``,
     with the reason, logged)."""
@@ -103,10 +108,9 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
         except (JournalError, TraceError) as e:  # name the file: several may be given
             raise TraceError(f"{p}: {e}") from None
     traces = [t for ts in per_path for t in ts]
-    seg_verdicts: list[Verdict] = []
-    for i, b in enumerate(batches(traces, batch_bytes)):
-        seg_verdicts += check_batch(b, workdir=None if workdir is None else workdir / f"batch{i}",
-                                    timeout=timeout)
+    seg_verdicts = [v for vs in _check_batches(list(batches(traces, batch_bytes)), workdir,
+                                               timeout, jobs)
+                    for v in vs]
     verdicts: list[Verdict] = []
     it = iter(seg_verdicts)
     for k, (p, ts) in enumerate(zip(paths, per_path, strict=True)):
@@ -127,6 +131,22 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
         else:
             verdicts.append(segs[-1])
     return verdicts
+
+
+def _check_batches(bs: list[list[Trace]], workdir: Path | None, timeout: float,
+                   jobs: int | None) -> list[list[Verdict]]:
+    """Each batch's verdicts, in order. Batches are independent TLC runs (one JVM each,
+    its own directory), so up to ``jobs`` run side by side; the first failure is raised
+    once every started run has ended."""
+    def one(i: int) -> list[Verdict]:
+        return check_batch(bs[i], workdir=None if workdir is None else workdir / f"batch{i}",
+                           timeout=timeout)
+
+    n = max(1, min(len(bs), default_workers() if jobs is None else jobs))
+    if n == 1:
+        return [one(i) for i in range(len(bs))]
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tlc-batch") as pool:
+        return list(pool.map(one, range(len(bs))))
 
 
 def _replay_verdict(path: str | Path, reason: str) -> Verdict:
@@ -166,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"one piece (default {DEFAULT_SEGMENT_STEPS})")
     p.add_argument("--keep", metavar="DIR",
                    help="write the generated TLA+ modules here and keep them")
+    p.add_argument("--jobs", type=number(1, 256, integer=True), default=None, metavar="N",
+                   help="TLC runs (batches) at a time (default: one per core, at most 8, "
+                        "or $KVPROTO_TLC_WORKERS)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         verdicts = validate(args.journals, batch_bytes=args.batch_bytes,
                             workdir=Path(args.keep) if args.keep else None,
                             timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
-                            segment_steps=getattr(args, "segment_steps", DEFAULT_SEGMENT_STEPS))
+                            segment_steps=getattr(args, "segment_steps", DEFAULT_SEGMENT_STEPS),
+                            jobs=getattr(args, "jobs", None))
     except (JournalError, TraceError, OSError, json.JSONDecodeError) as e:
         print(f"kvproto validate: bad input: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

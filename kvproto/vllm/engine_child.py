@@ -10,14 +10,22 @@ goes away or asks it to stop.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
+
+# A loop iteration (one engine step, or one command) that takes longer than this dumps
+# every thread's stack into the engine's log: a stalled engine is a diagnosis, not a
+# silent lease loss. Shorter than the margin a D keeps before it gives a lease up
+# (about 4.4 s with the TP tests' lease), longer than most steps of the tiny models.
+STALL_DUMP_S = 4.0
 
 
 def engine_main(conn: Connection, spec: dict[str, Any]) -> None:  # pragma: no cover
@@ -139,7 +147,16 @@ class _Child:  # pragma: no cover - runs in the engine process
     def serve(self) -> None:
         self.out.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
                                  "free_blocks": self.pool.get_num_free_blocks()}))
+        try:
+            self._serve()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _serve(self) -> None:
         while True:
+            # Re-armed every iteration (an idle iteration waits at most 20 ms for a
+            # command): fires only when one iteration stalls.
+            faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
             if os.getppid() != self.parent:
                 return
             busy = self.sched.has_requests() and time.monotonic() >= self.paused_until
