@@ -147,7 +147,8 @@ class _Side:
         cfg["kv_connector_extra_config"] = ec
         return h.EngineSpec(name=tag, model=self.model, kv_transfer_config=cfg,
                             env=h.engine_env(), kv_cache_memory_bytes=16 << 20,
-                            log_path=str(self.workdir / f"{tag}.log"))
+                            log_path=str(self.workdir / f"{tag}.log"),
+                            stall_dump_s=0.0)  # SIGSTOP is one of the faults
 
     def start(self) -> Any:
         from kvproto.vllm import harness as h

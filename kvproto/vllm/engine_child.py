@@ -25,6 +25,7 @@ from typing import Any
 # every thread's stack into the engine's log: a stalled engine is a diagnosis, not a
 # silent lease loss. Shorter than the margin a D keeps before it gives a lease up
 # (about 4.4 s with the TP tests' lease), longer than most steps of the tiny models.
+# The spec's ``stall_dump_s`` overrides it (0: off).
 STALL_DUMP_S = 4.0
 
 
@@ -147,16 +148,18 @@ class _Child:  # pragma: no cover - runs in the engine process
     def serve(self) -> None:
         self.out.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
                                  "free_blocks": self.pool.get_num_free_blocks()}))
+        stall = float(self.spec.get("stall_dump_s", STALL_DUMP_S) or 0.0)
         try:
-            self._serve()
+            self._serve(stall)
         finally:
             faulthandler.cancel_dump_traceback_later()
 
-    def _serve(self) -> None:
+    def _serve(self, stall: float) -> None:
         while True:
-            # Re-armed every iteration (an idle iteration waits at most 20 ms for a
-            # command): fires only when one iteration stalls.
-            faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
+            if stall > 0:
+                # Re-armed every iteration (an idle iteration waits at most 20 ms for a
+                # command): fires only when one iteration stalls.
+                faulthandler.dump_traceback_later(stall, file=sys.stderr)
             if os.getppid() != self.parent:
                 return
             busy = self.sched.has_requests() and time.monotonic() >= self.paused_until

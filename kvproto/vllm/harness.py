@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvproto.errors import KVProtoError
-from kvproto.vllm.engine_child import engine_main
+from kvproto.vllm.engine_child import STALL_DUMP_S, engine_main
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,10 @@ class EngineSpec:
     # a copy of the engine process, imports done; the engine process has started no
     # thread by then). Either way the workers are vLLM's own and load the connector.
     worker_start: str = "spawn"
+    # One step-loop iteration slower than this dumps every thread's stack into the log
+    # (default STALL_DUMP_S); 0: off, for engines stopped on purpose (SIGSTOP), whose
+    # resumption would read as a stall.
+    stall_dump_s: float = STALL_DUMP_S
 
     def __post_init__(self) -> None:
         if self.worker_start not in WORKER_STARTS:
@@ -609,7 +613,7 @@ def _spec_dict(spec: EngineSpec) -> dict[str, Any]:
             "prefix_caching": spec.prefix_caching,
             "tensor_parallel_size": spec.tensor_parallel_size,
             "max_num_batched_tokens": spec.max_num_batched_tokens,
-            "worker_start": spec.worker_start}
+            "worker_start": spec.worker_start, "stall_dump_s": spec.stall_dump_s}
 
 
 # ---------------------------------------------------------------------------- P/D pairs

@@ -1,0 +1,69 @@
+"""The test engines' step loop (kvproto.vllm.engine_child) reports its own stalls: one
+loop iteration slower than ``stall_dump_s`` writes every thread's stack to the engine's
+log, so that a lease lost to a frozen engine names where it froze. Run in a subprocess
+(faulthandler writes to the process's stderr) around a stand-in engine whose third step
+stalls; no vLLM needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import os, sys, time, types
+    import multiprocessing as mp
+    from kvproto.vllm.engine_child import _Child
+
+    stall_s, slow_step = float(sys.argv[1]), int(sys.argv[2])
+    a, b = mp.Pipe()
+
+    class Sched:
+        def has_requests(self): return True
+        def get_request_counts(self): return (1, 0)
+
+    class Engine:
+        n = 0
+        def step(self):
+            self.n += 1
+            if self.n == slow_step:
+                time.sleep(0.8)  # a frozen step, e.g. a blocking call on the engine thread
+            if self.n == 8:
+                b.send(("stop",))
+            return []
+
+    sched = Sched()
+    sched.kv_cache_manager = types.SimpleNamespace(block_pool=types.SimpleNamespace(
+        num_gpu_blocks=1, get_num_free_blocks=lambda: 1))
+    core = types.SimpleNamespace(scheduler=sched, shutdown=lambda: None)
+    eng = Engine()
+    eng.engine_core = types.SimpleNamespace(engine_core=core)
+    child = _Child(a, eng, {"name": "x", "stall_dump_s": stall_s}, os.getppid())
+    child.serve()
+    child.out.flush(1.0)
+    print("served", eng.n, flush=True)
+""")
+
+
+def _run(stall_s: float, slow_step: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", CHILD, str(stall_s), str(slow_step)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("stall_s", "slow_step", "dumped"), [
+    (0.3, 3, True),    # the stalled step is named, with the stack that stalled
+    (0.3, 0, False),   # fast steps: nothing written
+    (0.0, 3, False),   # off (engines stopped on purpose by SIGSTOP)
+])
+def test_a_stalled_step_dumps_every_threads_stack(stall_s: float, slow_step: int,
+                                                  dumped: bool) -> None:
+    r = _run(stall_s, slow_step)
+    assert r.returncode == 0 and "served 8" in r.stdout, r.stderr[-2000:]
+    if dumped:
+        assert r.stderr.count("Timeout (") == 1, r.stderr[-2000:]
+        assert "in step" in r.stderr
+        assert "in _serve" in r.stderr
+    else:
+        assert "Timeout (" not in r.stderr, r.stderr[-2000:]
