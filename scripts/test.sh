@@ -46,7 +46,8 @@ fi
 
 engine_pass() {
   echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2
-  run -m "vllm or nixl"
+  # the slowest modules' set-ups and tests, for whoever reads a slow run's log
+  run -m "vllm or nixl" --durations=15
 }
 
 workers=${KVPROTO_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
