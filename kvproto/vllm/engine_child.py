@@ -14,6 +14,7 @@ import faulthandler
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -149,17 +150,27 @@ class _Child:  # pragma: no cover - runs in the engine process
         self.out.send(("ready", {"pid": os.getpid(), "total_blocks": self.pool.num_gpu_blocks,
                                  "free_blocks": self.pool.get_num_free_blocks()}))
         stall = float(self.spec.get("stall_dump_s", STALL_DUMP_S) or 0.0)
+        if stall > 0:
+            # SIGALRM's handler is faulthandler's, in C: it writes every thread's stack
+            # even while the stalled call holds the GIL. (faulthandler's own timer starts
+            # a thread per re-arm, about 0.2 ms; setitimer is one system call.)
+            faulthandler.register(signal.SIGALRM, file=sys.stderr, all_threads=True)
+            self.log.info("stall dumps on: a step-loop iteration over %.1f s writes every "
+                          "thread's stack here", stall)
         try:
             self._serve(stall)
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            if stall > 0:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                faulthandler.unregister(signal.SIGALRM)
 
     def _serve(self, stall: float) -> None:
         while True:
             if stall > 0:
                 # Re-armed every iteration (an idle iteration waits at most 20 ms for a
-                # command): fires only when one iteration stalls.
-                faulthandler.dump_traceback_later(stall, file=sys.stderr)
+                # command): fires only when one iteration stalls. Timers are not
+                # inherited by forked TP workers.
+                signal.setitimer(signal.ITIMER_REAL, stall)
             if os.getppid() != self.parent:
                 return
             busy = self.sched.has_requests() and time.monotonic() >= self.paused_until
