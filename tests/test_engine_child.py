@@ -1,8 +1,11 @@
-"""The test engines' step loop (kvproto.vllm.engine_child) reports its own stalls: one
-loop iteration slower than ``stall_dump_s`` writes every thread's stack to the engine's
-log, so that a lease lost to a frozen engine names where it froze. Run in a subprocess
-(faulthandler writes to the process's stderr) around a stand-in engine whose third step
-stalls; no vLLM needed."""
+"""Stalled engine threads are reported, not silent.
+
+* The test engines' step loop (kvproto.vllm.engine_child): one loop iteration slower than
+  ``stall_dump_s`` writes every thread's stack to the engine's log, so that a lease lost
+  to a frozen engine names where it froze. Run in a subprocess (faulthandler writes to
+  the process's stderr) around a stand-in engine whose third step stalls; no vLLM needed.
+* The NIXL peer metadata load, which runs on the engine thread, logs its duration when
+  it is slow (kvproto.nixl.transport)."""
 
 from __future__ import annotations
 
@@ -68,3 +71,29 @@ def test_a_stalled_step_dumps_every_threads_stack(stall_s: float, slow_step: int
         assert "stall dumps on" in r.stderr
     else:
         assert "most recent call first" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_slow_nixl_metadata_load_is_logged(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The peer metadata load runs on the engine thread; a slow one says how long the
+    thread was blocked, a fast one says nothing."""
+    pytest.importorskip("torch")
+    import time
+
+    from kvproto.nixl import transport
+
+    class Agent:
+        def __init__(self, delay: float) -> None:
+            self.delay = delay
+
+        def add_remote_agent(self, metadata: bytes) -> bytes:
+            time.sleep(self.delay)
+            return metadata
+
+    monkeypatch.setattr(transport, "SLOW_METADATA_LOAD_S", 0.05)
+    with caplog.at_level("WARNING", logger="kvproto.nixl.transport"):
+        assert transport._add_remote_agent(Agent(0.0), b"fast", "P0") == b"fast"
+        assert not caplog.records
+        assert transport._add_remote_agent(Agent(0.1), b"slow", "P1") == b"slow"
+    [rec] = caplog.records
+    assert "loading the NIXL metadata of P1 took 0.1 s" in rec.getMessage()

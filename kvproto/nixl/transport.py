@@ -44,6 +44,17 @@ log = logging.getLogger(__name__)
 SLOW_METADATA_LOAD_S = 1.0
 
 
+def _add_remote_agent(agent: Any, metadata: bytes, peer: str) -> Any:
+    """``agent.add_remote_agent(metadata)``, logged when slow: it runs on the thread that
+    polls the adapter (an engine's step loop), so every request of the engine waited."""
+    t0 = time.monotonic()
+    name = agent.add_remote_agent(metadata)
+    took = time.monotonic() - t0
+    if took > SLOW_METADATA_LOAD_S:
+        log.warning("loading the NIXL metadata of %s took %.1f s (this thread was blocked "
+                    "meanwhile)", peer[:64], took)
+    return name
+
 
 def _notifs(agent: Any) -> list[tuple[str, bytes]]:
     """The agent's new notifications as (peer, bytes), in order per peer."""
@@ -130,7 +141,7 @@ class NixlPTransport:
 
     def load_peer(self, metadata: bytes) -> str:
         try:
-            name = self.agent.add_remote_agent(metadata)
+            name = _add_remote_agent(self.agent, metadata, "a D engine")
         except Exception as e:
             raise PeerError("metadata", error_name(e), final=False) from e
         return name.decode() if isinstance(name, bytes) else str(name)
@@ -357,14 +368,7 @@ class NixlDTransport:
         r = self._remote(engine)
         r.sum_algo = str(algo)
         try:
-            t0 = time.monotonic()
-            name = self.agent.add_remote_agent(hs.agent_metadata)
-            took = time.monotonic() - t0
-            if took > SLOW_METADATA_LOAD_S:
-                # It runs on the thread that polls this adapter (an engine's step loop):
-                # every request of the engine waited this long.
-                log.warning("loading the NIXL metadata of %s took %.1f s (this thread was "
-                            "blocked meanwhile)", engine, took)
+            name = _add_remote_agent(self.agent, hs.agent_metadata, engine)
             name_s = name.decode() if isinstance(name, bytes) else str(name)
             if name_s != engine:  # pragma: no cover - the name was read out above
                 raise PeerError("handshake_wrong_peer", f"metadata of {name_s!r}", final=True)

@@ -83,10 +83,10 @@ def validate(paths: Sequence[str | Path], *, batch_bytes: int = DEFAULT_BATCH_BY
     TLCMissing). A journal is allowed when all its segments are; otherwise its verdict
     is its first segment's rejection. The traces go to TLC in batches of about
     ``batch_bytes``, at most ``jobs`` TLC runs at a time (default: ``default_workers()``,
-    one per core or ``$KVPROTO_TLC_WORKERS``), each with one TLC worker. A D journal that names several P engines (its P
-    restarted) is traced per engine (``kvproto.verify.dsplit``) and replayed whole
-    (verdict status ``traced``); one that cannot be split is replayed only (``replayed``,
-    with the reason, logged)."""
+    one per core or ``$KVPROTO_TLC_WORKERS``), each with one TLC worker. A D journal
+    that names several P engines (its P restarted) is traced per engine
+    (``kvproto.verify.dsplit``) and replayed whole (verdict status ``traced``); one that
+    cannot be split is replayed only (``replayed``, with the reason, logged)."""
     per_path: list[list[Trace]] = []
     engines: list[int] = []  # P engines traced separately, per journal
     replayed: dict[int, Verdict] = {}  # journals TLC cannot trace: their replay's verdict
