@@ -178,6 +178,8 @@ class _Child:  # pragma: no cover - runs in the engine process
                 if self.conn.poll(0 if busy else 0.02):
                     msg = self.conn.recv()
                     if msg[0] == "stop":
+                        if stall > 0:  # vLLM's shutdown may take seconds: not a stall
+                            signal.setitimer(signal.ITIMER_REAL, 0)
                         self._shutdown()
                         return
                     self._command(msg)
