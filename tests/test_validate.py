@@ -334,6 +334,41 @@ def test_batches_side_by_side_keep_each_journals_verdict(tmp_path: Path) -> None
 
 
 @pytest.mark.tlc
+def test_each_tlc_run_extracts_the_standard_modules_into_its_own_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLC copies the standard modules out of its jar into java.io.tmpdir and deletes them
+    at exit; in a shared /tmp a run ending deletes what a concurrent run is parsing (exit
+    150, "Module-Table lookup failure"). Each run must use a directory of its own."""
+    import tempfile
+    import threading
+
+    from kvproto.verify.models import TLC_MODELS
+    from kvproto.verify.tlc import run_tlc
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen: set[Path] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(tmp_path.glob("kvproto-tlc-*/*/Naturals.tla"))
+            done.wait(0.02)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    m = TLC_MODELS["gate"]
+    try:
+        res = run_tlc(m.cfg, module=m.module, cfg_text=m.path.read_text(), workers=1)
+    except TLCMissing as e:  # pragma: no cover
+        pytest.skip(str(e))
+    finally:
+        done.set()
+        w.join()
+    assert res.exit_code == 0, res.output[-2000:]
+    assert seen and all(p.parent.name == "java-tmp" for p in seen), seen
+
+
+@pytest.mark.tlc
 def test_tlc_timeout_is_a_clear_error_not_a_traceback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = scripted_journal(tmp_path / "good.jsonl")

@@ -560,7 +560,14 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", cfg_text: str | None = None,
             (work / f"{mod}.tla").write_text(text, encoding="utf-8")
         if cfg_text is not None:
             (work / cfg_name).write_text(cfg_text, encoding="utf-8")
-        cmd = [java, "-XX:+UseParallelGC", "-Xss16m", "-cp", str(jar), "tlc2.TLC",
+        # TLC writes the standard modules it reads from its jar (Naturals.tla, ...) into
+        # java.io.tmpdir and deletes them when the JVM exits: with one shared /tmp, a run
+        # ending removes the files another run is about to parse (exit 150, "Module-Table
+        # lookup failure"). Each run gets its own.
+        jtmp = Path(tmp) / "java-tmp"
+        jtmp.mkdir()
+        cmd = [java, "-XX:+UseParallelGC", "-Xss16m", f"-Djava.io.tmpdir={jtmp}",
+               "-cp", str(jar), "tlc2.TLC",
                "-workers", str(workers or default_workers()), "-metadir",
                str(Path(tmp) / "meta"), "-config", cfg_name, *args, f"{module}.tla"]
         log.debug("running %s in %s", " ".join(cmd), work)
