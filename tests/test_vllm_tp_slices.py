@@ -107,10 +107,18 @@ def test_p_tp1_to_d_tp2_head_slices_token_for_token(run: Run) -> None:
         if ev.get("type") == "done":
             readers.setdefault(int(ev["handle"]), set()).add(str(ev["reader"]))
         for e in rec["effects"]:  # type: ignore[attr-defined]
-            if e.get("type") == "free":
-                assert e["reason"] == "transferred", e
-                assert len(readers.get(int(e["handle"]), ())) == 2, (e, readers)
-                transferred.add(str(e["request_id"]).split("-")[0])
+            if e.get("type") != "free":
+                continue
+            rid = str(e["request_id"]).split("-")[0]
+            if rid not in PROMPTS:
+                # A warm-up request: a first contact may outlast its lease (D gives it up
+                # and releases it; warm_up_pulled then runs another round). Either way
+                # P frees it once, for a reason of the protocol, never by force.
+                assert e["reason"] in ("transferred", "released"), e
+                continue
+            assert e["reason"] == "transferred", e
+            assert len(readers.get(int(e["handle"]), ())) == 2, (e, readers)
+            transferred.add(rid)
     assert set(PROMPTS) <= transferred
 
 
