@@ -112,9 +112,9 @@ def test_p_tp1_to_d_tp2_head_slices_token_for_token(run: Run) -> None:
             rid = str(e["request_id"]).split("-")[0]
             if rid not in PROMPTS:
                 # A warm-up request: a first contact may outlast its lease (D gives it up
-                # and releases it; warm_up_pulled then runs another round). Either way
-                # P frees it once, for a reason of the protocol, never by force.
-                assert e["reason"] in ("transferred", "released"), e
+                # and releases it, or P's lease ends first; warm_up_pulled then runs
+                # another round). P frees it for one of those reasons.
+                assert e["reason"] in ("transferred", "released", "expired"), e
                 continue
             assert e["reason"] == "transferred", e
             assert len(readers.get(int(e["handle"]), ())) == 2, (e, readers)
