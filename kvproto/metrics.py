@@ -44,7 +44,11 @@ Metric names (each with the constant labels):
 * ``kvproto_params_delay_seconds``: how long D's transfer params took from P's issue to
   D's admit (a histogram, by the two hosts' wall clocks; only params that carry P's issue
   time), and ``kvproto_late_params_total``: those beyond ``max_delay``. Diagnostics for
-  sizing ``max_delay`` and the leases; no decision reads them.
+  sizing ``max_delay`` and the leases; no decision reads them;
+* ``kvproto_poll_stalls_total``, ``kvproto_poll_stall_seconds_total``: the vLLM
+  connector's gaps between adapter polls longer than ``max_delay`` while work was pending
+  (its engine thread and its poller both stalled), and their total length. Leases run on
+  through such a gap: a diagnostic for requests that lost theirs.
 """
 
 from __future__ import annotations
@@ -171,6 +175,10 @@ class Metrics:
         self._params_delay = dh.labels(*values) if names else dh
         self._late_params = counter("late_params", "D: transfer params that reached D later "
                                     "than max_delay after P issued them (wall clocks)")
+        self._poll_stalls = counter("poll_stalls", "connector adapter polls that came more "
+                                    "than max_delay after the one before, with work "
+                                    "pending (engine thread and poller both stalled)")
+        self._poll_stall_s = counter("poll_stall_seconds", "total length of those gaps")
         self._stuck = gauge("d_stuck_reads", "D READs past max_read_time + read_grace whose "
                             "transfer has not ended (their local blocks quarantined)")
 
@@ -243,6 +251,11 @@ class Metrics:
         self._params_delay.observe(max(0.0, seconds))
         if late:
             self._late_params.inc()
+
+    def poll_stall(self, seconds: float) -> None:
+        """One gap between the connector's adapter polls longer than ``max_delay``."""
+        self._poll_stalls.inc()
+        self._poll_stall_s.inc(seconds)
 
     def track_in_flight(self, reads: Callable[[], float]) -> None:
         self._in_flight.set_function(reads)

@@ -197,7 +197,8 @@ def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: flo
         led, h, first = _waiting(pr)
         # D alone steps, past the point where an unrenewed lease can no longer cover a
         # READ: initial term - max_delay - (max_read_time + clock_drift) = 1.7 s
-        away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        away_s = 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        away = time.monotonic() + away_s
         ended: list[str] = []
         while time.monotonic() < away:
             pr.d.apply(Orders())
@@ -209,6 +210,12 @@ def test_p_poller_answers_heartbeats_while_the_engine_thread_is_away(gap_ms: flo
             polls = pr.p.poller_polls
         if gap_ms == 0:
             assert ended == ["r1"] and not renewed and polls == 0, (ended, renewed)
+            # P's engine thread, back, finds its adapter unpolled since before the
+            # absence, with a request held: one stall over max_delay, as long as the
+            # absence, counted and exported.
+            pr.p.poll()
+            c = pr.p.counters()
+            assert c["poll_stalls"] == 1 and c["poll_stall_s"] >= away_s, (c, away_s)
             return
         assert ended == [] and renewed and polls > 0, (ended, renewed, polls)
         assert pr.ds.matched_tokens("r1", 8, 0) == (8, True)
@@ -232,7 +239,8 @@ def test_d_poller_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> N
     try:
         led, h, first = _waiting(pr)
         # P alone steps, past the initial lease D would have to renew
-        away = time.monotonic() + 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        away_s = 2 * (LEASE["initial_lease"] - LEASE["max_delay"])
+        away = time.monotonic() + away_s
         while time.monotonic() < away:
             pr.p.apply(Orders())
             pr.p.poll()
@@ -255,6 +263,9 @@ def test_d_poller_heartbeats_while_the_engine_thread_is_away(gap_ms: float) -> N
                 ended += pr.d.take()[2]
                 time.sleep(0.005)
             assert ended == ["r1"], ended
+            # D's first poll back closed a gap as long as the absence, with r1 waiting.
+            c = pr.d.counters()
+            assert c["poll_stalls"] == 1 and c["poll_stall_s"] >= away_s, (c, away_s)
             return
         assert renewed and expired == 0 and polls > 0, (renewed, expired, polls)
         assert "r1" not in pr.sent
@@ -396,7 +407,8 @@ def test_prometheus_counters_by_reason() -> None:
     assert prom is not None
     prom.observe({"frees_expired": 2, "frees_transferred": 5, "fenced_reads": 1,
                   "stranded_block_seconds": 1.5, "recomputed_blocks": 3,
-                  "handshake_failures": 1, "rejected_bad_params": 4}, 0)
+                  "handshake_failures": 1, "rejected_bad_params": 4, "poll_stalls": 2,
+                  "poll_stall_s": 3.5}, 0)
     prom.observe({"frees_expired": 1}, 0)
 
     def v(name: str, **labels: str) -> float | None:
@@ -409,11 +421,13 @@ def test_prometheus_counters_by_reason() -> None:
     assert v("kvproto:recomputed_blocks_total") == 3
     assert v("kvproto:handshake_failures_total") == 1
     assert v("kvproto:rejected_total", reason="bad_params") == 4
+    assert v("kvproto:poll_stalls_total") == 2
+    assert v("kvproto:poll_stall_seconds_total") == 3.5
 
 
 def test_shared_kvproto_metrics_registry() -> None:
     """With ``metrics_port`` the worker halves feed kvproto.metrics (one registry, P and
-    D): a fenced read and an expiry show up there."""
+    D): a fenced read, an expiry and a stall between P's polls show up there."""
     from prometheus_client import generate_latest
 
     from kvproto.metrics import Metrics, scrape_values
@@ -423,6 +437,10 @@ def test_shared_kvproto_metrics_registry() -> None:
     try:
         params = pr.prefill("late", [4, 6], 8)
         pr.step()
+        # P holds "late"; a long call under P's lock keeps both its threads from polling
+        with pr.p.lock:
+            time.sleep(0.5)
+        pr.p.poll()
         pr.p.adapter.clock = lambda: time.monotonic() + 10.0
         pr.step()
         pr.ds.new_request("late", params)
@@ -438,6 +456,9 @@ def test_shared_kvproto_metrics_registry() -> None:
 
         assert v("kvproto_fenced_reads_total") == 1
         assert v("kvproto_frees_total", reason="expired") == 1
+        # at least that one (an overloaded host may add its own)
+        assert v("kvproto_poll_stalls_total") >= 1
+        assert v("kvproto_poll_stall_seconds_total") >= 0.5
     finally:
         pr.close()
 

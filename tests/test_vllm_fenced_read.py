@@ -119,6 +119,9 @@ def test_a_read_landing_on_reused_blocks_is_fenced_and_poisons_nothing(fleet: Fl
     for d in (fleet.d_rec, fleet.d_fail):
         assert grew(d, "fenced_reads") >= 1, (d.spec.name, after[d.spec.name])
         assert grew(d, "reads_ok") == 0 and grew(d, "read_blocks") == 0, after[d.spec.name]
+        # the stall held D's worker lock with the READ pending: seen as a poll gap
+        assert grew(d, "poll_stalls") >= 1 and grew(d, "poll_stall_s") >= STALL, \
+            after[d.spec.name]
     # P: each request freed once, by its lease; the pool is whole again
     ok, _, _ = sc.wait_free(p, baseline, 4 * LEASE + 30.0)
     assert ok and int(p.stats()["free_blocks"]) == baseline, p.stats()

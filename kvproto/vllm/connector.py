@@ -263,7 +263,8 @@ class KVProtoHandshakeMetadata(KVConnectorHandshakeMetadata):
 # Stat keys (KVProtoStats.data): frees_<reason>, stranded_block_seconds, fenced_reads,
 # checksum_failures, recomputed_blocks, handshake_failures, model_mismatches,
 # rejected_params, rejected_messages, reads_ok, reads_failed, stale_stamp_snapshots,
-# claims_before_register (P), claims_retried (D);
+# claims_before_register (P), claims_retried (D), poll_stalls and poll_stall_s (both:
+# gaps between adapter polls over max_delay with work pending, and their seconds);
 # tensor parallelism (kvproto.vllm.dcover): tp_refused, orphan, coverage_complete,
 # coverage_short, coverage_missing_regions, coverage_coverage_full.
 
@@ -328,6 +329,9 @@ class KVProtoPromMetrics(KVConnectorPromMetrics):
                                              "cannot pull (recomputed or failed)"),
         "coverage_short": ("kvproto:coverage_short", "D: verified READs that missed a region "
                                                      "of the request's map (never served)"),
+        "poll_stalls": ("kvproto:poll_stalls", "adapter polls more than max_delay after the "
+                        "one before, with work pending (engine thread and poller stalled)"),
+        "poll_stall_s": ("kvproto:poll_stall_seconds", "total length of those gaps"),
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],

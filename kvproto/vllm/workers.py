@@ -75,6 +75,41 @@ class Join:
         self.ended = False
 
 
+class PollGaps:
+    """The gaps between one worker's adapter polls. The lifecycle's timing assumes that a
+    message is handled within ``max_delay`` of its sending (``kvproto.lifecycle.config``);
+    a worker with work pending whose adapter went unpolled for longer broke that
+    assumption: its engine thread and its poller both stalled (a host short of CPU, a
+    long call under the worker's lock). Leases ran on meanwhile, so requests may have lost
+    theirs and been recomputed; nothing unsafe follows (stamps fence every READ). A gap
+    counts when the worker had work at the poll that opened it. O(1) per poll."""
+
+    __slots__ = ("_last", "_watch", "limit", "longest", "stalled_s", "stalls")
+
+    def __init__(self, limit_s: float, now: float) -> None:
+        self.limit = limit_s
+        self.stalls = 0  # gaps longer than limit, with work pending
+        self.stalled_s = 0.0  # their total length
+        self.longest = 0.0  # the longest of them
+        self._last = now
+        self._watch = False
+
+    def polled(self, now: float, watch: bool) -> float | None:
+        """One poll at ``now`` (monotonic seconds); ``watch``: whether the worker has work
+        now, so that the gap this poll opens counts. The gap this poll closed, when it
+        was a stall; else None."""
+        gap = now - self._last
+        self._last = now
+        counts = self._watch
+        self._watch = watch
+        if not counts or gap <= self.limit:
+            return None
+        self.stalls += 1
+        self.stalled_s += gap
+        self.longest = max(self.longest, gap)
+        return gap
+
+
 class _Polled:
     """The poller both worker halves run (``poll_gap_ms`` > 0): a thread that polls the
     adapter whenever no thread has for ``poll_gap_ms`` (a long forward pass, an engine
@@ -88,8 +123,11 @@ class _Polled:
 
     role = "?"
 
-    def _init_poller(self, gap_ms: float, name: str) -> None:
+    metrics: Metrics | None = None
+
+    def _init_poller(self, gap_ms: float, name: str, max_delay_s: float) -> None:
         self.lock = threading.Lock()
+        self.gaps = PollGaps(max_delay_s, time.monotonic())
         self.poller_polls = 0  # adapter polls the poller made between engine polls
         self.poller_errors = 0  # poller polls that raised (the poller goes on)
         self._polled_at = time.monotonic()  # last adapter poll, either thread
@@ -108,6 +146,29 @@ class _Polled:
     def _poller_due(self) -> bool:
         """Whether the poller should poll now (the lock held)."""
         return True
+
+    def _has_work(self) -> bool:
+        """Whether a gap until the next adapter poll would leave work waiting (the lock
+        held)."""
+        return True
+
+    def _note_poll(self) -> None:
+        """Record an adapter poll (the lock held): a gap over ``max_delay`` since the one
+        before, with work pending, is counted (``poll_stalls``) and logged at the 1st, 2nd,
+        4th, 8th... such gap."""
+        now = time.monotonic()
+        self._polled_at = now
+        gap = self.gaps.polled(now, self._has_work())
+        if gap is None:
+            return
+        if self.metrics is not None:
+            self.metrics.poll_stall(gap)
+        n = self.gaps.stalls
+        if n & (n - 1) == 0:
+            log.warning("kvproto: %s: no adapter poll for %.1f s with work pending, over "
+                        "max_delay (%.3f s): the engine thread and the poller both stalled "
+                        "(a host short of CPU?); leases ran on meanwhile (%d such gaps so "
+                        "far)", self.role, gap, self.gaps.limit, n)
 
     def _poll_between_steps(self, gap: float) -> None:
         """The poller: every ``gap`` seconds, poll the adapter unless some thread polled
@@ -170,6 +231,7 @@ class PWorker(_Polled):
             self.writer = JournalWriter(opts.journal, opts.config, num_blocks,
                                         meta={"engine": name, "source": "kvproto.vllm"},
                                         flush_every=opts.journal_flush_every)
+        self.metrics = metrics
         self.finished_sending: set[str] = set()
         self.stamps: dict[int, int] = {}
         # handle -> (ms, blocks, tokens) of every request the ledger holds; size: the
@@ -192,12 +254,17 @@ class PWorker(_Polled):
         self.steps = 0  # worker steps (get_finished calls)
         self.idle_waits = 0  # of those, steps that waited
         self.idle_polls = 0  # adapter polls made inside idle waits
-        self._init_poller(opts.poll_gap_ms, name)
+        self._init_poller(opts.poll_gap_ms, name, opts.config.max_delay)
 
     def _poll_locked(self) -> int:
         handled = self.adapter.poll()
-        self._polled_at = time.monotonic()
+        self._note_poll()
         return handled
+
+    def _has_work(self) -> bool:
+        # Held requests wait on P's answers; with the poller on, P polls every
+        # poll_gap_ms even when it holds nothing, so any longer gap is a stall.
+        return self._poller is not None or bool(self._reg_at)
 
     def _observe(self, e: Effect, now: int) -> None:
         if isinstance(e, Free):
@@ -305,6 +372,8 @@ class PWorker(_Polled):
         c["model_mismatches"] = float(ac.get("rejected:handshake_model_mismatch", 0))
         c["worker_steps"] = float(self.steps)
         c["idle_waits"] = float(self.idle_waits)
+        c["poll_stalls"] = float(self.gaps.stalls)
+        c["poll_stall_s"] = round(self.gaps.stalled_s, 3)
         c["idle_polls"] = float(self.idle_polls)
         c["poller_polls"] = float(self.poller_polls)
         c["poller_errors"] = float(self.poller_errors)
@@ -404,7 +473,7 @@ class DWorker(_Polled):
         self.invalid: set[int] = set()
         self.stats: dict[str, float] = {"recomputed_blocks": 0.0, "reads_ok": 0.0,
                                         "reads_failed": 0.0, "read_blocks": 0.0}
-        self._init_poller(opts.poll_gap_ms, name)
+        self._init_poller(opts.poll_gap_ms, name, opts.config.max_delay)
 
     def apply(self, orders: Orders) -> None:
         with self.lock:
@@ -531,6 +600,9 @@ class DWorker(_Polled):
     def _poller_due(self) -> bool:
         return self._busy()
 
+    def _has_work(self) -> bool:
+        return self._busy()
+
     def _poll_locked(self) -> int:
         if self.delayed:
             now = time.monotonic()
@@ -543,7 +615,7 @@ class DWorker(_Polled):
                     for prid in j.parts:
                         self.adapter.schedule(prid, local, ix)
         completions = self.adapter.poll()
-        self._polled_at = time.monotonic()
+        self._note_poll()
         self._drain(completions)
         # what draining decided (an orphan's release, a failed part's siblings aborted)
         # leaves now: an idle engine may not step, and so not poll, for a long time
@@ -706,6 +778,8 @@ class DWorker(_Polled):
         c = dict(self.stats)
         c["poller_polls"] = float(self.poller_polls)
         c["poller_errors"] = float(self.poller_errors)
+        c["poll_stalls"] = float(self.gaps.stalls)
+        c["poll_stall_s"] = round(self.gaps.stalled_s, 3)
         c.update(self.reads.counters)
         ac = self.adapter.counters
         c["fenced_reads"] = float(ac.get("fenced", 0))
