@@ -198,7 +198,11 @@ def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int 
         seen = d_ends(d_journals, prefix)
         if all("pulled" in r and r <= {"pulled", "aborted"} for r in seen.values()):
             return i
-        log.warning("warm-up round %d of %s not pulled everywhere: %s", i, tag, seen)
+        stalls = {e.spec.name: e.connector_stats().get("poll_stalls", 0)
+                  for e in (pd.p, pd.d)}
+        log.warning("warm-up round %d of %s not pulled everywhere: %s (gaps between "
+                    "adapter polls over max_delay so far, per engine: %s)", i, tag, seen,
+                    stalls)
     raise HarnessError(f"{tag}: no warm-up round pulled on every D rank in {rounds}: {seen}")
 
 
