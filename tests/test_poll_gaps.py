@@ -31,3 +31,31 @@ def test_the_watch_follows_the_poll_that_opened_the_gap_not_the_one_that_closed_
     # Work arrived during an idle gap: the gap does not count.
     assert g.polled(9.0, watch=True) is None
     assert g.stalls == 1
+
+
+def test_the_warm_up_reports_poll_stalls_only_where_the_harness_can_ask() -> None:
+    """``scenarios.poll_stalls``: a TP engine's worker side is out of the harness's reach
+    (None, no call made); a failing call is None; otherwise the worker's count."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from kvproto.vllm import scenarios as sc
+    from kvproto.vllm.harness import HarnessError
+
+    class Fake:
+        def __init__(self, tp: int, stats: dict[str, float] | None) -> None:
+            self.spec = SimpleNamespace(name="e", tensor_parallel_size=tp)
+            self.stats = stats
+            self.calls = 0
+
+        def connector_stats(self) -> dict[str, float]:
+            self.calls += 1
+            if self.stats is None:
+                raise HarnessError("e: connector failed")
+            return self.stats
+
+    tp2 = Fake(2, {"poll_stalls": 3.0})
+    assert sc.poll_stalls(cast(Any, tp2)) is None and tp2.calls == 0
+    assert sc.poll_stalls(cast(Any, Fake(1, None))) is None
+    assert sc.poll_stalls(cast(Any, Fake(1, {"poll_stalls": 2.0}))) == 2.0
+    assert sc.poll_stalls(cast(Any, Fake(1, {}))) == 0.0

@@ -183,6 +183,18 @@ def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
     return out
 
 
+def poll_stalls(engine: Engine) -> float | None:
+    """The gaps between the adapter polls of ``engine``'s worker side over ``max_delay``
+    so far (``poll_stalls``); None where this harness cannot ask: a TP engine's worker
+    side runs in its worker processes (each logs its own gaps), or the call failed."""
+    if int(getattr(engine.spec, "tensor_parallel_size", 1) or 1) > 1:
+        return None
+    try:
+        return float(engine.connector_stats().get("poll_stalls", 0))
+    except HarnessError:
+        return None
+
+
 def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int = 4) -> int:
     """``PD.warm_up`` until one round's requests were all pulled on every D rank: each
     D journal in ``d_journals`` ended some ``pulled`` and none otherwise but ``aborted``
@@ -198,8 +210,7 @@ def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int 
         seen = d_ends(d_journals, prefix)
         if all("pulled" in r and r <= {"pulled", "aborted"} for r in seen.values()):
             return i
-        stalls = {e.spec.name: e.connector_stats().get("poll_stalls", 0)
-                  for e in (pd.p, pd.d)}
+        stalls = {e.spec.name: poll_stalls(e) for e in (pd.p, pd.d)}
         log.warning("warm-up round %d of %s not pulled everywhere: %s (gaps between "
                     "adapter polls over max_delay so far, per engine: %s)", i, tag, seen,
                     stalls)
