@@ -585,10 +585,12 @@ def _step_d(pr: Pair) -> None:
 def test_handshake_answered_while_p_engine_thread_is_blocked() -> None:
     """P's listener answers from its own thread: D's handshake completes while P's
     engine thread runs no step at all (a long forward pass); the handshake takes effect
-    on P at its next step, and the transfer then goes through."""
+    on P at its next step, and the transfer then goes through. P's poller is off: it
+    would apply the handshake between engine steps (that is its job), and this test is
+    about the listener alone."""
     from kvproto.lifecycle import PEER_READY
 
-    pr = Pair(handshake_timeout=0.5, handshake_attempts=2)
+    pr = Pair(handshake_timeout=0.5, handshake_attempts=2, poll_gap_ms=0.0)
     try:
         params = pr.prefill("hs", [2, 3], 8)
         pr.p.apply(Orders(registers=pr.ps.drain()))  # P's last step before it blocks
