@@ -84,22 +84,22 @@ class PollGaps:
     theirs and been recomputed; nothing unsafe follows (stamps fence every READ). A gap
     counts when the worker had work at the poll that opened it. O(1) per poll."""
 
-    __slots__ = ("_last", "_watch", "limit", "longest", "stalled_s", "stalls")
+    __slots__ = ("_watch", "last", "limit", "longest", "stalled_s", "stalls")
 
     def __init__(self, limit_s: float, now: float) -> None:
         self.limit = limit_s
         self.stalls = 0  # gaps longer than limit, with work pending
         self.stalled_s = 0.0  # their total length
         self.longest = 0.0  # the longest of them
-        self._last = now
+        self.last = now  # the last poll (monotonic seconds), either thread
         self._watch = False
 
     def polled(self, now: float, watch: bool) -> float | None:
         """One poll at ``now`` (monotonic seconds); ``watch``: whether the worker has work
         now, so that the gap this poll opens counts. The gap this poll closed, when it
         was a stall; else None."""
-        gap = now - self._last
-        self._last = now
+        gap = now - self.last
+        self.last = now
         counts = self._watch
         self._watch = watch
         if not counts or gap <= self.limit:
@@ -130,7 +130,6 @@ class _Polled:
         self.gaps = PollGaps(max_delay_s, time.monotonic())
         self.poller_polls = 0  # adapter polls the poller made between engine polls
         self.poller_errors = 0  # poller polls that raised (the poller goes on)
-        self._polled_at = time.monotonic()  # last adapter poll, either thread
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         if gap_ms > 0:
@@ -156,9 +155,7 @@ class _Polled:
         """Record an adapter poll (the lock held): a gap over ``max_delay`` since the one
         before, with work pending, is counted (``poll_stalls``) and logged at the 1st, 2nd,
         4th, 8th... such gap."""
-        now = time.monotonic()
-        self._polled_at = now
-        gap = self.gaps.polled(now, self._has_work())
+        gap = self.gaps.polled(time.monotonic(), self._has_work())
         if gap is None:
             return
         if self.metrics is not None:
@@ -174,7 +171,7 @@ class _Polled:
         """The poller: every ``gap`` seconds, poll the adapter unless some thread polled
         it less than ``gap`` ago. Each poll does the bounded work of one engine poll."""
         while not self._stop.wait(gap):
-            if time.monotonic() - self._polled_at < gap:
+            if time.monotonic() - self.gaps.last < gap:
                 continue
             with self.lock:
                 if self._stop.is_set():
@@ -191,7 +188,7 @@ class _Polled:
                     if n & (n - 1) == 0:
                         log.exception("kvproto: %s poller: poll failed (%d so far)",
                                       self.role, n)
-                    self._polled_at = time.monotonic()
+                    self._note_poll()  # it polled, if only to fail
                 self.poller_polls += 1
 
     def _stop_poller(self) -> None:
