@@ -47,7 +47,7 @@ fi
 engine_pass() {
   echo "== pass 2 of 2: tests with real vLLM engines and NIXL agents, one at a time" >&2
   # the slowest modules' set-ups and tests, for whoever reads a slow run's log
-  run -m "vllm or nixl" --durations=15
+  run -m "vllm or nixl" --durations="${KVPROTO_DURATIONS:-15}"
 }
 
 workers=${KVPROTO_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}

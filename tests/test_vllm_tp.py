@@ -35,6 +35,7 @@ request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -46,6 +47,8 @@ import pytest
 
 from kvproto.vllm import harness as h
 from kvproto.vllm import scenarios as sc
+
+log = logging.getLogger(__name__)
 
 _SKIP = h.vllm_available()
 pytestmark = [pytest.mark.vllm,
@@ -216,24 +219,60 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
     """P TP 1 (E) -> D TP 2 (engine P, which runs kvproto's D side too: every D journal
     then talks to one P engine, as TLC's KVConsumer models it): both D ranks read E's one
     rank; E's ledger frees each request as transferred only after two distinct readers
-    were done."""
+    were done.
+
+    Safety, on every attempt: a request E freed as ``transferred`` had both readers'
+    dones, and both D ranks finished it ``pulled``; one E freed otherwise was given up
+    by a D rank (not ``pulled`` there) and freed ``released`` or ``expired``, never
+    ``transferred`` on one reader. Liveness: each prompt is pulled by both ranks within
+    three attempts. A host stall on this 2-core machine (every thread unscheduled for
+    seconds, spec/VLLM.md) can outlast a claim's answer; the request is then recomputed,
+    right, and tried again under a new id."""
     e, d = pair.e, pair.pd.p
-    baseline = int(e.stats()["free_blocks"])
-    out = sc.correctness(h.PD(e, d), H12, pair.ref, max_tokens=MAX_TOKENS)
-    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
-    assert out.requests == len(H12) and out.tokens == len(H12) * MAX_TOKENS
-    ok, _, _ = sc.wait_free(e, baseline, FREE_TIMEOUT)
-    assert ok, "E did not free its blocks"
     journal = pair.journals[4]
-    fr = _frees(journal)
-    pulled = {rid.split("-")[0] for rid in fr.get("transferred", set())}
-    assert set(H12) <= pulled, fr
-    readers = _done_readers(journal)
-    for rid in H12:
-        assert len(readers.get(rid, set())) == 2, (rid, readers.get(rid))
-    for j in pair.journals[6:]:  # each D rank pulled every request (not recomputed)
-        kinds = _finished(j)
-        assert set(H12) <= kinds.get("pulled", set()), (j.name, kinds)
+    pending = dict(H12)
+    given_up: list[tuple[str, str, dict[str, list[str]]]] = []
+    for attempt in range(3):
+        ids = {(f"{k}t{attempt}" if attempt else k): k for k in pending}
+        baseline = int(e.stats()["free_blocks"])
+        out = sc.correctness(h.PD(e, d), {i: H12[k] for i, k in ids.items()},
+                             {i: pair.ref[k] for i, k in ids.items()}, max_tokens=MAX_TOKENS)
+        assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+        assert out.requests == len(ids) and out.tokens == len(ids) * MAX_TOKENS
+        ok, _, _ = sc.wait_free(e, baseline, FREE_TIMEOUT)
+        assert ok, "E did not free its blocks"
+        reasons = _free_reasons(journal)
+        readers = _done_readers(journal)
+        ends = [_finished(j) for j in pair.journals[6:]]
+        for i, k in ids.items():
+            assert len(reasons.get(i, [])) == 1, (i, reasons.get(i))  # freed once
+            pulled_by = [i in kinds.get("pulled", set()) for kinds in ends]
+            if reasons[i] == ["transferred"]:
+                assert len(readers.get(i, set())) == 2, (i, readers.get(i))
+                assert all(pulled_by), (i, ends)
+                del pending[k]
+            else:
+                assert reasons[i][0] in ("released", "expired"), (i, reasons[i])
+                assert not all(pulled_by), (i, ends)
+                how = {j.name: sorted(r for r, got in kinds.items() if i in got)
+                       for j, kinds in zip(pair.journals[6:], ends, strict=True)}
+                given_up.append((i, reasons[i][0], how))
+        if not pending:
+            break
+        log.warning("E -> engine P attempt %d: given up by a D rank so far %s; E's poll "
+                    "stalls %s", attempt, given_up, sc.poll_stalls(e))
+    assert not pending, (sorted(pending), given_up)
+
+
+def _free_reasons(journal: Path) -> dict[str, list[str]]:
+    """Per request id (its prefix before "-"), the reasons one P rank's ledger freed it
+    for, one entry per free."""
+    out: dict[str, list[str]] = {}
+    for line in journal.read_text().splitlines()[1:]:
+        for e in json.loads(line).get("effects", ()):
+            if e.get("type") == "free":
+                out.setdefault(str(e["request_id"]).split("-")[0], []).append(e["reason"])
+    return out
 
 
 def _freed_as(pair: Pair, rid: str) -> list[list[str]]:
