@@ -44,8 +44,9 @@ settings.load_profile("kvproto")
 # The engines the tests start through ``pd_specs``, and the `vllm serve` stack, run NIXL's
 # progress thread with a 50 µs sleep between passes instead of the connector's default busy
 # loop. On this suite's 2 cores each busy loop takes most of a core from the engines beside
-# it (BENCHMARKS.md, the suite's wall time). The busy default still runs where a test
-# builds its connector config itself: the chaos campaign, bench scale.
+# it (BENCHMARKS.md, the suite's wall time). The chaos campaign's test passes the same
+# value (`kvproto chaos --progress-delay-us`); the busy default still runs where a test
+# builds its connector config itself: bench scale.
 h.CONNECTOR_DEFAULTS["progress_delay_us"] = 50
 
 # Rule: a test that starts a vLLM engine or a `vllm serve` process carries the `vllm`

@@ -13,6 +13,7 @@ import pytest
 
 from kvproto.nixl.faults import MAX_HELD, FaultConfigError, FaultRates, NotificationFaults
 from kvproto.testing.chaos import Campaign, format_summary
+from kvproto.vllm import harness as h
 
 
 def _send_many(shim: NotificationFaults, n: int, engine: str = "P") -> list[bytes]:
@@ -109,6 +110,15 @@ def test_cli_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture
     assert len(err) == 1 and "error" in err[0]
 
 
+def test_cli_progress_delay_with_the_stock_connector_exits_2(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvproto.cli import main
+
+    assert main(["chaos", "--connector", "stock", "--progress-delay-us", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--progress-delay-us" in err[0] and "stock" in err[0]
+
+
 @pytest.mark.vllm
 def test_chaos_campaign_real_engines(tmp_path: Path) -> None:
     """Three minutes of seeded faults on a real P/D pair: 0 wrong outputs, every P block
@@ -119,9 +129,13 @@ def test_chaos_campaign_real_engines(tmp_path: Path) -> None:
     if missing:
         pytest.skip(missing)
     seed = int(os.environ.get("KVPROTO_CHAOS_SEED", "11"))
+    # NIXL's progress threads sleep between passes, as in every engine test of the suite
+    # (tests/conftest.py): their busy loops would take both cores of this machine for the
+    # whole campaign
+    delay = str(h.CONNECTOR_DEFAULTS.get("progress_delay_us", 0))
     proc = subprocess.run(
         [sys.executable, "-m", "kvproto.cli", "chaos", "--minutes", "3", "--seed", str(seed),
-         "--workdir", str(tmp_path), "--json"],
+         "--progress-delay-us", delay, "--workdir", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=1800)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

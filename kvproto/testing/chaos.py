@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvproto.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 FAULTS = ("kill_p", "kill_d", "stop_p", "stop_d", "late_d", "abort_p", "abort_d")
@@ -208,6 +210,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connector", choices=("kvproto", "stock"), default="kvproto",
                    help="the connector under test (stock: vLLM's NixlConnector, without "
                    "journals or notification faults; default kvproto)")
+    p.add_argument("--progress-delay-us", type=number(0, 100_000, integer=True), default=None,
+                   help="kvproto: microseconds NIXL's progress thread sleeps between its "
+                   "passes on both engines (0: NIXL's busy loop, about one core per engine; "
+                   "default: the connector's own default)")
     p.add_argument("--no-validate", action="store_true",
                    help="skip TLC validation of the journals")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -216,6 +222,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvproto.vllm.harness import HarnessError, vllm_available
 
+    if args.connector == "stock" and getattr(args, "progress_delay_us", None) is not None:
+        raise UsageError("--progress-delay-us is a kvproto connector option; "
+                         "--connector stock has none")
     missing = vllm_available()
     if missing:
         print(f"kvproto chaos: {missing}", file=sys.stderr)
@@ -277,6 +286,8 @@ def campaign(args: argparse.Namespace, workdir: Path) -> Campaign:
     else:
         connector = h.KVPROTO_CONNECTOR
         extra = {"lease": sc.lease_config(float(args.lease))}
+        if getattr(args, "progress_delay_us", None) is not None:
+            extra["progress_delay_us"] = int(args.progress_delay_us)
     p_side = _Side("P", model, workdir, connector, extra)
     d_side = _Side("D", model, workdir, connector, dict(extra, _seed=args.seed))
     ref_spec = h.EngineSpec("REF", model, env=h.engine_env(), log_path=str(workdir / "REF.log"))
