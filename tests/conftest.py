@@ -44,9 +44,9 @@ settings.load_profile("kvproto")
 # The engines the tests start through ``pd_specs``, and the `vllm serve` stack, run NIXL's
 # progress thread with a 50 µs sleep between passes instead of the connector's default busy
 # loop. On this suite's 2 cores each busy loop takes most of a core from the engines beside
-# it (BENCHMARKS.md, the suite's wall time). The chaos campaign's test passes the same
-# value (`kvproto chaos --progress-delay-us`); the busy default still runs where a test
-# builds its connector config itself: bench scale.
+# it (BENCHMARKS.md, the suite's wall time). `bench scale`'s engines take it too
+# (`scale_specs`), and the chaos campaign's test passes it (`kvproto chaos
+# --progress-delay-us`): during a campaign the two busy loops held both cores.
 h.CONNECTOR_DEFAULTS["progress_delay_us"] = 50
 
 # Rule: a test that starts a vLLM engine or a `vllm serve` process carries the `vllm`

@@ -112,6 +112,18 @@ def test_repin_moves_every_thread_of_a_process() -> None:
     assert scale.engine_core(0) == (os.cpu_count() or 1) - 1 and scale.engine_core(1) == 0
 
 
+def test_scale_specs_give_kvproto_engines_the_connector_defaults(tmp_path: Path) -> None:
+    """kvproto's engines get ``harness.CONNECTOR_DEFAULTS`` under their own options, as
+    ``pd_specs`` gives them (the suite sets a sleeping NIXL progress thread there);
+    the stock connector's do not."""
+    assert h.CONNECTOR_DEFAULTS.get("progress_delay_us") == 50  # tests/conftest.py
+    for spec in scale.scale_specs("m", tmp_path, "kvproto", 2, 3.0):
+        ec = spec.kv_transfer_config["kv_connector_extra_config"]
+        assert ec["progress_delay_us"] == 50 and "lease" in ec and "journal" in ec
+    for spec in scale.scale_specs("m", tmp_path, "stock", 2, 3.0):
+        assert "progress_delay_us" not in spec.kv_transfer_config["kv_connector_extra_config"]
+
+
 @pytest.mark.parametrize("argv", [["--requests", "0"], ["--abandon-every", "1"],
                                   ["--connectors", "nope"], ["--sample", "0"],
                                   ["--rounds", "0"]])

@@ -238,7 +238,8 @@ def format_report(res: Mapping[str, Any]) -> str:
 
 def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: float,
                 round_: int = 0) -> list[EngineSpec]:
-    """P and ``decoders`` D engines for connector ``name`` (stock or kvproto); kvproto's
+    """P and ``decoders`` D engines for connector ``name`` (stock or kvproto; kvproto's
+    over ``harness.CONNECTOR_DEFAULTS``, as ``pd_specs`` gives them); kvproto's
     engines journal to ``<workdir>/P-kvproto-r<round_>.jsonl`` and
     ``D<i>-kvproto-r<round_>.jsonl`` (D's Consumer journal beside each,
     ``.consumer.jsonl``)."""
@@ -248,7 +249,8 @@ def scale_specs(model: str, workdir: Path, name: str, decoders: int, lease: floa
     if name == "stock":
         base, extra = h.STOCK_CONNECTOR, sc.stock_extras(lease)["extra_config"]
     else:
-        base, extra = h.KVPROTO_CONNECTOR, {"lease": sc.lease_config(lease)}
+        base, extra = h.KVPROTO_CONNECTOR, {**h.CONNECTOR_DEFAULTS,
+                                            "lease": sc.lease_config(lease)}
     specs = []
     for i, role in enumerate(["P", *(f"D{j}" for j in range(decoders))]):
         ec = dict(extra)
