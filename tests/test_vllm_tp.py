@@ -165,14 +165,10 @@ def _done_readers(journal: Path) -> dict[str, set[str]]:
 
 
 def test_tp2_to_tp2_token_for_token(pair: Pair) -> None:
-    out = sc.correctness(pair.pd, COR, pair.ref, max_tokens=MAX_TOKENS)
-    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
-    assert out.requests == len(COR) and out.tokens == len(COR) * MAX_TOKENS
-    # pulled, not recomputed: every P rank freed every request as transferred, each on
-    # the done of its own D rank
-    for j in _rank_journals(pair):
-        done = {rid.split("-")[0] for rid in _frees(j).get("transferred", set())}
-        assert set(COR) <= done, (j.name, sorted(done))
+    """Token for token, pulled, not recomputed: every P rank frees every request as
+    transferred, each on the done of its own D rank (``_pulled_within``)."""
+    j = pair.journals
+    _pulled_within(pair, pair.pd, COR, [(j[0], [j[2]]), (j[1], [j[3]])])
 
 
 def test_tp2_late_d_is_fenced_and_recomputed(pair: Pair) -> None:
@@ -219,49 +215,62 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
     """P TP 1 (E) -> D TP 2 (engine P, which runs kvproto's D side too: every D journal
     then talks to one P engine, as TLC's KVConsumer models it): both D ranks read E's one
     rank; E's ledger frees each request as transferred only after two distinct readers
-    were done.
+    were done (checked on every attempt: ``_pulled_within``)."""
+    _pulled_within(pair, h.PD(pair.e, pair.pd.p), H12,
+                   [(pair.journals[4], pair.journals[6:8])])
 
-    Safety, on every attempt: a request E freed as ``transferred`` had both readers'
-    dones, and both D ranks finished it ``pulled``; one E freed otherwise was given up
-    by a D rank (not ``pulled`` there) and freed ``released`` or ``expired``, never
-    ``transferred`` on one reader. Liveness: each prompt is pulled by both ranks within
-    three attempts. A host stall on this 2-core machine (every thread unscheduled for
-    seconds, spec/VLLM.md) can outlast a claim's answer; the request is then recomputed,
-    right, and tried again under a new id."""
-    e, d = pair.e, pair.pd.p
-    journal = pair.journals[4]
-    pending = dict(H12)
-    given_up: list[tuple[str, str, dict[str, list[str]]]] = []
-    for attempt in range(3):
+
+def _pulled_within(pair: Pair, link: h.PD, prompts: dict[str, list[int]],
+                   routes: list[tuple[Path, list[Path]]], attempts: int = 3) -> None:
+    """Run ``prompts`` through ``link``, token for token, until each was pulled; each
+    route is one P rank's journal and the journals of the D ranks that read it.
+
+    Safety, on every attempt: each P rank frees each request once; as ``transferred``
+    only with the dones of as many distinct readers as the route has D ranks, each of
+    which finished it ``pulled``; otherwise as ``released`` or ``expired``, and then some
+    D rank of the route did not pull it (it gave the request up). Liveness: each prompt
+    is pulled on every route within ``attempts``. A host stall on this 2-core machine
+    (every thread unscheduled for seconds, spec/VLLM.md) can outlast a claim's answer;
+    the request is then recomputed, right, and tried again under a new id."""
+    pending = dict(prompts)
+    given_up: list[tuple[str, str, str, dict[str, list[str]]]] = []
+    for attempt in range(attempts):
         ids = {(f"{k}t{attempt}" if attempt else k): k for k in pending}
-        baseline = int(e.stats()["free_blocks"])
-        out = sc.correctness(h.PD(e, d), {i: H12[k] for i, k in ids.items()},
+        baseline = int(link.p.stats()["free_blocks"])
+        out = sc.correctness(link, {i: prompts[k] for i, k in ids.items()},
                              {i: pair.ref[k] for i, k in ids.items()}, max_tokens=MAX_TOKENS)
         assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
         assert out.requests == len(ids) and out.tokens == len(ids) * MAX_TOKENS
-        ok, _, _ = sc.wait_free(e, baseline, FREE_TIMEOUT)
-        assert ok, "E did not free its blocks"
-        reasons = _free_reasons(journal)
-        readers = _done_readers(journal)
-        ends = [_finished(j) for j in pair.journals[6:]]
-        for i, k in ids.items():
-            assert len(reasons.get(i, [])) == 1, (i, reasons.get(i))  # freed once
-            pulled_by = [i in kinds.get("pulled", set()) for kinds in ends]
-            if reasons[i] == ["transferred"]:
-                assert len(readers.get(i, set())) == 2, (i, readers.get(i))
-                assert all(pulled_by), (i, ends)
-                del pending[k]
-            else:
-                assert reasons[i][0] in ("released", "expired"), (i, reasons[i])
-                assert not all(pulled_by), (i, ends)
+        ok, _, _ = sc.wait_free(link.p, baseline, FREE_TIMEOUT)
+        assert ok, f"{link.p.spec.name} did not free its blocks"
+        done = set(ids)
+        for pj, djs in routes:
+            reasons = _free_reasons(pj)
+            readers = _done_readers(pj)
+            ends = [_finished(j) for j in djs]
+            for i in ids:
+                assert len(reasons.get(i, [])) == 1, (pj.name, i, reasons.get(i))  # once
+                pulled_by = [i in kinds.get("pulled", set()) for kinds in ends]
+                if reasons[i] == ["transferred"]:
+                    assert len(readers.get(i, set())) == len(djs), \
+                        (pj.name, i, readers.get(i))
+                    assert all(pulled_by), (pj.name, i, ends)
+                    continue
+                assert reasons[i][0] in ("released", "expired"), (pj.name, i, reasons[i])
+                assert not all(pulled_by), (pj.name, i, ends)
                 how = {j.name: sorted(r for r, got in kinds.items() if i in got)
-                       for j, kinds in zip(pair.journals[6:], ends, strict=True)}
-                given_up.append((i, reasons[i][0], how))
+                       for j, kinds in zip(djs, ends, strict=True)}
+                given_up.append((pj.name, i, reasons[i][0], how))
+                done.discard(i)
+        for i in done:
+            del pending[ids[i]]
         if not pending:
-            break
-        log.warning("E -> engine P attempt %d: given up by a D rank so far %s; E's poll "
-                    "stalls %s", attempt, given_up, sc.poll_stalls(e))
-    assert not pending, (sorted(pending), given_up)
+            return
+        log.warning("%s -> %s attempt %d: given up by a D rank so far %s; P's poll stalls "
+                    "%s", link.p.spec.name, link.d.spec.name, attempt, given_up,
+                    sc.poll_stalls(link.p))
+    raise AssertionError(f"not pulled in {attempts} attempts: {sorted(pending)}; "
+                         f"given up: {given_up}")
 
 
 def _free_reasons(journal: Path) -> dict[str, list[str]]:
