@@ -35,7 +35,6 @@ request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py)
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -47,8 +46,6 @@ import pytest
 
 from kvproto.vllm import harness as h
 from kvproto.vllm import scenarios as sc
-
-log = logging.getLogger(__name__)
 
 _SKIP = h.vllm_available()
 pytestmark = [pytest.mark.vllm,
@@ -140,35 +137,21 @@ def _rank_journals(pair: Pair) -> list[Path]:
     return pair.journals[:2]
 
 
-def _finished(journal: Path) -> dict[str, set[str]]:
-    """Request ids (prefix before "-") per finish reason in one D journal."""
-    out: dict[str, set[str]] = {}
-    for line in journal.read_text().splitlines()[1:]:
-        for e in json.loads(line).get("effects", ()):
-            if e.get("type") == "finished":
-                out.setdefault(e["reason"], set()).add(str(e["request_id"]).split("-")[0])
-    return out
-
-
-def _done_readers(journal: Path) -> dict[str, set[str]]:
-    """Per request id (its prefix before "-"), the distinct readers whose done P's
-    ledger took, from one P journal."""
-    rid_of: dict[int, str] = {}
-    out: dict[str, set[str]] = {}
-    for line in journal.read_text().splitlines()[1:]:
-        ev = json.loads(line).get("event", {})
-        if ev.get("type") == "register":
-            rid_of[int(ev["handle"])] = str(ev["request_id"]).split("-")[0]
-        elif ev.get("type") == "done" and int(ev.get("handle", -1)) in rid_of:
-            out.setdefault(rid_of[int(ev["handle"])], set()).add(str(ev["reader"]))
-    return out
-
-
 def test_tp2_to_tp2_token_for_token(pair: Pair) -> None:
     """Token for token, pulled, not recomputed: every P rank frees every request as
-    transferred, each on the done of its own D rank (``_pulled_within``)."""
+    transferred, each on the done of its own D rank (checked on every attempt)."""
     j = pair.journals
     _pulled_within(pair, pair.pd, COR, [(j[0], [j[2]]), (j[1], [j[3]])])
+
+
+def _pulled_within(pair: Pair, link: h.PD, prompts: dict[str, list[int]],
+                   routes: list[tuple[Path, list[Path]]]) -> None:
+    """``scenarios.pulled_within``: safety on every attempt; each prompt pulled on every
+    route (a P rank's journal, the journals of the D ranks that read it) within three."""
+    got = sc.pulled_within(link, prompts, pair.ref, routes, max_tokens=MAX_TOKENS,
+                           free_timeout=FREE_TIMEOUT)
+    assert got.violations == [], (got.violations, got.given_up)
+    assert got.pending == [], (got.pending, got.given_up)
 
 
 def test_tp2_late_d_is_fenced_and_recomputed(pair: Pair) -> None:
@@ -215,73 +198,9 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
     """P TP 1 (E) -> D TP 2 (engine P, which runs kvproto's D side too: every D journal
     then talks to one P engine, as TLC's KVConsumer models it): both D ranks read E's one
     rank; E's ledger frees each request as transferred only after two distinct readers
-    were done (checked on every attempt: ``_pulled_within``)."""
+    were done (checked on every attempt)."""
     _pulled_within(pair, h.PD(pair.e, pair.pd.p), H12,
                    [(pair.journals[4], pair.journals[6:8])])
-
-
-def _pulled_within(pair: Pair, link: h.PD, prompts: dict[str, list[int]],
-                   routes: list[tuple[Path, list[Path]]], attempts: int = 3) -> None:
-    """Run ``prompts`` through ``link``, token for token, until each was pulled; each
-    route is one P rank's journal and the journals of the D ranks that read it.
-
-    Safety, on every attempt: each P rank frees each request once; as ``transferred``
-    only with the dones of as many distinct readers as the route has D ranks, each of
-    which finished it ``pulled``; otherwise as ``released`` or ``expired``, and then some
-    D rank of the route did not pull it (it gave the request up). Liveness: each prompt
-    is pulled on every route within ``attempts``. A host stall on this 2-core machine
-    (every thread unscheduled for seconds, spec/VLLM.md) can outlast a claim's answer;
-    the request is then recomputed, right, and tried again under a new id."""
-    pending = dict(prompts)
-    given_up: list[tuple[str, str, str, dict[str, list[str]]]] = []
-    for attempt in range(attempts):
-        ids = {(f"{k}t{attempt}" if attempt else k): k for k in pending}
-        baseline = int(link.p.stats()["free_blocks"])
-        out = sc.correctness(link, {i: prompts[k] for i, k in ids.items()},
-                             {i: pair.ref[k] for i, k in ids.items()}, max_tokens=MAX_TOKENS)
-        assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
-        assert out.requests == len(ids) and out.tokens == len(ids) * MAX_TOKENS
-        ok, _, _ = sc.wait_free(link.p, baseline, FREE_TIMEOUT)
-        assert ok, f"{link.p.spec.name} did not free its blocks"
-        done = set(ids)
-        for pj, djs in routes:
-            reasons = _free_reasons(pj)
-            readers = _done_readers(pj)
-            ends = [_finished(j) for j in djs]
-            for i in ids:
-                assert len(reasons.get(i, [])) == 1, (pj.name, i, reasons.get(i))  # once
-                pulled_by = [i in kinds.get("pulled", set()) for kinds in ends]
-                if reasons[i] == ["transferred"]:
-                    assert len(readers.get(i, set())) == len(djs), \
-                        (pj.name, i, readers.get(i))
-                    assert all(pulled_by), (pj.name, i, ends)
-                    continue
-                assert reasons[i][0] in ("released", "expired"), (pj.name, i, reasons[i])
-                assert not all(pulled_by), (pj.name, i, ends)
-                how = {j.name: sorted(r for r, got in kinds.items() if i in got)
-                       for j, kinds in zip(djs, ends, strict=True)}
-                given_up.append((pj.name, i, reasons[i][0], how))
-                done.discard(i)
-        for i in done:
-            del pending[ids[i]]
-        if not pending:
-            return
-        log.warning("%s -> %s attempt %d: given up by a D rank so far %s; P's poll stalls "
-                    "%s", link.p.spec.name, link.d.spec.name, attempt, given_up,
-                    sc.poll_stalls(link.p))
-    raise AssertionError(f"not pulled in {attempts} attempts: {sorted(pending)}; "
-                         f"given up: {given_up}")
-
-
-def _free_reasons(journal: Path) -> dict[str, list[str]]:
-    """Per request id (its prefix before "-"), the reasons one P rank's ledger freed it
-    for, one entry per free."""
-    out: dict[str, list[str]] = {}
-    for line in journal.read_text().splitlines()[1:]:
-        for e in json.loads(line).get("effects", ()):
-            if e.get("type") == "free":
-                out.setdefault(str(e["request_id"]).split("-")[0], []).append(e["reason"])
-    return out
 
 
 def _freed_as(pair: Pair, rid: str) -> list[list[str]]:

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,144 @@ def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
                 if e.get("type") == "finished" and str(e.get("request_id", "")).startswith(prefix):
                     reasons.add(str(e.get("reason")))
     return out
+
+
+def _journal_records(journal: Path) -> list[dict[str, Any]]:
+    """A journal's records after its header (each flushed per line)."""
+    return [json.loads(line) for line in journal.read_text().splitlines()[1:] if line]
+
+
+def _base_id(rid: object) -> str:
+    """The id a scenario gave a request: the engine's request id before its first "-"."""
+    return str(rid).split("-")[0]
+
+
+def free_reasons(journal: Path) -> dict[str, list[str]]:
+    """A P journal's frees: per request (its id before "-"), the reason of each free."""
+    out: dict[str, list[str]] = {}
+    for rec in _journal_records(journal):
+        for e in rec.get("effects", ()):
+            if e.get("type") == "free":
+                out.setdefault(_base_id(e["request_id"]), []).append(str(e["reason"]))
+    return out
+
+
+def done_readers(journal: Path) -> dict[str, set[str]]:
+    """A P journal's dones: per request (its id before "-"), the distinct readers whose
+    done its ledger took."""
+    rid_of: dict[int, str] = {}
+    out: dict[str, set[str]] = {}
+    for rec in _journal_records(journal):
+        ev = rec.get("event", {})
+        if ev.get("type") == "register":
+            rid_of[int(ev["handle"])] = _base_id(ev["request_id"])
+        elif ev.get("type") == "done" and int(ev.get("handle", -1)) in rid_of:
+            out.setdefault(rid_of[int(ev["handle"])], set()).add(str(ev["reader"]))
+    return out
+
+
+def d_finished(journal: Path) -> dict[str, set[str]]:
+    """A D (consumer) journal's finishes: per reason, the requests (ids before "-")."""
+    out: dict[str, set[str]] = {}
+    for rec in _journal_records(journal):
+        for e in rec.get("effects", ()):
+            if e.get("type") == "finished":
+                out.setdefault(str(e["reason"]), set()).add(_base_id(e["request_id"]))
+    return out
+
+
+@dataclass
+class Pulled:
+    """What :func:`pulled_within` saw. ``violations``: safety rules broken (must stay
+    empty); ``pending``: prompts not pulled on every route in the attempts allowed;
+    ``given_up``: (P journal, request id, P's free reason, D journal -> its finishes)
+    of each request some D rank gave up; ``outcomes``: each attempt's
+    :func:`correctness` outcome."""
+
+    violations: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    given_up: list[tuple[str, str, str, dict[str, list[str]]]] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[Path],
+                  into: Pulled) -> set[str]:
+    """The requests ``ids`` on one route (a P rank's journal, the journals of the D ranks
+    that read that P rank): returns those pulled; adds broken rules to
+    ``into.violations`` and requests some D rank gave up to ``into.given_up``. Rules: P
+    frees each request once; ``transferred`` only with the dones of as many distinct
+    readers as ``d_journals`` and each of those D ranks finished it ``pulled``; otherwise
+    ``released`` or ``expired``, and then some D rank did not pull it."""
+    reasons, readers = free_reasons(p_journal), done_readers(p_journal)
+    ends = [d_finished(j) for j in d_journals]
+    pulled: set[str] = set()
+    for i in ids:
+        got = reasons.get(i, [])
+        pulled_by = [i in kinds.get("pulled", set()) for kinds in ends]
+        who = sorted(readers.get(i, set()))
+        if len(got) != 1:
+            into.violations.append(f"{p_journal.name}: {i} freed {len(got)} times: {got}")
+        elif got == ["transferred"]:
+            if len(who) == len(d_journals) and all(pulled_by):
+                pulled.add(i)
+            else:
+                into.violations.append(f"{p_journal.name}: {i} freed transferred with "
+                                       f"readers {who}, pulled by {pulled_by}")
+        elif got[0] not in ("released", "expired") or all(pulled_by):
+            into.violations.append(f"{p_journal.name}: {i} freed {got[0]}, pulled by "
+                                   f"{pulled_by}")
+        else:
+            how = {j.name: sorted(r for r, ids_ in kinds.items() if i in ids_)
+                   for j, kinds in zip(d_journals, ends, strict=True)}
+            into.given_up.append((p_journal.name, i, got[0], how))
+    return pulled
+
+
+def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
+                  reference: Mapping[str, list[int]], routes: Sequence[tuple[Path, Sequence[Path]]],
+                  *, max_tokens: int, free_timeout: float, attempts: int = 3) -> Pulled:
+    """Run ``prompts`` through ``pd`` (:func:`correctness`) until each was pulled on every
+    route, at most ``attempts`` times; a route is one P rank's journal and the journals
+    of the D ranks that read that P rank. Prompt ids must not contain "-".
+
+    Checked on every attempt (``violations``): no wrong output and no error; P's free
+    blocks back at their count before the attempt; each P rank frees each request once:
+    as ``transferred`` only with the dones of as many distinct readers as the route has
+    D ranks, each of which finished it ``pulled``; otherwise as ``released`` or
+    ``expired``, and then some D rank of the route did not pull it (it gave the request
+    up, and the engine recomputed it). A prompt some D rank gave up is tried again under
+    the id ``<prompt>t<attempt>``: on a CPU-starved host a stall of every thread can
+    outlast a claim's answer or a lease (liveness, not safety)."""
+    res = Pulled()
+    pending = {k: prompts[k] for k in prompts}
+    for attempt in range(attempts):
+        ids = {(f"{k}t{attempt}" if attempt else k): k for k in pending}
+        baseline = int(pd.p.stats()["free_blocks"])
+        out = correctness(pd, {i: pending[k] for i, k in ids.items()},
+                          {i: reference[k] for i, k in ids.items()}, max_tokens=max_tokens)
+        res.outcomes.append(out)
+        if out.wrong or out.errors or out.requests != len(ids):
+            res.violations.append(f"attempt {attempt}: wrong {out.wrong}, errors "
+                                  f"{out.errors}, {out.requests} of {len(ids)} ended")
+        if not wait_free(pd.p, baseline, free_timeout)[0]:
+            res.violations.append(f"attempt {attempt}: {pd.p.spec.name} did not free its "
+                                  f"blocks within {free_timeout:.0f} s")
+        if res.violations:
+            break
+        done = set(ids)
+        for pj, djs in routes:
+            done &= route_verdict(ids, pj, djs, res)
+        if res.violations:
+            break
+        for i in done:
+            del pending[ids[i]]
+        if not pending:
+            break
+        log.warning("%s -> %s attempt %d: given up by a D rank so far %s; P's poll stalls "
+                    "%s", pd.p.spec.name, pd.d.spec.name, attempt, res.given_up,
+                    poll_stalls(pd.p))
+    res.pending = sorted(pending)
+    return res
 
 
 def poll_stalls(engine: Engine) -> float | None:
