@@ -16,8 +16,9 @@
 # cores). With one worker, or without pytest-xdist, parts 1 and B run together in this
 # process before part 2. With more than one, each TLC run in parts 1 and B gets one TLC
 # worker (KVPROTO_TLC_WORKERS=1, unless set: the xdist workers already fill the cores, and
-# one TLC worker spends less CPU per model). With arguments: one pytest run with them, as
-# given (`scripts/test.sh -k storm`, `scripts/test.sh tests/test_ledger.py`).
+# one TLC worker spends less CPU per model). KVPROTO_DURATIONS sets how many of pass 2's
+# slowest set-ups and tests its log lists (default 15; 0: all). With arguments: one pytest
+# run with them, as given (`scripts/test.sh -k storm`, `scripts/test.sh tests/test_ledger.py`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The suite starts hundreds of Python processes (xdist workers, CLI subprocesses, engines):
