@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvproto.vllm import scenarios as sc
 
 
@@ -99,3 +101,11 @@ def test_freed_twice_never_or_for_another_reason_is_a_violation(tmp_path: Path) 
     assert sc.route_verdict(["a", "b", "c"], pj, djs, got) == set()
     assert len(got.violations) == 3, got.violations
     assert got.given_up == []
+
+
+def test_prompt_ids_with_a_dash_are_refused_before_any_request() -> None:
+    """Journals name a request by the id before its first "-": such a prompt would be
+    judged under another's name. ``pd`` is never touched."""
+    with pytest.raises(ValueError, match="must not contain"):
+        sc.pulled_within(None, {"a-1": [1, 2]}, {"a-1": [3]}, [],  # type: ignore[arg-type]
+                         max_tokens=1, free_timeout=1.0)

@@ -289,6 +289,9 @@ def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
     up, and the engine recomputed it). A prompt some D rank gave up is tried again under
     the id ``<prompt>t<attempt>``: on a CPU-starved host a stall of every thread can
     outlast a claim's answer or a lease (liveness, not safety)."""
+    bad = [k for k in prompts if "-" in k]
+    if bad:
+        raise ValueError(f"pulled_within: prompt ids must not contain '-': {bad[:5]}")
     res = Pulled()
     pending = {k: prompts[k] for k in prompts}
     for attempt in range(attempts):
