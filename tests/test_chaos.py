@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvproto.nixl.faults import MAX_HELD, FaultConfigError, FaultRates, NotificationFaults
-from kvproto.testing.chaos import Campaign, format_summary
+from kvproto.testing.chaos import FAULTS, Campaign, Streams, format_summary
 from kvproto.vllm import harness as h
 
 
@@ -98,6 +98,26 @@ def test_verdict_flags_each_violation() -> None:
     assert replayed.clean
 
 
+def test_fault_stream_does_not_follow_the_load() -> None:
+    """One seed, one fault sequence: draws on the load and target streams (a busier or
+    idler machine submits more or fewer requests between faults) never move it."""
+    quiet, busy = Streams(7), Streams(7)
+    plan_quiet: list[tuple[float, str]] = []
+    plan_busy: list[tuple[float, str]] = []
+    for i in range(40):
+        for _ in range(i % 3):
+            quiet.load.choice("abc")
+        for _ in range(50 + i):
+            busy.load.choice("abc")
+            busy.targets.random()
+        plan_quiet.append(quiet.next_fault(12.0))
+        plan_busy.append(busy.next_fault(12.0))
+    assert plan_quiet == plan_busy
+    assert {k for _, k in plan_quiet} == set(FAULTS)
+    other = Streams(8)
+    assert [other.next_fault(12.0) for _ in range(40)] != plan_quiet
+
+
 @pytest.mark.parametrize("argv", [["--minutes", "0"], ["--concurrency", "x"],
                                   ["--seed", "-1"], ["--lease", "nan"]])
 def test_cli_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -142,6 +162,11 @@ def test_chaos_campaign_real_engines(tmp_path: Path) -> None:
     detail = json.dumps(res, indent=1) + proc.stderr[-2000:]
     assert res["requests"] > 0 and res["finished"] > 0, detail
     assert sum(res["faults_injected"].values()) > 0, detail
+    # the faults drawn are the seed's own sequence, whatever the load was
+    streams = Streams(seed)
+    planned = res["faults_planned"]
+    assert planned == [streams.next_fault(12.0)[1] for _ in planned], detail
+    assert sum(res["faults_injected"].values()) <= len(planned), detail
     assert sum(res["notification_faults"].values()) > 0, detail
     assert res["wrong_outputs"] == 0, detail
     assert res["all_reclaimed"] is True, detail

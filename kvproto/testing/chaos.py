@@ -1,7 +1,10 @@
 """``kvproto chaos``: a seeded fault campaign on a real vLLM P/D pair (CPU).
 
 Steady load runs through P and D (KVProtoConnector on both) for a given number of
-minutes while faults are injected at random moments, each drawn from one seeded stream:
+minutes while faults are injected at random moments. One seed gives three independent
+streams (:class:`Streams`): the faults (each one's kind and the wait before it), their
+targets, and the load. So a seed always draws the same faults in the same order, however
+many requests the machine serves between them (``faults_planned`` in the summary):
 
 * ``kill_p`` / ``kill_d``: SIGKILL of the P or D engine, then a restart (a new epoch);
 * ``stop_p`` / ``stop_d``: SIGSTOP longer than the lease, then SIGCONT;
@@ -84,6 +87,7 @@ class Campaign:
     journals: dict[str, str] = field(default_factory=dict)  # path -> verdict
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (t, P held blocks)
     marks: list[tuple[float, str]] = field(default_factory=list)     # (t, fault)
+    planned: list[str] = field(default_factory=list)  # kinds drawn, in order
     wall_s: float = 0.0
 
     @property
@@ -99,12 +103,31 @@ class Campaign:
                 "lost": self.lost, "hung": self.hung, "wrong_outputs": len(self.wrong),
                 "wrong_ids": self.wrong[:20],
                 "faults_injected": dict(sorted(self.faults.items())),
+                "faults_planned": list(self.planned),
                 "notification_faults": dict(sorted(self.notify_faults.items())),
                 "engine_crashes": self.crashes, "all_reclaimed": self.all_reclaimed,
                 "invariant_violations": self.invariant_violations,
                 "reclaim_s": round(self.reclaim_s, 2),
                 "stranded_block_seconds": round(self.stranded_block_s, 1),
                 "journals": self.journals, "clean": self.clean, "wall_s": round(self.wall_s, 1)}
+
+
+class Streams:
+    """A campaign's seeded random streams, independent of each other: ``faults`` draws
+    each fault's kind and the wait before it (:meth:`next_fault`), ``targets`` the request
+    or phase a fault hits, ``load`` the prompts submitted. A draw on one never moves
+    another, so the fault sequence of a seed does not depend on the load the machine
+    sustains; what a fault finds to hit (and so a substitution such as ``late_d`` for a
+    ``stop_p`` while an engine is stopped) still does."""
+
+    def __init__(self, seed: int) -> None:
+        self.faults = random.Random(f"kvproto-chaos/faults/{seed}")
+        self.targets = random.Random(f"kvproto-chaos/targets/{seed}")
+        self.load = random.Random(f"kvproto-chaos/load/{seed}")
+
+    def next_fault(self, mean_s: float) -> tuple[float, str]:
+        """The next fault: (seconds to wait before it, its kind)."""
+        return self.faults.expovariate(1.0 / mean_s), self.faults.choice(FAULTS)
 
 
 class _Side:
@@ -194,7 +217,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=number(0, 24 * 60, lo_open=True), default=3.0,
                    help="how long to inject faults under load (default 3)")
     p.add_argument("--seed", type=number(0, 2**31, integer=True), default=0,
-                   help="seed of the fault and load streams (default 0)")
+                   help="seed of the fault, target and load streams: one seed draws the "
+                   "same faults in the same order whatever the load (default 0)")
     p.add_argument("--lease", type=number(1, 60), default=3.0,
                    help="lease in seconds on both engines (default 3)")
     p.add_argument("--concurrency", type=number(1, 64, integer=True), default=4,
@@ -255,6 +279,7 @@ def format_summary(res: dict[str, Any]) -> str:
             ("ended in error", res["errors"]), ("aborted by the client", res["aborted"]),
             ("lost with a killed engine", res["lost"]), ("hung", res["hung"]),
             ("wrong outputs", res["wrong_outputs"])]
+    rows += [("faults planned", " ".join(res.get("faults_planned", [])) or "none")]
     rows += [(f"fault {k}", v) for k, v in res["faults_injected"].items()]
     rows += [(f"notification {k}", v) for k, v in res["notification_faults"].items()]
     rows += [("engine crashes", len(res["engine_crashes"])),
@@ -273,7 +298,7 @@ def campaign(args: argparse.Namespace, workdir: Path) -> Campaign:
     from kvproto.vllm import harness as h
     from kvproto.vllm import scenarios as sc
 
-    rng = random.Random(args.seed)
+    rng = Streams(int(args.seed))
     camp = Campaign(seed=int(args.seed), minutes=float(args.minutes),
                     connector=getattr(args, "connector", "kvproto"))
     t0 = time.monotonic()
@@ -322,7 +347,7 @@ def campaign(args: argparse.Namespace, workdir: Path) -> Campaign:
     return camp
 
 
-def _drive(args: argparse.Namespace, rng: random.Random, camp: Campaign,
+def _drive(args: argparse.Namespace, rng: Streams, camp: Campaign,
            pool: dict[str, list[int]], reference: dict[str, list[int]],
            p_side: _Side, d_side: _Side, baseline: int, t0: float) -> None:
     """Steady load with faults until the campaign's time is up, then drain."""
@@ -330,7 +355,8 @@ def _drive(args: argparse.Namespace, rng: random.Random, camp: Campaign,
 
     lease_s = float(args.lease)
     end = time.monotonic() + 60.0 * float(args.minutes)
-    next_fault = time.monotonic() + rng.expovariate(1.0 / args.fault_every)
+    wait, kind = rng.next_fault(args.fault_every)
+    next_fault = time.monotonic() + wait
     live: dict[str, _Req] = {}
     seq = 0
     last_report = 0.0
@@ -341,7 +367,7 @@ def _drive(args: argparse.Namespace, rng: random.Random, camp: Campaign,
             side.resume_if_due()
         # keep the load steady
         while running and len(live) < args.concurrency:
-            key = rng.choice(sorted(pool))
+            key = rng.load.choice(sorted(pool))
             seq += 1
             r = _Req(f"c{seq}", key, pool[key], now, p_inc=p_side.incarnation)
             if not p_side.stopped:
@@ -352,8 +378,10 @@ def _drive(args: argparse.Namespace, rng: random.Random, camp: Campaign,
             live[r.rid] = r
             camp.requests += 1
         if running and now >= next_fault:
-            _inject(rng, camp, live, p_side, d_side, lease_s, t0)
-            next_fault = now + rng.expovariate(1.0 / args.fault_every)
+            camp.planned.append(kind)
+            _inject(kind, rng.targets, camp, live, p_side, d_side, lease_s, t0)
+            wait, kind = rng.next_fault(args.fault_every)
+            next_fault = now + wait
         _pump(camp, live, reference, p_side, d_side, args)
         if not p_side.stopped and now - (camp.timeline[-1][0] + t0 if camp.timeline else 0) > 0.5:
             with contextlib.suppress(Exception):
@@ -376,7 +404,7 @@ def _drive(args: argparse.Namespace, rng: random.Random, camp: Campaign,
         if any(r.stage == "held" for r in live.values()) and not p_side.stopped:
             with contextlib.suppress(Exception):
                 total = int(p_side.engine.info.get("total_blocks", 0)) or 64
-                sc.churn(p_side.engine, blocks=total, tag=f"churn{seq}-{rng.random():.6f}")
+                sc.churn(p_side.engine, blocks=total, tag=f"churn{seq}-{rng.load.random():.6f}")
         time.sleep(0.02)
 
 
@@ -447,9 +475,11 @@ def _to_d(r: _Req, d_side: _Side, args: argparse.Namespace) -> None:
                          kv_transfer_params=r.params)
 
 
-def _inject(rng: random.Random, camp: Campaign, live: dict[str, _Req], p_side: _Side,
-            d_side: _Side, lease_s: float, t0: float) -> None:
-    kind = rng.choice(FAULTS)
+def _inject(kind: str, rng: random.Random, camp: Campaign, live: dict[str, _Req],
+            p_side: _Side, d_side: _Side, lease_s: float, t0: float) -> None:
+    """Inject the planned fault ``kind``, its target drawn from ``rng``; a kind with
+    nothing to hit becomes another (``stop_*`` while an engine is stopped: ``late_d``;
+    ``late_d`` with no prefill pending: ``abort_p``) or is skipped (not counted)."""
     now = time.monotonic()
     t_mark = now - t0
     if kind in ("stop_p", "stop_d") and (p_side.stopped or d_side.stopped):
