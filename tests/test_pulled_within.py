@@ -109,3 +109,23 @@ def test_prompt_ids_with_a_dash_are_refused_before_any_request() -> None:
     with pytest.raises(ValueError, match="must not contain"):
         sc.pulled_within(None, {"a-1": [1, 2]}, {"a-1": [3]}, [],  # type: ignore[arg-type]
                          max_tokens=1, free_timeout=1.0)
+
+
+def test_orphan_released_once_counts_expired_is_retried(tmp_path: Path) -> None:
+    """A P rank no D rank reads: D's release frees it (``released``); a lease expiry
+    there is a late release (another attempt), not broken safety."""
+    pj = _p(tmp_path, {"a": ["released"], "b": ["expired"]}, {})
+    got = sc.Pulled()
+    assert sc.orphan_verdict(["a", "b"], pj, got) == {"a"}
+    assert got.violations == []
+    assert [(i, why) for _, i, why, _ in got.given_up] == [("b", "expired")]
+
+
+def test_orphan_transferred_twice_or_never_freed_is_a_violation(tmp_path: Path) -> None:
+    """The mutants the rule is for: a P rank that takes a done for blocks nobody read,
+    one that frees twice, and one that never frees."""
+    pj = _p(tmp_path, {"a": ["transferred"], "b": ["released", "expired"]}, {"a": ["r0"]})
+    got = sc.Pulled()
+    assert sc.orphan_verdict(["a", "b", "c"], pj, got) == set()
+    assert len(got.violations) == 3, got.violations
+    assert got.given_up == []

@@ -176,8 +176,8 @@ def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
         reasons = out.setdefault(j.name, set())
         if not j.exists():
             continue
-        for line in j.read_text().splitlines()[1:]:
-            for e in json.loads(line).get("effects", ()):
+        for rec in _journal_records(j):
+            for e in rec.get("effects", ()):
                 if e.get("type") == "finished" and str(e.get("request_id", "")).startswith(prefix):
                     reasons.add(str(e.get("reason")))
     return out
@@ -233,12 +233,15 @@ class Pulled:
     empty); ``pending``: prompts not pulled on every route in the attempts allowed;
     ``given_up``: (P journal, request id, P's free reason, D journal -> its finishes)
     of each request some D rank gave up; ``outcomes``: each attempt's
-    :func:`correctness` outcome."""
+    :func:`correctness` outcome; ``attempted``: every request id run, in order;
+    ``pulled``: those pulled on every route (with their orphans released)."""
 
     violations: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     given_up: list[tuple[str, str, str, dict[str, list[str]]]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    attempted: list[str] = field(default_factory=list)
+    pulled: list[str] = field(default_factory=list)
 
 
 def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[Path],
@@ -274,9 +277,30 @@ def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[Path
     return pulled
 
 
+def orphan_verdict(ids: Iterable[str], p_journal: Path, into: Pulled) -> set[str]:
+    """The requests ``ids`` on a P rank no D rank reads (its blocks hold a replicated KV
+    head another P rank serves): returns those D released there. Rules: P frees each
+    request once, and never ``transferred`` (nobody read those blocks, so nobody may
+    report them done). ``expired`` is not broken safety but a release that came too
+    late (D gave the request up, or a stall outlasted the lease): added to
+    ``into.given_up`` for another attempt."""
+    reasons = free_reasons(p_journal)
+    released: set[str] = set()
+    for i in ids:
+        got = reasons.get(i, [])
+        if len(got) != 1 or got[0] not in ("released", "expired"):
+            into.violations.append(f"{p_journal.name} (read by no D rank): {i} freed {got}")
+        elif got[0] == "released":
+            released.add(i)
+        else:
+            into.given_up.append((p_journal.name, i, got[0], {}))
+    return released
+
+
 def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
                   reference: Mapping[str, list[int]], routes: Sequence[tuple[Path, Sequence[Path]]],
-                  *, max_tokens: int, free_timeout: float, attempts: int = 3) -> Pulled:
+                  *, max_tokens: int, free_timeout: float, attempts: int = 3,
+                  orphans: Sequence[Path] = ()) -> Pulled:
     """Run ``prompts`` through ``pd`` (:func:`correctness`) until each was pulled on every
     route, at most ``attempts`` times; a route is one P rank's journal and the journals
     of the D ranks that read that P rank. Prompt ids must not contain "-".
@@ -288,7 +312,9 @@ def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
     ``expired``, and then some D rank of the route did not pull it (it gave the request
     up, and the engine recomputed it). A prompt some D rank gave up is tried again under
     the id ``<prompt>t<attempt>``: on a CPU-starved host a stall of every thread can
-    outlast a claim's answer or a lease (liveness, not safety)."""
+    outlast a claim's answer or a lease (liveness, not safety). ``orphans``: journals of
+    P ranks no D rank reads (:func:`orphan_verdict`); a request counts as pulled only
+    once D released it on each of them."""
     bad = [k for k in prompts if "-" in k]
     if bad:
         raise ValueError(f"pulled_within: prompt ids must not contain '-': {bad[:5]}")
@@ -300,6 +326,7 @@ def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
         out = correctness(pd, {i: pending[k] for i, k in ids.items()},
                           {i: reference[k] for i, k in ids.items()}, max_tokens=max_tokens)
         res.outcomes.append(out)
+        res.attempted.extend(ids)
         if out.wrong or out.errors or out.requests != len(ids):
             res.violations.append(f"attempt {attempt}: wrong {out.wrong}, errors "
                                   f"{out.errors}, {out.requests} of {len(ids)} ended")
@@ -311,10 +338,13 @@ def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
         done = set(ids)
         for pj, djs in routes:
             done &= route_verdict(ids, pj, djs, res)
+        for pj in orphans:
+            done &= orphan_verdict(ids, pj, res)
         if res.violations:
             break
-        for i in done:
+        for i in sorted(done):
             del pending[ids[i]]
+            res.pulled.append(i)
         if not pending:
             break
         log.warning("%s -> %s attempt %d: given up by a D rank so far %s; P's poll stalls "
