@@ -49,7 +49,8 @@ ABORT = {f"ab{i}": p for i, p in enumerate(h.make_prompts(4, seed=13, lengths=[9
 NGEN = {f"n{i}": p for i, p in enumerate(h.make_prompts(2, seed=14, lengths=[70, 128]))}
 AFTER = {f"after{i}": p for i, p in enumerate(h.make_prompts(4, seed=15, lengths=[33, 300]))}
 KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(4, seed=16, lengths=[90, 64, 250, 31]))}
-ALL = {**COR, **LATE, **ABORT, **NGEN, **AFTER, **KILL}
+RESET = {f"rc{i}": p for i, p in enumerate(h.make_prompts(2, seed=17, lengths=[120, 70]))}
+ALL = {**COR, **LATE, **ABORT, **NGEN, **AFTER, **KILL, **RESET}
 
 
 def _pd_kwargs(journal_dir: Path, tag: str) -> dict[str, Any]:
@@ -242,6 +243,42 @@ def test_abort_on_p_after_prefill(pair: Pair) -> None:
         after = _frees(_counters(pair.pd.p))
         gone = sum(after.values()) - sum(before.values())
         assert gone == 1, (before, after)
+
+
+def test_cache_resets_and_a_clearing_pause_while_p_holds_blocks(pair: Pair) -> None:
+    """vLLM's own cache operations on P while it holds a request's blocks for D: a
+    prefix-cache reset, one that also preempts running requests and resets the
+    connector, and a pause that aborts and clears the caches (what a weight update or
+    ``sleep(level>=1)`` runs). Each refuses (False, or vLLM's RuntimeError: used
+    blocks), the engine stays up, P keeps every held block, and D then pulls them token
+    for token; once they are freed a reset succeeds, and a prompt run again after it
+    (P's prefix cache empty) is still served right."""
+    p, d = pair.pd.p, pair.pd.d
+    rid = "rc0"
+    res = pair.pd.prefill(rid, RESET[rid])
+    held = pair.baseline - int(p.stats()["free_blocks"])
+    assert held >= 1, "P should hold the prefilled blocks for D"
+    assert p.core_call("reset_prefix_cache") is False
+    with pytest.raises(h.HarnessError, match="Failed to reset KV cache"):
+        p.core_call("reset_prefix_cache", reset_running_requests=True, reset_connector=True)
+    try:
+        with pytest.raises(h.HarnessError, match="Failed to reset KV cache"):
+            p.core_call("pause_scheduler", mode="abort", clear_cache=True)
+    finally:
+        p.core_call("resume_scheduler")
+    assert p.alive() and p.core_call("is_scheduler_paused") is False
+    assert pair.baseline - int(p.stats()["free_blocks"]) == held, "a reset freed held blocks"
+    pair.pd.submit_decode(rid, RESET[rid], res, max_tokens=MAX_TOKENS)
+    r = d.wait([rid], 60)[rid]
+    assert r.error is None and r.token_ids == [pair.ref[rid]], (r.error, r.token_ids)
+    ok, _ = pair.p_back_to_baseline()
+    assert ok
+    assert p.core_call("reset_prefix_cache", reset_connector=True) is True
+    out = sc.correctness(pair.pd, {"rc1": RESET["rc0"]}, {"rc1": pair.ref["rc0"]},
+                         max_tokens=MAX_TOKENS)
+    assert out.errors == [] and out.wrong == [], (out.errors, out.wrong)
+    ok, _ = pair.p_back_to_baseline()
+    assert ok
 
 
 def test_n_greater_than_one(pair: Pair) -> None:

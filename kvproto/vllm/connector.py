@@ -718,6 +718,15 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or ()
         return [max(1, len(g.layer_names)) for g in groups] or [1]
 
+    def reset_cache(self) -> bool:
+        """vLLM's connector cache reset (``reset_prefix_cache(reset_connector=True)``,
+        a pause or sleep that clears caches): True, nothing to drop. The connector keeps
+        no KV of its own; blocks P holds for D are the engine's, named by requests D may
+        be reading, and never drop for a reset: they keep vLLM's own prefix-cache reset
+        failing (used blocks) until D's done, its release or the lease frees them, and a
+        retry after that succeeds."""
+        return True
+
     def has_pending_block_frees(self) -> bool:
         # False: a held request's blocks come back when D pulls them or the lease ends,
         # at D's pace, not soon; waiting for them would stall P's running prefills for up

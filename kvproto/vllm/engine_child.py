@@ -327,6 +327,11 @@ class _Child:  # pragma: no cover - runs in the engine process
             km = self.sched.kv_cache_manager
             return {rid: sum(len(g) for g in km.get_block_ids(rid))
                     for rid, r in self.sched.requests.items() if r.is_finished()}
+        if kind == "core":
+            method, kwargs = str(inner[1]), dict(inner[2])
+            if method not in CORE_CALLS:
+                raise ValueError(f"core call {method!r} is not one of {sorted(CORE_CALLS)}")
+            return _plain(getattr(self.core, method)(**kwargs))
         if kind == "connector":
             worker, method, args = inner[1], inner[2], inner[3]
             if worker:
@@ -338,6 +343,12 @@ class _Child:  # pragma: no cover - runs in the engine process
             fn = getattr(target, method, None)
             return None if fn is None else _plain(fn(*args))
         raise ValueError(f"unknown call {kind!r}")
+
+
+# The engine core's own operations a test may drive (vLLM's utility calls, as its API
+# server and RLHF clients make them).
+CORE_CALLS = frozenset({"reset_prefix_cache", "pause_scheduler", "resume_scheduler",
+                        "is_scheduler_paused"})
 
 
 def _plain(value: Any) -> Any:

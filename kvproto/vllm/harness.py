@@ -515,6 +515,13 @@ class Engine:
         and return its (picklable) result; None when there is no such method."""
         return self._call(("connector", worker, method, list(args)), timeout)
 
+    def core_call(self, method: str, timeout: float = 30.0, **kwargs: Any) -> Any:
+        """Call one of the engine core's own operations (``engine_child.CORE_CALLS``:
+        ``reset_prefix_cache``, ``pause_scheduler``, ...) with ``kwargs``; its
+        (picklable) result. An exception in the engine raises :class:`HarnessError`
+        naming it, and the engine keeps running."""
+        return self._call(("core", method, kwargs), timeout)
+
     def connector_stats(self, method: str = "kvproto_stats") -> dict[str, Any]:
         """``method()`` of the scheduler-side and the worker-side connector, merged
         (numbers added, dicts merged key by key); {} when neither has it."""
