@@ -6,7 +6,7 @@ router (this process) sends token-id prompts to P, hands P's ``kv_transfer_param
 unchanged, and compares D's greedy outputs with a single engine that has no connector.
 
 Engine start-up is the cost (about 18 s each on 2 cores), so one P/D pair serves the
-correctness, late-D, abort and n>1 tests (in this order), and only the fault tests start
+correctness, late-D, abort, cache-reset and n>1 tests (in this order), and only the fault tests start
 fresh engines (something gets killed there). Every engine process is killed at the end of
 its fixture, pass or fail (``harness.kill_all`` also runs at exit).
 
