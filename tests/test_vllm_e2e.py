@@ -6,9 +6,9 @@ router (this process) sends token-id prompts to P, hands P's ``kv_transfer_param
 unchanged, and compares D's greedy outputs with a single engine that has no connector.
 
 Engine start-up is the cost (about 18 s each on 2 cores), so one P/D pair serves the
-correctness, late-D, abort, cache-reset and n>1 tests (in this order), and only the fault tests start
-fresh engines (something gets killed there). Every engine process is killed at the end of
-its fixture, pass or fail (``harness.kill_all`` also runs at exit).
+correctness, late-D, abort, cache-reset and n>1 tests (in this order), and only the fault
+tests start fresh engines (something gets killed there). Every engine process is killed at
+the end of its fixture, pass or fail (``harness.kill_all`` also runs at exit).
 
 ``KVPROTO_E2E_CONNECTOR=stock`` runs the same module against vLLM's stock NixlConnector
 (to check the harness itself; the late-D test then shows stock serving wrong KV).
