@@ -25,8 +25,10 @@ requests, no transfer params: its connector does nothing for them). Checks:
 * one D rank's worker is killed while D pulls: P gets every block back within the
   lease bound and frees each request once per rank, and whatever D still answers is the
   reference;
-* last, P rank 0's worker is killed while E pulls from it (P TP 2 -> D TP 1): every E
-  request ends within a bound, none hangs, and whatever E answers is the reference.
+* last, engine P's rank 0 worker is killed while E pulls from it (P TP 2 -> D TP 1)
+  and while it pulls from E (E TP 1 -> D TP 2): every E request ends within a bound,
+  none hangs, and whatever E answers is the reference; E gets every block back within
+  the lease bound, each request freed once.
 
 Plans that need head slices (more KV heads than the smaller TP size) are refused per
 request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py).
@@ -39,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,8 +62,9 @@ KILL = {f"k{i}": p for i, p in enumerate(h.make_prompts(3, seed=23, lengths=[90,
 H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
 KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
+KILLD = {f"v{i}": p for i, p in enumerate(h.make_prompts(3, seed=28, lengths=[120, 60, 200]))}
 ABORT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=27, lengths=[70, 200, 45, 120]))}
-ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP, **ABORT}
+ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP, **ABORT, **KILLD}
 LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
@@ -248,6 +252,13 @@ def test_tp2_client_aborts_free_every_p_rank_once(pair: Pair) -> None:
     _pulled_within(pair, pair.pd, {"x3": ABORT["x3"]}, [(j[0], [j[2]]), (j[1], [j[3]])])
 
 
+def _admitted(journal: Path) -> set[str]:
+    """Requests (ids before "-") a D journal admitted so far."""
+    return {rid.split("-")[0] for rec in sc._journal_records(journal)
+            if (rid := rec.get("event", {}).get("request_id")) is not None
+            and rec["event"].get("type") == "admit"}
+
+
 def test_every_rank_journal_validates(pair: Pair) -> None:
     present = [str(j) for j in pair.journals if j.exists() and j.stat().st_size > 0]
     assert len(present) == len(pair.journals), (present, pair.journals)
@@ -283,12 +294,42 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
 
 
 def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
-    """Last (it breaks P): P rank 0's worker, the rank E reads (P TP 2 -> D TP 1), is
-    killed while E pulls. Every E request ends within a bound (E loses the peer: the
-    request recomputes or fails per policy), none hangs, and no answer is wrong."""
-    got = sc.p_rank_killed(h.PD(pair.pd.p, pair.e), KILLP, max_tokens=MAX_TOKENS,
-                           timeout=FREE_TIMEOUT)  # raises if one has not ended by then
+    """Last (it breaks engine P): engine P's rank 0 worker is killed while requests run
+    both ways between engine P and E. As a P rank (P TP 2 -> D TP 1): it is the rank E
+    reads; every E request ends within a bound (E loses the peer: the request recomputes
+    or fails per policy), none hangs, and no answer is wrong. As a D rank (E TP 1 -> D
+    TP 2): it is one of the two readers E waits for; E gets every block back within the
+    lease bound (its other reader's done cannot free them alone) and frees each request
+    once; no answer engine P still gave is wrong."""
+    p, e = pair.pd.p, pair.e
+    to_p = h.PD(e, p)
+    e_baseline = int(e.stats()["free_blocks"])
+    params = {rid: to_p.prefill(rid, pr) for rid, pr in KILLD.items()}
+    assert e_baseline - int(e.stats()["free_blocks"]) > 0  # E holds them for engine P
+
+    def to_engine_p() -> None:
+        """Right before the kill: both D ranks of engine P admit KILLD and claim them
+        from E, which is paused, so that the kill finds them claiming, not yet read."""
+        e.pause(4.0)
+        for rid, pr in KILLD.items():
+            to_p.submit_decode(rid, pr, params[rid], max_tokens=MAX_TOKENS)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not all(
+                set(KILLD) <= _admitted(j) for j in pair.journals[6:8]):
+            time.sleep(0.05)
+
+    got = sc.p_rank_killed(h.PD(p, e), KILLP, max_tokens=MAX_TOKENS, timeout=FREE_TIMEOUT,
+                           before_kill=to_engine_p)  # raises if one has not ended by then
     assert set(got) == set(KILLP)
     for rid, r in got.items():
         if r.error is None and r.tokens:
+            assert r.tokens == pair.ref[rid], rid
+    ok, _, _ = sc.wait_free(e, e_baseline, FREE_TIMEOUT)
+    assert ok, "E did not get its blocks back after a D rank of engine P died"
+    assert int(e.stats()["free_blocks"]) == e_baseline  # and not one block more
+    freed = sc.free_reasons(pair.journals[4])
+    assert {rid: len(freed.get(rid, [])) for rid in KILLD} == dict.fromkeys(KILLD, 1), freed
+    for rid in KILLD:
+        r = p.results.get(rid)
+        if r is not None and r.error is None and r.tokens:
             assert r.tokens == pair.ref[rid], rid

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -447,14 +447,18 @@ def worker_pid(engine_pid: int, name: str, log_path: str | None = None) -> int:
 
 
 def p_rank_killed(pd: PD, prompts: Mapping[str, Sequence[int]], *, max_tokens: int,
-                  timeout: float, rank: int = 0) -> dict[str, Result]:
+                  timeout: float, rank: int = 0,
+                  before_kill: Callable[[], None] | None = None) -> dict[str, Result]:
     """P prefills ``prompts``; D gets them, and P's rank ``rank`` worker is killed -9
-    while D pulls. Returns D's results once every request ended (``HarnessError`` if one
-    has not after ``timeout`` seconds: a hang)."""
+    while D pulls (``before_kill`` runs right before the kill, after D got them).
+    Returns D's results once every request ended (``HarnessError`` if one has not after
+    ``timeout`` seconds: a hang)."""
     params = {rid: pd.prefill(rid, pr) for rid, pr in prompts.items()}
     victim = worker_pid(pd.p.pid, f"Worker_TP{rank}", pd.p.spec.log_path)
     for rid, pr in prompts.items():
         pd.submit_decode(rid, pr, params[rid], max_tokens=max_tokens)
+    if before_kill is not None:
+        before_kill()
     os.kill(victim, signal.SIGKILL)
     return pd.d.wait(prompts, timeout=timeout)
 
