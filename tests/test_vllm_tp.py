@@ -25,10 +25,11 @@ requests, no transfer params: its connector does nothing for them). Checks:
 * one D rank's worker is killed while D pulls: P gets every block back within the
   lease bound and frees each request once per rank, and whatever D still answers is the
   reference;
-* last, engine P's rank 0 worker is killed while E pulls from it (P TP 2 -> D TP 1)
-  and while it pulls from E (E TP 1 -> D TP 2): every E request ends within a bound,
-  none hangs, and whatever E answers is the reference; E gets every block back within
-  the lease bound, each request freed once.
+* last, engine P's rank 0 worker is killed while a fresh D (TP 2) and E pull from it
+  (P TP 2 -> D TP 2 and -> D TP 1) and while it pulls from E (E TP 1 -> D TP 2): every
+  request of the fresh D and of E ends within a bound, none hangs, and whatever they
+  answer is the reference; E gets every block back within the lease bound, each request
+  freed once.
 
 Plans that need head slices (more KV heads than the smaller TP size) are refused per
 request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py).
@@ -42,7 +43,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,35 +64,43 @@ H21 = {f"a{i}": p for i, p in enumerate(h.make_prompts(4, seed=24))}
 H12 = {f"b{i}": p for i, p in enumerate(h.make_prompts(4, seed=25))}
 KILLP = {f"q{i}": p for i, p in enumerate(h.make_prompts(3, seed=26, lengths=[90, 250, 31]))}
 KILLD = {f"v{i}": p for i, p in enumerate(h.make_prompts(3, seed=28, lengths=[120, 60, 200]))}
+KILL2 = {f"u{i}": p for i, p in enumerate(h.make_prompts(3, seed=29, lengths=[150, 40, 96]))}
 ABORT = {f"x{i}": p for i, p in enumerate(h.make_prompts(4, seed=27, lengths=[70, 200, 45, 120]))}
-ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP, **ABORT, **KILLD}
+ALL = {**COR, **LATE, **KILL, **H21, **H12, **KILLP, **ABORT, **KILLD, **KILL2}
 LEASE = sc.TP_LEASE
 FREE_TIMEOUT = 8 * LEASE + 30.0  # a hang bound, not a timing assertion
 
 
 class Pair:
     def __init__(self, pd: h.PD, e: h.Engine, ref: dict[str, list[int]],
-                 journals: list[Path]) -> None:
+                 journals: list[Path], d_spec: Callable[[str], h.EngineSpec]) -> None:
         self.pd, self.e, self.ref, self.journals = pd, e, ref, journals
+        self.d_spec = d_spec  # a D engine like D under another tag (journals, log)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     wd = tmp_path_factory.mktemp("vllm_tp")
     model = str(h.build_tiny_model(wd / "model", heads=4, kv_heads=1).path)
-    kw = sc.kvproto_extras(str(wd), LEASE, tag="1")
-    # D only reads: nobody reads its blocks, so its producer side needs no NIXL progress
-    # thread (NIXL's busy loop would take a core from the engines on this machine)
-    kw["d_extra"] = {**kw.get("d_extra", {}), "progress_thread": False}
-    p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="1",
-                                p_kv_bytes=P_KV_BYTES, **kw)
+
+    def specs(tag: str) -> tuple[h.EngineSpec, h.EngineSpec]:
+        kw = sc.kvproto_extras(str(wd), LEASE, tag=tag)
+        # D only reads: nobody reads its blocks, so its producer side needs no NIXL
+        # progress thread (NIXL's busy loop would take a core from the engines here)
+        kw["d_extra"] = {**kw.get("d_extra", {}), "progress_thread": False}
+        p_spec, d_spec = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag=tag,
+                                    p_kv_bytes=P_KV_BYTES, **kw)
+        p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
+        # TP workers forked from their engine process: no fresh torch/vLLM import per
+        # worker. tests/test_vllm_tp_slices.py keeps vLLM's spawned workers (the
+        # production path).
+        p_spec.worker_start = d_spec.worker_start = "fork"
+        return p_spec, d_spec
+
+    p_spec, d_spec = specs("1")
     e_spec, _ = h.pd_specs(model, wd, h.KVPROTO_CONNECTOR, tag="E",
                            **sc.kvproto_extras(str(wd), LEASE, tag="E"))
     e_spec.name = "E"
-    p_spec.tensor_parallel_size = d_spec.tensor_parallel_size = 2
-    # TP workers forked from their engine process: no fresh torch/vLLM import per worker.
-    # tests/test_vllm_tp_slices.py keeps vLLM's spawned workers (the production path).
-    p_spec.worker_start = d_spec.worker_start = "fork"
     started: list[h.Engine] = []
     try:
         for spec in (e_spec, p_spec, d_spec):  # one at a time: 7 processes on 2 cores
@@ -118,7 +127,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         yield Pair(pd, e, reference, [wd / "P1.jsonl", wd / "P1.tp1.jsonl",
                                       wd / "D1.consumer.jsonl", wd / "D1.tp1.consumer.jsonl",
                                       wd / "PE.jsonl", wd / "PE.consumer.jsonl",
-                                      wd / "P1.consumer.jsonl", wd / "P1.tp1.consumer.jsonl"])
+                                      wd / "P1.consumer.jsonl", wd / "P1.tp1.consumer.jsonl"],
+                   lambda tag: specs(tag)[1])
     finally:
         pd.close()
         e.close()
@@ -295,41 +305,64 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
 
 def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
     """Last (it breaks engine P): engine P's rank 0 worker is killed while requests run
-    both ways between engine P and E. As a P rank (P TP 2 -> D TP 1): it is the rank E
-    reads; every E request ends within a bound (E loses the peer: the request recomputes
-    or fails per policy), none hangs, and no answer is wrong. As a D rank (E TP 1 -> D
-    TP 2): it is one of the two readers E waits for; E gets every block back within the
-    lease bound (its other reader's done cannot free them alone) and frees each request
+    on three routes. A fresh D (TP 2; the previous test broke the first) pulls from P
+    (P TP 2 -> D TP 2): its rank 0 reads the dead rank, its rank 1 a rank that lives on
+    until engine P goes down, so a request may be read on one D rank and not the other;
+    every D request ends within a bound and none is wrong (a load counts only when every
+    D rank read its part). E pulls from P rank 0 (P TP 2 -> D TP 1): every E request
+    ends within a bound (E loses the peer: the request recomputes or fails per policy),
+    none hangs, and no answer is wrong. Engine P's dead worker is also one of the two D
+    ranks claiming from E (E TP 1 -> D TP 2): E gets every block back within the lease
+    bound (the surviving reader's done cannot free them alone) and frees each request
     once; no answer engine P still gave is wrong."""
     p, e = pair.pd.p, pair.e
-    to_p = h.PD(e, p)
-    e_baseline = int(e.stats()["free_blocks"])
-    params = {rid: to_p.prefill(rid, pr) for rid, pr in KILLD.items()}
-    assert e_baseline - int(e.stats()["free_blocks"]) > 0  # E holds them for engine P
+    [d2] = h.start_engines([pair.d_spec("2")], timeout=600)
+    try:
+        wd = pair.journals[0].parent
+        d2_journals = [wd / "D2.consumer.jsonl", wd / "D2.tp1.consumer.jsonl"]
+        sc.warm_up_pulled(h.PD(p, d2), "w22k", d2_journals)
+        to_d2 = h.PD(p, d2)
+        params2 = {rid: to_d2.prefill(rid, pr) for rid, pr in KILL2.items()}
+        to_p = h.PD(e, p)
+        e_baseline = int(e.stats()["free_blocks"])
+        params = {rid: to_p.prefill(rid, pr) for rid, pr in KILLD.items()}
+        assert e_baseline - int(e.stats()["free_blocks"]) > 0  # E holds them for engine P
 
-    def to_engine_p() -> None:
-        """Right before the kill: both D ranks of engine P admit KILLD and claim them
-        from E, which is paused, so that the kill finds them claiming, not yet read."""
-        e.pause(4.0)
-        for rid, pr in KILLD.items():
-            to_p.submit_decode(rid, pr, params[rid], max_tokens=MAX_TOKENS)
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and not all(
-                set(KILLD) <= _admitted(j) for j in pair.journals[6:8]):
-            time.sleep(0.05)
+        def three_routes() -> None:
+            """Right before the kill: the fresh D gets KILL2; both D ranks of engine P
+            admit KILLD and claim them from E, which is paused, so that the kill finds
+            them claiming, not yet read."""
+            for rid, pr in KILL2.items():
+                to_d2.submit_decode(rid, pr, params2[rid], max_tokens=MAX_TOKENS)
+            e.pause(4.0)
+            for rid, pr in KILLD.items():
+                to_p.submit_decode(rid, pr, params[rid], max_tokens=MAX_TOKENS)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and not all(
+                    set(KILLD) <= _admitted(j) for j in pair.journals[6:8]):
+                time.sleep(0.05)
 
-    got = sc.p_rank_killed(h.PD(p, e), KILLP, max_tokens=MAX_TOKENS, timeout=FREE_TIMEOUT,
-                           before_kill=to_engine_p)  # raises if one has not ended by then
-    assert set(got) == set(KILLP)
-    for rid, r in got.items():
-        if r.error is None and r.tokens:
-            assert r.tokens == pair.ref[rid], rid
-    ok, _, _ = sc.wait_free(e, e_baseline, FREE_TIMEOUT)
-    assert ok, "E did not get its blocks back after a D rank of engine P died"
-    assert int(e.stats()["free_blocks"]) == e_baseline  # and not one block more
-    freed = sc.free_reasons(pair.journals[4])
-    assert {rid: len(freed.get(rid, [])) for rid in KILLD} == dict.fromkeys(KILLD, 1), freed
-    for rid in KILLD:
-        r = p.results.get(rid)
-        if r is not None and r.error is None and r.tokens:
-            assert r.tokens == pair.ref[rid], rid
+        got = sc.p_rank_killed(h.PD(p, e), KILLP, max_tokens=MAX_TOKENS,
+                               timeout=FREE_TIMEOUT, before_kill=three_routes)
+        assert set(got) == set(KILLP)  # p_rank_killed raises if one has not ended by then
+        for rid, r in got.items():
+            if r.error is None and r.tokens:
+                assert r.tokens == pair.ref[rid], rid
+        ended = d2.wait(KILL2, timeout=FREE_TIMEOUT)  # raises if one hangs
+        for rid, r in ended.items():
+            if r.error is None and r.tokens:
+                assert r.tokens == pair.ref[rid], (rid, sc.d_finished(d2_journals[0]),
+                                                   sc.d_finished(d2_journals[1]))
+        assert d2.alive(), "D went down with P"
+        ok, _, _ = sc.wait_free(e, e_baseline, FREE_TIMEOUT)
+        assert ok, "E did not get its blocks back after a D rank of engine P died"
+        assert int(e.stats()["free_blocks"]) == e_baseline  # and not one block more
+        freed = sc.free_reasons(pair.journals[4])
+        assert {rid: len(freed.get(rid, [])) for rid in KILLD} == dict.fromkeys(KILLD, 1), \
+            freed
+        for rid in KILLD:
+            r = p.results.get(rid)
+            if r is not None and r.error is None and r.tokens:
+                assert r.tokens == pair.ref[rid], rid
+    finally:
+        d2.close()
