@@ -329,11 +329,10 @@ def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
         assert e_baseline - int(e.stats()["free_blocks"]) > 0  # E holds them for engine P
 
         def three_routes() -> None:
-            """Right before the kill: the fresh D gets KILL2; both D ranks of engine P
-            admit KILLD and claim them from E, which is paused, so that the kill finds
-            them claiming, not yet read."""
-            for rid, pr in KILL2.items():
-                to_d2.submit_decode(rid, pr, params2[rid], max_tokens=MAX_TOKENS)
+            """Right before the kill: both D ranks of engine P admit KILLD and claim
+            them from E, which is paused, so that the kill finds them claiming, not yet
+            read; then the fresh D gets KILL2, last, so that the kill finds its loads
+            starting."""
             e.pause(4.0)
             for rid, pr in KILLD.items():
                 to_p.submit_decode(rid, pr, params[rid], max_tokens=MAX_TOKENS)
@@ -341,6 +340,8 @@ def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
             while time.monotonic() < deadline and not all(
                     set(KILLD) <= _admitted(j) for j in pair.journals[6:8]):
                 time.sleep(0.05)
+            for rid, pr in KILL2.items():
+                to_d2.submit_decode(rid, pr, params2[rid], max_tokens=MAX_TOKENS)
 
         got = sc.p_rank_killed(h.PD(p, e), KILLP, max_tokens=MAX_TOKENS,
                                timeout=FREE_TIMEOUT, before_kill=three_routes)
