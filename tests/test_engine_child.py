@@ -100,3 +100,32 @@ def test_a_slow_nixl_metadata_load_is_logged(monkeypatch: pytest.MonkeyPatch,
     assert "loading the NIXL metadata of P1 took 0.1 s" in msg
     # A sleep is a wait: almost none of the 0.1 s was this thread's CPU time.
     assert "0.00 s of it on this thread's CPU" in msg, msg
+
+
+def test_core_calls_are_the_listed_operations_only() -> None:
+    """``Engine.core_call`` reaches the engine core's own operations named in
+    ``CORE_CALLS`` (with keyword arguments, the result made picklable), nothing else:
+    ``shutdown`` or a private method is refused before anything is called."""
+    from types import SimpleNamespace
+
+    from kvproto.vllm.engine_child import CORE_CALLS, _Child
+
+    calls: list[tuple[str, dict[str, object]]] = []
+
+    class Core:
+        def reset_prefix_cache(self, **kw: object) -> bool:
+            calls.append(("reset_prefix_cache", kw))
+            return False
+
+        def shutdown(self) -> None:
+            calls.append(("shutdown", {}))
+
+    child = SimpleNamespace(core=Core())
+    assert "reset_prefix_cache" in CORE_CALLS and "shutdown" not in CORE_CALLS
+    got = _Child._call(child, ("core", "reset_prefix_cache",  # type: ignore[arg-type]
+                               {"reset_running_requests": True}))
+    assert got is False and calls == [("reset_prefix_cache", {"reset_running_requests": True})]
+    for bad in ("shutdown", "_preempt_request", "__class__"):
+        with pytest.raises(ValueError, match="is not one of"):
+            _Child._call(child, ("core", bad, {}))  # type: ignore[arg-type]
+    assert len(calls) == 1
