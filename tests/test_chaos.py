@@ -92,6 +92,11 @@ def test_verdict_flags_each_violation() -> None:
         assert not c.clean, broken
         assert "VIOLATION" in format_summary(c.summary())
     assert "CLEAN" in format_summary(ok.summary())
+    many = Campaign(seed=0, minutes=1.0, planned=["kill_p"] * 20, planned_total=25)
+    row = [ln for ln in format_summary(many.summary()).splitlines()
+           if ln.startswith("faults planned")]
+    assert len(row) == 1 and row[0].split(None, 2)[2] == \
+        f"25: {' '.join(['kill_p'] * 12)} ...", row
     replayed = Campaign(seed=0, minutes=1.0, requests=5, finished=5, all_reclaimed=True,
                         journals={"P1.jsonl": "valid", "D1.consumer.jsonl": "replayed",
                                   "D2.consumer.jsonl": "traced"})
@@ -166,6 +171,7 @@ def test_chaos_campaign_real_engines(tmp_path: Path) -> None:
     streams = Streams(seed)
     planned = res["faults_planned"]
     assert planned == [streams.next_fault(12.0)[1] for _ in planned], detail
+    assert res["faults_planned_total"] == len(planned), detail
     assert sum(res["faults_injected"].values()) <= len(planned), detail
     assert sum(res["notification_faults"].values()) > 0, detail
     assert res["wrong_outputs"] == 0, detail

@@ -56,6 +56,7 @@ FAULTS = ("kill_p", "kill_d", "stop_p", "stop_d", "late_d", "abort_p", "abort_d"
 NOTIFY_FAULTS = {"drop": 0.05, "dup": 0.05, "delay": 0.05}
 REQUEST_TIMEOUT_S = 90.0     # a request not finished by then counts as hung
 MAX_TIMELINE = 100_000       # samples kept for the plot (older ones are thinned)
+MAX_PLANNED = 10_000         # fault kinds listed in the summary (the count goes on)
 # Journal verdicts that are clean (kvproto.verify.trace.Verdict.status): allowed by TLC,
 # traced by TLC per P engine (a D journal spanning P restarts) and replayed whole, replayed
 # with every invariant (a D journal that cannot be split per P engine), or not checked on
@@ -87,7 +88,8 @@ class Campaign:
     journals: dict[str, str] = field(default_factory=dict)  # path -> verdict
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (t, P held blocks)
     marks: list[tuple[float, str]] = field(default_factory=list)     # (t, fault)
-    planned: list[str] = field(default_factory=list)  # kinds drawn, in order
+    planned: list[str] = field(default_factory=list)  # kinds drawn, in order (capped)
+    planned_total: int = 0
     wall_s: float = 0.0
 
     @property
@@ -104,6 +106,7 @@ class Campaign:
                 "wrong_ids": self.wrong[:20],
                 "faults_injected": dict(sorted(self.faults.items())),
                 "faults_planned": list(self.planned),
+                "faults_planned_total": self.planned_total,
                 "notification_faults": dict(sorted(self.notify_faults.items())),
                 "engine_crashes": self.crashes, "all_reclaimed": self.all_reclaimed,
                 "invariant_violations": self.invariant_violations,
@@ -279,7 +282,10 @@ def format_summary(res: dict[str, Any]) -> str:
             ("ended in error", res["errors"]), ("aborted by the client", res["aborted"]),
             ("lost with a killed engine", res["lost"]), ("hung", res["hung"]),
             ("wrong outputs", res["wrong_outputs"])]
-    rows += [("faults planned", " ".join(res.get("faults_planned", [])) or "none")]
+    planned = res.get("faults_planned", [])
+    shown = " ".join(planned[:12]) + (" ..." if len(planned) > 12 else "")
+    rows += [("faults planned", f"{res.get('faults_planned_total', len(planned))}: "
+              f"{shown or 'none'}")]
     rows += [(f"fault {k}", v) for k, v in res["faults_injected"].items()]
     rows += [(f"notification {k}", v) for k, v in res["notification_faults"].items()]
     rows += [("engine crashes", len(res["engine_crashes"])),
@@ -378,7 +384,9 @@ def _drive(args: argparse.Namespace, rng: Streams, camp: Campaign,
             live[r.rid] = r
             camp.requests += 1
         if running and now >= next_fault:
-            camp.planned.append(kind)
+            camp.planned_total += 1
+            if len(camp.planned) < MAX_PLANNED:
+                camp.planned.append(kind)
             _inject(kind, rng.targets, camp, live, p_side, d_side, lease_s, t0)
             wait, kind = rng.next_fault(args.fault_every)
             next_fault = now + wait
