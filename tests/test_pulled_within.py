@@ -129,3 +129,29 @@ def test_orphan_transferred_twice_or_never_freed_is_a_violation(tmp_path: Path) 
     assert sc.orphan_verdict(["a", "b", "c"], pj, got) == set()
     assert len(got.violations) == 3, got.violations
     assert got.given_up == []
+
+
+def test_a_d_rank_reading_in_parts_is_judged_per_part(tmp_path: Path) -> None:
+    """Head slices: one D rank reads request ``a`` in two parts, one per P rank (ids
+    ``a-…`` and ``a-…#p1``). P rank 1's route looks at part ``p1`` only: its release
+    after that part failed is a given-up request, and a transferred free there needs
+    that part pulled, whatever the other part did."""
+    d = _journal(tmp_path / "D", [
+        {"event": {"type": "read_result"},
+         "effects": [{"type": "finished", "request_id": "a-cd34", "reason": "pulled"},
+                     {"type": "finished", "request_id": "a-cd34#p1", "reason": "fenced"},
+                     {"type": "finished", "request_id": "b-cd34", "reason": "fenced"},
+                     {"type": "finished", "request_id": "b-cd34#p1", "reason": "pulled"}]}])
+    p1 = _p(tmp_path, {"a": ["released"], "b": ["transferred"]}, {"b": ["r0"]})
+    got = sc.Pulled()
+    assert sc.route_verdict(["a", "b"], p1, [(d, "p1")], got) == {"b"}
+    assert got.violations == []
+    assert [(i, why, how) for _, i, why, how in got.given_up] == [
+        ("a", "released", {"D#p1": ["fenced"]})]
+    # judged on the whole journal instead, a's release looks like a pulled request's
+    whole = sc.Pulled()
+    sc.route_verdict(["a"], p1, [d], whole)
+    assert len(whole.violations) == 1 and "released" in whole.violations[0]
+    # and part "" (the part without a suffix) is a's pulled part
+    part0 = _p(tmp_path, {"a": ["transferred"]}, {"a": ["r0"]})
+    assert sc.route_verdict(["a"], part0, [(d, "")], sc.Pulled()) == {"a"}

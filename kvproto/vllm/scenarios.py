@@ -217,14 +217,28 @@ def done_readers(journal: Path) -> dict[str, set[str]]:
     return out
 
 
-def d_finished(journal: Path) -> dict[str, set[str]]:
-    """A D (consumer) journal's finishes: per reason, the requests (ids before "-")."""
+def d_finished(journal: Path, part: str | None = None) -> dict[str, set[str]]:
+    """A D (consumer) journal's finishes: per reason, the requests (ids before "-").
+    ``part``: only the loads of that part of a request read from several P ranks (the
+    id's suffix after "#"; "" for the part without one), else every load."""
     out: dict[str, set[str]] = {}
     for rec in _journal_records(journal):
         for e in rec.get("effects", ()):
-            if e.get("type") == "finished":
+            if e.get("type") == "finished" and (
+                    part is None or str(e["request_id"]).partition("#")[2] == part):
                 out.setdefault(str(e["reason"]), set()).add(_base_id(e["request_id"]))
     return out
+
+
+# A D rank's journal on a route: the path, or (path, part) where that D rank reads a
+# request in parts, one per P rank (head slices): the part read from the route's P rank.
+DJournal = Path | tuple[Path, str]
+
+
+def _d_finished_of(dj: DJournal) -> tuple[str, dict[str, set[str]]]:
+    if isinstance(dj, tuple):
+        return f"{dj[0].name}#{dj[1]}", d_finished(dj[0], dj[1])
+    return dj.name, d_finished(dj)
 
 
 @dataclass
@@ -244,16 +258,18 @@ class Pulled:
     pulled: list[str] = field(default_factory=list)
 
 
-def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[Path],
+def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[DJournal],
                   into: Pulled) -> set[str]:
     """The requests ``ids`` on one route (a P rank's journal, the journals of the D ranks
     that read that P rank): returns those pulled; adds broken rules to
     ``into.violations`` and requests some D rank gave up to ``into.given_up``. Rules: P
     frees each request once; ``transferred`` only with the dones of as many distinct
     readers as ``d_journals`` and each of those D ranks finished it ``pulled``; otherwise
-    ``released`` or ``expired``, and then some D rank did not pull it."""
+    ``released`` or ``expired``, and then some D rank did not pull it. A D journal may
+    name the part of each request that D rank reads from this P rank (:data:`DJournal`)."""
     reasons, readers = free_reasons(p_journal), done_readers(p_journal)
-    ends = [d_finished(j) for j in d_journals]
+    named = [_d_finished_of(j) for j in d_journals]
+    ends = [kinds for _, kinds in named]
     pulled: set[str] = set()
     for i in ids:
         got = reasons.get(i, [])
@@ -271,8 +287,8 @@ def route_verdict(ids: Iterable[str], p_journal: Path, d_journals: Sequence[Path
             into.violations.append(f"{p_journal.name}: {i} freed {got[0]}, pulled by "
                                    f"{pulled_by}")
         else:
-            how = {j.name: sorted(r for r, ids_ in kinds.items() if i in ids_)
-                   for j, kinds in zip(d_journals, ends, strict=True)}
+            how = {name: sorted(r for r, ids_ in kinds.items() if i in ids_)
+                   for name, kinds in named}
             into.given_up.append((p_journal.name, i, got[0], how))
     return pulled
 
@@ -298,7 +314,8 @@ def orphan_verdict(ids: Iterable[str], p_journal: Path, into: Pulled) -> set[str
 
 
 def pulled_within(pd: PD, prompts: Mapping[str, Sequence[int]],
-                  reference: Mapping[str, list[int]], routes: Sequence[tuple[Path, Sequence[Path]]],
+                  reference: Mapping[str, list[int]],
+                  routes: Sequence[tuple[Path, Sequence[DJournal]]],
                   *, max_tokens: int, free_timeout: float, attempts: int = 3,
                   orphans: Sequence[Path] = ()) -> Pulled:
     """Run ``prompts`` through ``pd`` (:func:`correctness`) until each was pulled on every
