@@ -168,21 +168,6 @@ def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, li
     return out
 
 
-def d_ends(journals: Sequence[Path], prefix: str) -> dict[str, set[str]]:
-    """Per D journal (a consumer journal, flushed per line), how its loads whose request
-    id starts with ``prefix`` ended: journal name -> the finish reasons seen."""
-    out: dict[str, set[str]] = {}
-    for j in journals:
-        reasons = out.setdefault(j.name, set())
-        if not j.exists():
-            continue
-        for rec in _journal_records(j):
-            for e in rec.get("effects", ()):
-                if e.get("type") == "finished" and str(e.get("request_id", "")).startswith(prefix):
-                    reasons.add(str(e.get("reason")))
-    return out
-
-
 def _journal_records(journal: Path) -> list[dict[str, Any]]:
     """A journal's records after its header (each flushed per line)."""
     return [json.loads(line) for line in journal.read_text().splitlines()[1:] if line]
@@ -393,9 +378,10 @@ def warm_up_pulled(pd: PD, tag: str, d_journals: Sequence[Path], *, rounds: int 
     used; ``HarnessError`` after ``rounds`` rounds without a pull."""
     seen: dict[str, set[str]] = {}
     for i in range(1, rounds + 1):
-        prefix = f"{tag}r{i}-"
-        pd.warm_up(prefix[:-1])
-        seen = d_ends(d_journals, prefix)
+        rid = f"{tag}r{i}"  # the round's requests: "<rid>-0", "<rid>-1", ...
+        pd.warm_up(rid)
+        seen = {j.name: {why for why, ids in d_finished(j).items() if rid in ids}
+                if j.exists() else set() for j in d_journals}
         if all("pulled" in r and r <= {"pulled", "aborted"} for r in seen.values()):
             return i
         stalls = {e.spec.name: poll_stalls(e) for e in (pd.p, pd.d)}
