@@ -37,7 +37,6 @@ request before any READ (tests/test_vllm_topology.py, tests/test_vllm_dcover.py)
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -134,20 +133,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         e.close()
 
 
-def _frees(journal: Path) -> dict[str, set[str]]:
-    """Request ids freed per reason in one P rank's journal (its ledger's own record:
-    with TP > 1 the worker-side connectors live in vLLM's worker processes)."""
-    out: dict[str, set[str]] = {}
-    for line in journal.read_text().splitlines()[1:]:
-        rec = json.loads(line)
-        for e in rec.get("effects", ()):
-            if e.get("type") == "free":
-                out.setdefault(e["reason"], set()).add(e["request_id"])
-    return out
-
-
 def _rank_journals(pair: Pair) -> list[Path]:
-    """P's two rank journals (its ledgers)."""
+    """P's two rank journals (its ledgers' own record, read with
+    ``scenarios.free_reasons``: with TP > 1 the worker-side connectors live in vLLM's
+    worker processes)."""
     return pair.journals[:2]
 
 
@@ -172,9 +161,9 @@ def test_tp2_late_d_is_fenced_and_recomputed(pair: Pair) -> None:
     out = sc.late_d(pair.pd, LATE, pair.ref, max_tokens=MAX_TOKENS)
     assert out.wrong == [] and out.errors == [], (out.wrong, out.errors)
     for j in _rank_journals(pair):  # each P rank expired them: nothing was pulled
-        fr = _frees(j)
-        expired = {rid.split("-")[0] for rid in fr.get("expired", set())}
-        pulled = {rid.split("-")[0] for rid in fr.get("transferred", set())}
+        fr = sc.free_reasons(j)
+        expired = {rid for rid, why in fr.items() if "expired" in why}
+        pulled = {rid for rid, why in fr.items() if "transferred" in why}
         assert set(LATE) <= expired and not set(LATE) & pulled, (j.name, fr)
 
 
@@ -196,7 +185,8 @@ def test_tp2_to_tp1_reads_one_p_rank_and_counts_the_orphan(pair: Pair) -> None:
     def grew(k: str) -> float:
         return float(after.get(k, 0)) - float(before.get(k, 0))
 
-    seen = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    seen: dict[str, object] = {k: (before.get(k), v) for k, v in after.items()
+                               if before.get(k) != v}
     seen["given_up"] = got.given_up
     # one complete load and one orphan per pulled request; at most one per attempt
     # (exactly one per prompt when no attempt was given up)
@@ -218,8 +208,7 @@ def test_tp1_to_tp2_frees_after_both_d_ranks(pair: Pair) -> None:
 
 def _freed_as(pair: Pair, rid: str) -> list[list[str]]:
     """Per P rank, the reasons its ledger freed ``rid`` for (one entry per free)."""
-    return [sorted(reason for reason, ids in _frees(j).items()
-                   for x in ids if x.split("-")[0] == rid) for j in _rank_journals(pair)]
+    return [sorted(sc.free_reasons(j).get(rid, [])) for j in _rank_journals(pair)]
 
 
 def test_tp2_client_aborts_free_every_p_rank_once(pair: Pair) -> None:
@@ -264,7 +253,7 @@ def test_tp2_client_aborts_free_every_p_rank_once(pair: Pair) -> None:
 
 def _admitted(journal: Path) -> set[str]:
     """Requests (ids before "-") a D journal admitted so far."""
-    return {rid.split("-")[0] for rec in sc._journal_records(journal)
+    return {rid.split("-")[0] for rec in sc.journal_records(journal)
             if (rid := rec.get("event", {}).get("request_id")) is not None
             and rec["event"].get("type") == "admit"}
 
@@ -294,10 +283,9 @@ def test_d_rank_worker_killed_p_reclaims_within_lease(pair: Pair) -> None:
     assert ok, "P did not get its blocks back after a D rank died"
     assert int(p.stats()["free_blocks"]) == baseline  # and not one block more
     for j in _rank_journals(pair):
-        fr = _frees(j)
+        fr = sc.free_reasons(j)
         for rid in KILL:
-            n = sum(1 for ids in fr.values() for x in ids if x.split("-")[0] == rid)
-            assert n == 1, (j.name, rid, fr)
+            assert len(fr.get(rid, [])) == 1, (j.name, rid, fr)
     for rid, r in pair.pd.d.results.items():
         if rid in KILL and r.error is None and r.tokens:
             assert r.tokens == pair.ref[rid], rid
@@ -362,8 +350,8 @@ def test_p_rank_worker_killed_every_d_request_ends(pair: Pair) -> None:
         assert {rid: len(freed.get(rid, [])) for rid in KILLD} == dict.fromkeys(KILLD, 1), \
             freed
         for rid in KILLD:
-            r = p.results.get(rid)
-            if r is not None and r.error is None and r.tokens:
-                assert r.tokens == pair.ref[rid], rid
+            at_p = p.results.get(rid)
+            if at_p is not None and at_p.error is None and at_p.tokens:
+                assert at_p.tokens == pair.ref[rid], rid
     finally:
         d2.close()

@@ -23,7 +23,6 @@ lands, so the request recomputes or fails), 0 wrong.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -80,12 +79,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         raise
 
 
-def _effects(journal: Path) -> Iterator[dict[str, object]]:
-    for line in journal.read_text().splitlines()[1:]:
-        rec = json.loads(line)
-        yield {"event": rec.get("event", {}), "effects": rec.get("effects", [])}
-
-
 def test_p_tp1_to_d_tp2_head_slices_token_for_token(run: Run) -> None:
     """Token for token; both D ranks pull every request (each its head of every block),
     and S's ledger frees each as ``transferred`` only after both D ranks were done
@@ -100,22 +93,12 @@ def test_p_tp1_to_d_tp2_head_slices_token_for_token(run: Run) -> None:
     assert got.pending == [], (got.pending, got.given_up)
 
 
-def _frees(journal: Path) -> dict[str, set[str]]:
-    """Request ids (prefix before "-") freed per reason in one P rank's journal."""
-    out: dict[str, set[str]] = {}
-    for rec in _effects(journal):
-        for e in rec["effects"]:  # type: ignore[attr-defined]
-            if e.get("type") == "free":
-                out.setdefault(str(e["reason"]), set()).add(str(e["request_id"]).split("-")[0])
-    return out
-
-
 def _part_ends(journal: Path, prefix: str) -> dict[str, dict[str, str]]:
     """How the parts of the requests whose id starts with ``prefix`` ended in a D
     journal: request (the id before "-") -> part (after "#") -> finish reason."""
     out: dict[str, dict[str, str]] = {}
-    for rec in _effects(journal):
-        for e in rec["effects"]:  # type: ignore[attr-defined]
+    for rec in sc.journal_records(journal):
+        for e in rec.get("effects", ()):
             rid = str(e.get("request_id", ""))
             if e.get("type") == "finished" and rid.startswith(prefix):
                 out.setdefault(rid.split("-")[0], {})[rid.partition("#")[2]] = \
@@ -167,9 +150,11 @@ def _late(pd: h.PD, prompts: dict[str, list[int]], reference: dict[str, list[int
     assert out.wrong == [] and out.errors == [], (out.wrong, out.errors)
     assert out.requests == len(prompts), out
     for j in p_journals:
-        fr = _frees(j)
-        assert set(prompts) <= fr.get("expired", set()), (j.name, fr)
-        assert not set(prompts) & fr.get("transferred", set()), (j.name, fr)
+        fr = sc.free_reasons(j)
+        assert set(prompts) <= {rid for rid, why in fr.items() if "expired" in why}, \
+            (j.name, fr)
+        assert not set(prompts) & {rid for rid, why in fr.items() if "transferred" in why}, \
+            (j.name, fr)
 
 
 def test_p_tp1_to_d_tp2_late_d_is_fenced_and_recomputed(run: Run) -> None:

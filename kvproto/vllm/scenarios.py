@@ -168,7 +168,7 @@ def late_d(pd: PD, prompts: Mapping[str, Sequence[int]], reference: dict[str, li
     return out
 
 
-def _journal_records(journal: Path) -> list[dict[str, Any]]:
+def journal_records(journal: Path) -> list[dict[str, Any]]:
     """A journal's records after its header (each flushed per line)."""
     return [json.loads(line) for line in journal.read_text().splitlines()[1:] if line]
 
@@ -181,7 +181,7 @@ def _base_id(rid: object) -> str:
 def free_reasons(journal: Path) -> dict[str, list[str]]:
     """A P journal's frees: per request (its id before "-"), the reason of each free."""
     out: dict[str, list[str]] = {}
-    for rec in _journal_records(journal):
+    for rec in journal_records(journal):
         for e in rec.get("effects", ()):
             if e.get("type") == "free":
                 out.setdefault(_base_id(e["request_id"]), []).append(str(e["reason"]))
@@ -193,7 +193,7 @@ def done_readers(journal: Path) -> dict[str, set[str]]:
     done its ledger took."""
     rid_of: dict[int, str] = {}
     out: dict[str, set[str]] = {}
-    for rec in _journal_records(journal):
+    for rec in journal_records(journal):
         ev = rec.get("event", {})
         if ev.get("type") == "register":
             rid_of[int(ev["handle"])] = _base_id(ev["request_id"])
@@ -207,7 +207,7 @@ def d_finished(journal: Path, part: str | None = None) -> dict[str, set[str]]:
     ``part``: only the loads of that part of a request read from several P ranks (the
     id's suffix after "#"; "" for the part without one), else every load."""
     out: dict[str, set[str]] = {}
-    for rec in _journal_records(journal):
+    for rec in journal_records(journal):
         for e in rec.get("effects", ()):
             if e.get("type") == "finished" and (
                     part is None or str(e["request_id"]).partition("#")[2] == part):
