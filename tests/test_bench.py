@@ -13,11 +13,13 @@ from kvproto.bench.ledger import (
     OwningReference,
     ScanReference,
     bench_churn,
+    bench_d_floor,
     bench_d_lease_loss,
     bench_heartbeat_bytes,
     bench_mass_expiry,
     bench_memory,
 )
+from kvproto.lifecycle import Config, Consumer, TransferParams
 
 
 def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,6 +69,60 @@ def test_bench_ledger_refuses_a_bad_repeat(repeat: str, capsys: pytest.CaptureFi
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--repeat" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("claim", [True, False], ids=["claim", "no_claim"])
+def test_d_floor_returns_the_effects_d_returns_for_the_same_events(claim: bool) -> None:
+    """``d_floor_us`` is a floor only if the inline loops do D's work: every event's
+    effects equal the machine's for the same requests, batches and times (1,100
+    requests: three batches)."""
+    n = 1100
+    floor: list[list[object]] = []
+    bench_d_floor(n, claim=claim, collect=floor)
+    c = Consumer("d0", Config())
+    c.handshake_result("P0", True, 0)
+    params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability="ab" * 16 if claim else "")
+              for h in range(n)]
+    machine: list[list[object]] = []
+    for i in range(0, n, 512):
+        part, now = range(i, min(n, i + 512)), 1 + i // 512
+        machine += [c.admit(f"r{k}", params[k], now) for k in part]
+        if claim:
+            machine += [c.claim_result(f"r{k}", True, now) for k in part]
+        machine += [c.schedule(f"r{k}", now) for k in part]
+        machine += [c.read_result(f"r{k}", True, now, notif_attached=False) for k in part]
+    assert len(floor) == len(machine) == (4 if claim else 3) * n
+    assert floor == machine
+    assert not c.reqs and c.finished == {"done:pulled": n}
+
+
+def test_bench_ledger_d_only_reports_d_its_floor_and_a_baseline_tree(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--d-only --no-claim`` with this very tree as the baseline: the three events, the
+    floor, the baseline's figures and the halving figure are all there."""
+    tree = str(Path(__file__).resolve().parents[1])
+    assert cli.main(["-q", "bench", "ledger", "--d-only", "--no-claim", "--quick",
+                     "--baseline", tree]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["events"] == 3 and "d_claim_granted_us" not in res
+    assert "baseline_d_claim_granted_us" not in res
+    for key in ("d_admit_us", "d_schedule_us", "d_read_ok_us", "d_event_us", "d_floor_us",
+                "d_over_floor", "baseline_d_event_us", "d_event_speedup",
+                "baseline_half_over_floor"):
+        assert res[key] > 0, key
+    assert res["d_over_floor"] == pytest.approx(res["d_event_us"] / res["d_floor_us"], rel=0.01)
+
+
+def test_bench_ledger_refuses_a_baseline_tree_it_cannot_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "kvproto").mkdir()
+    (tmp_path / "kvproto" / "__init__.py").write_text("")  # no lifecycle package
+    assert cli.main(["bench", "ledger", "--d-only", "--quick", "--baseline",
+                     str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run on that tree" in err and "Traceback" not in err
+    assert cli.main(["bench", "ledger", "--no-claim", "--quick"]) == 2
+    assert "--no-claim needs --d-only" in capsys.readouterr().err
 
 
 def test_owning_reference_frees_each_request_once_on_its_last_done() -> None:

@@ -20,7 +20,10 @@ figures are also reported as ratios against a baseline measured in the same run:
   events on every request's path: admit (params with a capability), claim granted,
   schedule and read_result (``d_admit_us``, ``d_claim_granted_us``, ``d_schedule_us``,
   ``d_read_ok_us``), 5 * 10^4 requests, best of ``repeat`` rounds (``--d-only``: these
-  alone, with their baseline);
+  alone, with their baseline); ``d_floor_us`` the same four events' data work alone
+  (``bench_d_floor``: the record, index and heap entries, deadlines, effects and ended
+  memory D's rows must build, inline with no call or dispatch), and ``d_over_floor``
+  (``d_event_us`` over it): how far D's machine is above the work it cannot skip;
 * with ``--baseline TREE``: the event figures of the kvproto tree at TREE (the previous
   tree) measured by this same bench code in a subprocess, alternating with this tree's
   rounds, as ``baseline_*``, and ``d_event_speedup`` / ``events_speedup`` (baseline cost
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import json
 import os
 import random
@@ -65,11 +69,11 @@ import sys
 import time
 import tracemalloc
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from kvproto import wire
-from kvproto.bench.gate import bench_gate
 from kvproto.lifecycle import (
     MAX_CAP,
     BlockPool,
@@ -279,73 +283,219 @@ def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[st
     }
 
 
-def bench_d_events(n: int = 50_000, repeat: int = 1) -> dict[str, float]:
+def bench_d_events(n: int = 50_000, repeat: int = 1, claim: bool = True) -> dict[str, float]:
     """D's machine alone: n requests of one ready P engine, each admitted with a
     capability (so claiming), granted, scheduled and read (the done sent by the
     machine: ``notif_attached=False``): the four events on every request's path, in
     batches of 512 (at most 512 in flight). Thread CPU microseconds per event, best of
-    ``repeat`` rounds."""
-    best = [float("inf")] * 4
+    ``repeat`` rounds. ``claim=False``: params without a capability (a P without the
+    gate), so the three events admit, schedule and read ok (no ``d_claim_granted_us``);
+    a tree older than the claim runs these too."""
+    phases = 4 if claim else 3
+    best = [float("inf")] * phases
     cap = "ab" * 16
     for _ in range(max(1, repeat)):
         c = Consumer("d0", Config())
         c.handshake_result("P0", True, 0)
-        params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap)
-                  for h in range(n)]
+        params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap) if claim
+                  else TransferParams("P0", 1, h, BLOCKS, 30_000) for h in range(n)]
         rids = [f"r{h}" for h in range(n)]
-        spent = [0.0, 0.0, 0.0, 0.0]
+        spent = [0.0] * phases
         gc.collect()
         gc.disable()
         try:
             for i in range(0, n, 512):
                 part = range(i, min(n, i + 512))
                 now = 1 + i // 512
-                c0 = time.thread_time()
+                t = [time.thread_time()]
                 for k in part:
                     c.admit(rids[k], params[k], now)
-                c1 = time.thread_time()
-                for k in part:
-                    c.claim_result(rids[k], True, now)
-                c2 = time.thread_time()
+                t.append(time.thread_time())
+                if claim:
+                    for k in part:
+                        c.claim_result(rids[k], True, now)
+                    t.append(time.thread_time())
                 for k in part:
                     c.schedule(rids[k], now)
-                c3 = time.thread_time()
+                t.append(time.thread_time())
                 for k in part:
                     c.read_result(rids[k], True, now, notif_attached=False)
-                c4 = time.thread_time()
-                spent[0] += c1 - c0
-                spent[1] += c2 - c1
-                spent[2] += c3 - c2
-                spent[3] += c4 - c3
+                t.append(time.thread_time())
+                for j in range(phases):
+                    spent[j] += t[j + 1] - t[j]
         finally:
             gc.enable()
         assert not c.reqs and c.finished.get("done:pulled") == n
         best = [min(b, x) for b, x in zip(best, spent, strict=True)]
-    return {"d_admit_us": best[0] / n * 1e6, "d_claim_granted_us": best[1] / n * 1e6,
-            "d_schedule_us": best[2] / n * 1e6, "d_read_ok_us": best[3] / n * 1e6,
-            "d_event_us": sum(best) / (4 * n) * 1e6}
+    us = [b / n * 1e6 for b in best]
+    out = {"d_admit_us": us[0], "d_schedule_us": us[-2], "d_read_ok_us": us[-1],
+           "d_event_us": sum(us) / phases}
+    if claim:
+        out["d_claim_granted_us"] = us[1]
+    return out
+
+
+def bench_d_floor(n: int = 50_000, repeat: int = 1, claim: bool = True,
+                  collect: list[list[Any]] | None = None) -> dict[str, float]:
+    """The floor under ``bench_d_events``: the same four events on the same requests, with
+    only the data work D's rows must do per request, written inline as one loop per
+    event with every name hoisted: no method call, table row, guard, clock check or
+    journal hook. What stays is what the rows ``admit/claim``, ``claim_granted/granted``,
+    ``schedule/lease_covers_read`` and ``read_ok/ok`` do: the request record (D's own
+    ``_DReq``) and its two index entries, the lease-heap entry and its compaction check,
+    the READ deadline and its heap entry, the effects D must return (``SendClaim``,
+    ``PostRead``, ``SendDone``, ``Finished``), the ended-load memory, the finish count.
+    ``claim=False``: the three events of params without a capability (``admit/peer_ready``
+    makes the request waiting, with no effect). With ``collect`` every event's effect list is appended to it (tests compare them with
+    the machine's); the branch that checks it is the only work the machine lacks.
+    Thread CPU microseconds per event, best of ``repeat`` rounds: ``d_floor_us``.
+    """
+    from kvproto.lifecycle.consumer import _DReq
+    from kvproto.lifecycle.dstep import IDLE
+    from kvproto.lifecycle.dvocab import PostRead, SendClaim, SendDone
+    from kvproto.lifecycle.producer import HEAP_SLACK
+    from kvproto.lifecycle.quarantine import MAX_ENDED
+    from kvproto.lifecycle.table import CLAIMING, D_DONE, READING, WAITING
+
+    ms = Config().ms
+    fit = ms.max_read_time + ms.clock_drift
+    span = ms.max_read_time + ms.read_grace
+    max_delay = ms.max_delay
+    cap = "ab" * 16
+    params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap if claim else "")
+              for h in range(n)]
+    phases = 4 if claim else 3
+    rids = [f"r{h}" for h in range(n)]
+    best = [float("inf")] * phases
+    heappush = heapq.heappush
+    for _ in range(max(1, repeat)):
+        reqs: dict[str, Any] = {}
+        peer_reqs: dict[int, Any] = {}
+        lease_heap: list[tuple[int, str]] = []
+        due: dict[str, int] = {}
+        read_heap: list[tuple[int, str]] = []
+        ended: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        finished: dict[str, int] = {}
+        spent = [0.0] * phases
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(0, n, 512):
+                part = range(i, min(n, i + 512))
+                now = 1 + i // 512
+                t = [time.thread_time()]
+                for k in part:
+                    rid = rids[k]
+                    p = params[k]
+                    if rid in reqs or p.handle in peer_reqs \
+                            or (p.engine, p.epoch, p.handle) in ended:
+                        raise AssertionError(rid)
+                    le = now + p.initial_term - max_delay
+                    r = _DReq(rid, p, le)
+                    reqs[rid] = r
+                    peer_reqs[p.handle] = r
+                    if now + fit > le:
+                        raise AssertionError(rid)
+                    heappush(lease_heap, (le, rid))
+                    if claim:
+                        r.state = CLAIMING
+                        out: list[Any] = [SendClaim(rid, p.engine, p.handle, p.capability)]
+                    else:
+                        r.state = WAITING
+                        out = []
+                    if collect is not None:
+                        collect.append(out)
+                t.append(time.thread_time())
+                if claim:
+                    for k in part:
+                        r = reqs[rids[k]]
+                        r.state = WAITING
+                        out = []
+                        if collect is not None:
+                            collect.append(out)
+                    t.append(time.thread_time())
+                for k in part:
+                    rid = rids[k]
+                    r = reqs[rid]
+                    p = r.params
+                    if now + fit > r.lease_end:
+                        raise AssertionError(rid)
+                    r.state = READING
+                    d = now + span
+                    due[rid] = d
+                    heappush(read_heap, (d, rid))
+                    out = [PostRead(rid, p.engine, p.handle, p.blocks, p.expected)]
+                    if collect is not None:
+                        collect.append(out)
+                t.append(time.thread_time())
+                for k in part:
+                    rid = rids[k]
+                    r = reqs[rid]
+                    p = r.params
+                    r.state = D_DONE
+                    out = [SendDone(rid, p.engine, p.handle, p.expected)]
+                    del reqs[rid]
+                    due.pop(rid, None)
+                    ended[(p.engine, p.epoch, p.handle)] = None
+                    if len(ended) > MAX_ENDED:
+                        ended.popitem(last=False)
+                    h = len(lease_heap)
+                    if h > 2 * len(reqs) and h > HEAP_SLACK:
+                        lease_heap[:] = [(q.lease_end, q.rid) for q in reqs.values()
+                                         if q.state in IDLE]
+                        heapq.heapify(lease_heap)
+                    if peer_reqs.get(p.handle) is r:
+                        del peer_reqs[p.handle]
+                    finished["done:pulled"] = finished.get("done:pulled", 0) + 1
+                    out.append(Finished(rid, D_DONE, "pulled"))
+                    if collect is not None:
+                        collect.append(out)
+                t.append(time.thread_time())
+                for j in range(phases):
+                    spent[j] += t[j + 1] - t[j]
+        finally:
+            gc.enable()
+        assert not reqs and finished.get("done:pulled") == n
+        best = [min(b, x) for b, x in zip(best, spent, strict=True)]
+    return {"d_floor_us": sum(best) / (phases * n) * 1e6}
 
 
 _BASELINE_CODE = """
-import importlib.util, json, sys
+import importlib.util, json, os, sys
 spec = importlib.util.spec_from_file_location("kvproto_bench_ledger_copy", sys.argv[1])
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
 out = m.bench_events(int(sys.argv[2]), repeat=int(sys.argv[3])) if int(sys.argv[2]) else {}
-out.update(m.bench_d_events(int(sys.argv[4]), repeat=int(sys.argv[3])))
+out.update(m.bench_d_events(int(sys.argv[4]), repeat=int(sys.argv[3]),
+                            claim=sys.argv[5] == "1"))
+# Every kvproto module measured must be the tree's own: an installed (editable) kvproto
+# can supply a module the tree lacks, which would mix the two trees silently.
+root = os.path.join(os.getcwd(), "kvproto") + os.sep
+alien = sorted(n for n, mod in list(sys.modules.items()) if n.split(".")[0] == "kvproto"
+               and getattr(mod, "__file__", None)
+               and not os.path.abspath(mod.__file__).startswith(root))
+if alien:
+    sys.exit(f"ImportError: modules not from the tree: {', '.join(alien[:5])}")
 print(json.dumps(out))
 """
 
 
-def bench_baseline(tree: str, n: int, d_n: int, repeat: int) -> dict[str, float]:
+def bench_baseline(tree: str, n: int, d_n: int, repeat: int,
+                   claim: bool = True) -> dict[str, float]:
     """This file's event benches run on the kvproto tree at ``tree`` (a checkout of the
     previous tree: its ``kvproto`` package first on the path), in a subprocess."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     res = subprocess.run([sys.executable, "-c", _BASELINE_CODE, os.path.abspath(__file__),
-                          str(n), str(repeat), str(d_n)], env=env, cwd=os.path.abspath(tree),
+                          str(n), str(repeat), str(d_n), "1" if claim else "0"], env=env, cwd=os.path.abspath(tree),
                          capture_output=True, text=True, check=False, timeout=1800)
     if res.returncode != 0:
-        raise RuntimeError(f"baseline tree {tree}: {res.stderr.strip().splitlines()[-1:]}")
+        from kvproto.errors import UsageError  # here: the file also runs on a baseline tree
+
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        hint = (" (a tree older than the claim: add --no-claim)"
+                if claim and "capability" in last else "")
+        raise UsageError(f"--baseline {tree}: this bench cannot run on that tree: "
+                         f"{last}{hint}")
     out: dict[str, float] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
 
@@ -541,8 +691,13 @@ def bench_churn(n: int, held: int, *, compact: bool = True) -> dict[str, float]:
 
 
 def run_d_only(quick: bool = False, progress: Callable[[str], None] | None = None,
-               baseline: str | None = None, repeat: int = 5) -> dict[str, Any]:
-    """D's event figures alone (``bench_d_events``), alternating with the baseline tree's."""
+               baseline: str | None = None, repeat: int = 5,
+               claim: bool = True) -> dict[str, Any]:
+    """D's event figures alone (``bench_d_events``) and their floor (``bench_d_floor``),
+    alternating with the baseline tree's; ``claim=False``: the three events without a
+    capability. With a baseline, ``baseline_half_over_floor`` is half the baseline's cost
+    per event over this tree's floor: below 1, halving the baseline's cost needs less
+    than the data work the events must do."""
     say = progress or (lambda s: None)
     d_n = 5_000 if quick else 50_000
     rounds = 1 if quick else repeat
@@ -551,15 +706,20 @@ def run_d_only(quick: bool = False, progress: Callable[[str], None] | None = Non
     for _ in range(2 if baseline else 1):
         if baseline:
             say(f"baseline tree {baseline}: D events")
-            for k, v in bench_baseline(baseline, 0, d_n, rounds).items():
+            for k, v in bench_baseline(baseline, 0, d_n, rounds, claim=claim).items():
                 base[k] = min(base[k], v) if k in base else v
-        say("D events")
-        for k, v in bench_d_events(d_n, repeat=rounds).items():
+        say("D events, and their floor")
+        got = {**bench_d_events(d_n, repeat=rounds, claim=claim),
+               **bench_d_floor(d_n, repeat=rounds, claim=claim)}
+        for k, v in got.items():
             ev[k] = min(ev[k], v) if k in ev else v
+    ev["d_over_floor"] = ev["d_event_us"] / ev["d_floor_us"]
     out: dict[str, Any] = {k: round(v, 3) for k, v in ev.items()}
     if base:
         out.update({f"baseline_{k}": round(v, 3) for k, v in base.items()})
         out["d_event_speedup"] = round(base["d_event_us"] / ev["d_event_us"], 3)
+        out["baseline_half_over_floor"] = round(base["d_event_us"] / 2 / ev["d_floor_us"], 3)
+    out["events"] = 4 if claim else 3
     return out
 
 
@@ -579,10 +739,12 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
                 better = max if k.endswith(("_per_s", "_ratio")) else min
                 base[k] = better(base[k], v) if k in base else v
         say(f"events: heartbeat + done on {ev_n} held requests; D events")
-        got = {**bench_events(ev_n, repeat=rounds), **bench_d_events(d_n, repeat=rounds)}
+        got = {**bench_events(ev_n, repeat=rounds), **bench_d_events(d_n, repeat=rounds),
+               **bench_d_floor(d_n, repeat=rounds)}
         for k, v in got.items():
             better = max if k.endswith(("_per_s", "_ratio")) else min
             ev[k] = better(ev[k], v) if k in ev else v
+    ev["d_over_floor"] = ev["d_event_us"] / ev["d_floor_us"]
     if base:
         ev.update({f"baseline_{k}": v for k, v in base.items()})
         ev["d_event_speedup"] = base["d_event_us"] / ev["d_event_us"]
@@ -630,6 +792,8 @@ def run_all(quick: bool = False, progress: Callable[[str], None] | None = None,
         "peak_heap_entries_no_compaction": old["peak_heap_entries"],
         "churn_requests": churn_n, "no_compaction_requests": churn_n // 4,
     })
+    from kvproto.bench.gate import bench_gate  # here: a baseline tree may lack it
+
     say("gate: the same events with and without readiness and capability checks")
     gate = bench_gate(10_000 if quick else 100_000)
     key = "100000" if "100000" in tick_us else max(tick_us, key=int)
@@ -659,6 +823,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tree), alternating with this one, and print the speedups")
     p.add_argument("--d-only", action="store_true",
                    help="only D's event figures (with --baseline: and the baseline's)")
+    p.add_argument("--no-claim", action="store_true",
+                   help="with --d-only: admit without a capability, so the three events "
+                        "admit, schedule and read ok (a baseline tree older than the claim "
+                        "runs these too)")
     p.add_argument("--repeat", type=number(1, 1000, integer=True), default=5,
                    help="rounds of the event benches, 1-1000; the best is kept (default 5)")
 
@@ -668,10 +836,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproto bench ledger: --baseline {args.baseline}: no kvproto package there",
               file=sys.stderr)
         return 2
+    if args.no_claim and not args.d_only:
+        print("kvproto bench ledger: --no-claim needs --d-only", file=sys.stderr)
+        return 2
     say = lambda s: print(f"[bench ledger] {s}", file=sys.stderr)  # noqa: E731
     if args.d_only:
         res = run_d_only(args.quick, progress=say, baseline=args.baseline,
-                         repeat=args.repeat)
+                         repeat=args.repeat, claim=not args.no_claim)
         print(json.dumps(res, sort_keys=True))
         return 0
     res = run_all(args.quick, progress=say, baseline=args.baseline, repeat=args.repeat)
@@ -692,6 +863,8 @@ def run(args: argparse.Namespace) -> int:
           f"{res['events_ratio_owning']} of it")
     print(f"  D events, CPU us per event        {res['d_event_us']:>12}   admit "
           f"{res['d_admit_us']}, claim granted {res['d_claim_granted_us']}, schedule {res['d_schedule_us']}, read ok {res['d_read_ok_us']}")
+    print(f"    floor: the same data work inline {res['d_floor_us']:>11}   D costs "
+          f"{res['d_over_floor']}x its floor")
     if "baseline_d_event_us" in res:
         print(f"    baseline tree: D us per event   {res['baseline_d_event_us']:>12}   "
               f"speedup {res['d_event_speedup']:.2f}x")
