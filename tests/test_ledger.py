@@ -157,13 +157,17 @@ def test_held_plus_free_equals_capacity_after_every_operation(
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("blocks", [(64,), (-1,), (0, 0), (True,), (1.0,)])
+@pytest.mark.parametrize("blocks", [(64,), (-1,), (0, 0), (True,), (1.0,), ()],
+                         ids=["too_big", "negative", "twice", "bool", "float", "none"])
 def test_invalid_block_ids_are_rejected(ledger: Ledger, blocks: tuple[Any, ...]) -> None:
     effects = ledger.register(1, "req", blocks, 0)
     assert [e.reason for e in effects if isinstance(e, Rejected)] == ["invalid_register"]
     assert ledger.counters["invalid_register"] == 1
     assert ledger.state(1) == UNREGISTERED
     assert ledger.pool.held_count == 0
+    # Nothing live: a register without blocks would be a lease on nothing to pull (D
+    # refuses such params, and its coverage fails a request with no region).
+    assert ledger.live_handles() == [] and ledger.held_requests == 0
 
 
 def test_next_deadline_is_the_earliest_lease_or_staging_age(make_ledger: LedgerFactory) -> None:

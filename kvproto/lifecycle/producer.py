@@ -750,6 +750,8 @@ class Ledger(LedgerViews):
             err = f"handle must be below 2**{HEAP_SHIFT} (the wire's range), got {handle!r}"
         elif not isinstance(expected, int) or not 0 <= expected <= 0xFFFF:
             err = f"expected readers must be within [0, 65535], got {expected!r}"
+        elif not blocks:  # nothing to pull: D refuses such params, its coverage fails them
+            err = "a request must hold at least one block"
         else:
             err = self.pool.check_blocks(blocks)
         if err is not None:
