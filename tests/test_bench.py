@@ -12,6 +12,7 @@ from kvproto.bench.ledger import (
     BLOCKS,
     OwningReference,
     ScanReference,
+    _FloorReq,
     bench_churn,
     bench_d_floor,
     bench_d_lease_loss,
@@ -94,6 +95,9 @@ def test_d_floor_returns_the_effects_d_returns_for_the_same_events(claim: bool) 
     assert len(floor) == len(machine) == (4 if claim else 3) * n
     assert floor == machine
     assert not c.reqs and c.finished == {"done:pulled": n}
+    # The floor's request record has the slots of the one D keeps.
+    c.admit("x", TransferParams("P0", 1, n, BLOCKS, 30_000), n)
+    assert sorted(_FloorReq.__slots__) == sorted(type(c.reqs["x"]).__slots__)
 
 
 def test_bench_ledger_d_only_reports_d_its_floor_and_a_baseline_tree(

@@ -141,6 +141,12 @@ def test_model_option_repeats_and_dedups(capsys: pytest.CaptureFixture[str]) -> 
     ["check", "ci", "--lease-extension", "3"],
     ["check", "--workers", "0"],
     ["check", "--initial-lease", "-1"],
+    ["check", "--depth", "5", "ci"],
+    ["check", "--seed", "1", "ci"],
+    ["check", "--simulate", "0", "ci"],
+    ["check", "--simulate", "10", "--initial-lease", "30"],
+    ["check", "--simulate", "10", "live"],
+    ["check", "--simulate", "10", "full", "bug_drop_early"],
 ])
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:
@@ -259,6 +265,52 @@ def test_model_passes(name: str) -> None:
     o = check.check_model(check.MODELS[name])
     assert o.result.result == "ok", o.summary + "\n" + tlc.render_trace(o.result.trace)
     assert o.result.distinct is not None and o.result.distinct > 100  # something was explored
+
+
+@pytest.mark.tlc
+def test_simulation_runs_the_model_too_large_to_exhaust(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--simulate`` on ``full`` (every fault with fan-in; no exhaustive run finishes on
+    one machine): random behaviours, every invariant checked, a verdict that says it is
+    not exhaustive, and the JSON names the simulation."""
+    _tlc_or_skip()
+    assert main(["-q", "check", "--simulate", "100", "--workers", "1", "--seed", "3",
+                 "--json", "full"]) == check.EXIT_OK
+    res = json.loads(capsys.readouterr().out)
+    assert res["result"] == "ok" and res["as_expected"], res["summary"]
+    assert res["simulation"] == {"behaviours": 100, "depth": 100, "seed": 3, "workers": 1}
+    assert res["generated"] > 100  # states checked: more than one per behaviour
+    assert "not exhaustive" in res["summary"]
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize("flag, seed", [("BugAbortFreesNow", 0), ("BugCountMessages", 2)])
+def test_simulation_finds_a_bug_in_the_full_model(flag: str, seed: int) -> None:
+    """The simulation can fail: ``full`` with one of its bug switches on breaks
+    ``NoFreeUnderRead`` within its random behaviours (seed fixed, one worker), with a
+    counterexample."""
+    _tlc_or_skip()
+    model = check.MODELS["full"]
+    text = model.path.read_text()
+    assert f"{flag} = FALSE" in text
+    o = check.check_model(model, cfg_text=text.replace(f"{flag} = FALSE", f"{flag} = TRUE"),
+                          workers=1, simulation=check.Simulation(100_000, 100, seed, 1))
+    assert o.result.result == "violation" and o.violated == "NoFreeUnderRead", o.summary
+    assert not o.as_expected and len(o.result.trace) >= 2
+
+
+@pytest.mark.tlc
+def test_simulation_of_the_bug_models_skips_the_temporal_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _tlc_or_skip()
+    assert main(["check", "--simulate", "300", "--workers", "1", "--bugs"]) == check.EXIT_OK
+    cap = capsys.readouterr()
+    temporal = [m.name for m in check.MODELS.values()
+                if m.expect and check._properties(m.path.read_text())]
+    assert temporal and all(n in cap.err.splitlines()[0] for n in temporal)
+    for m in check.MODELS.values():
+        if m.expect and m.name not in temporal:
+            assert f"{m.name}: ok: the expected violation of {m.expect} was found" in cap.out
 
 
 @pytest.mark.tlc

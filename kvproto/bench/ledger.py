@@ -335,14 +335,28 @@ def bench_d_events(n: int = 50_000, repeat: int = 1, claim: bool = True) -> dict
     return out
 
 
+class _FloorReq:
+    """D's request record as the machine builds it (``consumer._DReq``'s slots and
+    constructor), for ``bench_d_floor``."""
+
+    __slots__ = ("abort_pending", "lease_end", "params", "rid", "state")
+
+    def __init__(self, rid: str, params: TransferParams, lease_end: int) -> None:
+        self.rid = rid
+        self.params = params
+        self.lease_end = lease_end
+        self.state = "new"
+        self.abort_pending = False
+
+
 def bench_d_floor(n: int = 50_000, repeat: int = 1, claim: bool = True,
                   collect: list[list[Any]] | None = None) -> dict[str, float]:
     """The floor under ``bench_d_events``: the same four events on the same requests, with
     only the data work D's rows must do per request, written inline as one loop per
     event with every name hoisted: no method call, table row, guard, clock check or
     journal hook. What stays is what the rows ``admit/claim``, ``claim_granted/granted``,
-    ``schedule/lease_covers_read`` and ``read_ok/ok`` do: the request record (D's own
-    ``_DReq``) and its two index entries, the lease-heap entry and its compaction check,
+    ``schedule/lease_covers_read`` and ``read_ok/ok`` do: the request record (``_FloorReq``,
+    the slots and constructor of D's own) and its two index entries, the lease-heap entry and its compaction check,
     the READ deadline and its heap entry, the effects D must return (``SendClaim``,
     ``PostRead``, ``SendDone``, ``Finished``), the ended-load memory, the finish count.
     ``claim=False``: the three events of params without a capability (``admit/peer_ready``
@@ -350,7 +364,6 @@ def bench_d_floor(n: int = 50_000, repeat: int = 1, claim: bool = True,
     the machine's); the branch that checks it is the only work the machine lacks.
     Thread CPU microseconds per event, best of ``repeat`` rounds: ``d_floor_us``.
     """
-    from kvproto.lifecycle.consumer import _DReq
     from kvproto.lifecycle.dstep import IDLE
     from kvproto.lifecycle.dvocab import PostRead, SendClaim, SendDone
     from kvproto.lifecycle.producer import HEAP_SLACK
@@ -391,7 +404,7 @@ def bench_d_floor(n: int = 50_000, repeat: int = 1, claim: bool = True,
                             or (p.engine, p.epoch, p.handle) in ended:
                         raise AssertionError(rid)
                     le = now + p.initial_term - max_delay
-                    r = _DReq(rid, p, le)
+                    r = _FloorReq(rid, p, le)
                     reqs[rid] = r
                     peer_reqs[p.handle] = r
                     if now + fit > le:

@@ -11,6 +11,12 @@ it covers and what TLC must conclude about it:
   named property. ``kvproto check --bugs`` exits 0 only when every one of them does: a
   checker that cannot fail proves nothing.
 
+``kvproto check --simulate N MODEL`` runs TLC's random simulation instead of the
+exhaustive search (:class:`Simulation`): N random behaviours per worker, every invariant
+checked in every state. It is how ``full``, which no single machine exhausts, gets
+checked at all on one; a pass is evidence, not proof. Models with a temporal property
+are refused by name and skipped under ``--all`` / ``--bugs``.
+
 ``kvproto check --lease-config FILE`` (or the timing flags) model-checks a user's own
 lease, extension, heartbeat interval and delay bounds: the numbers are turned into
 discrete time units, rounding every term P grants *down* and every delay *up* (so a
@@ -255,6 +261,29 @@ def lease_cfg_text(q: Quantized, model: str = "lease") -> str:
 # ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Simulation:
+    """TLC's random simulation (``-simulate num=N -depth D -seed S``) in place of the
+    exhaustive search: ``behaviours`` random behaviours from the initial states, each at
+    most ``depth`` steps, every invariant checked in every state. Finds bugs in models
+    too large to exhaust (``full``); a pass proves nothing beyond the behaviours run.
+    ``behaviours`` is per TLC worker (TLC's ``num``)."""
+
+    behaviours: int  # per TLC worker (TLC's num)
+    depth: int = 100
+    seed: int = 0
+    workers: int = 1
+
+    def tlc_args(self) -> list[str]:
+        return ["-simulate", f"num={self.behaviours}", "-depth", str(self.depth),
+                "-seed", str(self.seed)]
+
+    def describe(self) -> str:
+        per = f" per worker x {self.workers} workers" if self.workers > 1 else ""
+        return (f"{self.behaviours:,} random behaviours{per} of at most {self.depth} steps, "
+                f"seed {self.seed}; not exhaustive")
+
+
 @dataclass
 class Outcome:
     model: Model
@@ -262,6 +291,7 @@ class Outcome:
     as_expected: bool
     summary: str
     violated: str | None = None  # the property that failed, named from the cfg for liveness
+    simulation: Simulation | None = None  # None: the exhaustive search
 
 
 def _properties(cfg_text: str) -> list[str]:
@@ -285,18 +315,24 @@ def violated_name(res: TlcResult, cfg_text: str) -> str | None:
     return res.violated
 
 
-def judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
-    o = _judge(model, res, cfg_text)
+def judge(model: Model, res: TlcResult, cfg_text: str,
+          simulation: Simulation | None = None) -> Outcome:
+    o = _judge(model, res, cfg_text, simulation)
     o.violated = violated_name(res, cfg_text)
+    o.simulation = simulation
     return o
 
 
-def _judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
+def _judge(model: Model, res: TlcResult, cfg_text: str,
+           simulation: Simulation | None = None) -> Outcome:
     name = violated_name(res, cfg_text)
     gen = f", {res.generated:,} generated" if isinstance(res.generated, int) else ""
     stats = (f"{res.distinct if res.distinct is not None else '?':,} distinct states{gen}, "
              f"depth {res.depth if res.depth is not None else '?'}, {res.seconds:.1f} s"
              if isinstance(res.distinct, int) else f"{res.seconds:.1f} s")
+    if simulation is not None:
+        checked = f"{res.generated:,}" if isinstance(res.generated, int) else "?"
+        stats = f"{checked} states checked in {simulation.describe()}, {res.seconds:.1f} s"
     if res.result == "error":
         return Outcome(model, res, False, f"TLC failed: {res.message}")
     if model.expect is None:
@@ -316,14 +352,22 @@ def _judge(model: Model, res: TlcResult, cfg_text: str) -> Outcome:
 
 def check_model(model: Model, *, cfg_text: str | None = None, workers: int | None = None,
                 timeout: float | None = None,
-                on_progress: Callable[[Progress], None] | None = None) -> Outcome:
-    """Run TLC on one model and judge the result against the model's expectation.
-    Raises MissingJava / MissingJar."""
+                on_progress: Callable[[Progress], None] | None = None,
+                simulation: Simulation | None = None) -> Outcome:
+    """Run TLC on one model (exhaustively, or ``simulation``'s random behaviours) and
+    judge the result against the model's expectation. Raises MissingJava / MissingJar;
+    ``UsageError`` for a simulation of a model that checks a temporal property (TLC's
+    simulation checks invariants)."""
     text = cfg_text if cfg_text is not None else model.path.read_text()
+    if simulation is not None and _properties(text):
+        raise UsageError(f"--simulate checks invariants only; {model.name} checks the "
+                         f"temporal propert{'ies' if len(_properties(text)) > 1 else 'y'} "
+                         f"{', '.join(_properties(text))}: check it exhaustively")
     res = run_tlc(model.cfg, module=getattr(model, "module", "MC"), cfg_text=text,
                   workers=workers, timeout=timeout,
-                  on_progress=on_progress, name=model.name)
-    return judge(model, res, text)
+                  on_progress=on_progress, name=model.name,
+                  args=simulation.tlc_args() if simulation is not None else ())
+    return judge(model, res, text, simulation)
 
 
 def _progress_printer(name: str, stream: Any) -> Callable[[Progress], None]:
@@ -342,6 +386,9 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
         "as_expected": o.as_expected, "distinct": r.distinct, "generated": r.generated,
         "depth": r.depth, "seconds": round(r.seconds, 2), "exit_code": r.exit_code,
         "summary": o.summary,
+        "simulation": None if o.simulation is None else {
+            "behaviours": o.simulation.behaviours, "depth": o.simulation.depth,
+            "seed": o.simulation.seed, "workers": o.simulation.workers},
         "trace": [{"step": s.index, "action": s.action, "vars": s.raw} for s in r.trace],
     }
 
@@ -379,6 +426,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--unit", type=number(0, MAX_DURATION, lo_open=True), metavar="S",
                    help="seconds per model time unit (default: the coarsest unit that keeps "
                         "every timing rule as it is in seconds)")
+    g = p.add_argument_group("random simulation instead of the exhaustive search")
+    g.add_argument("--simulate", type=number(1, 10**9, integer=True), metavar="N",
+                   help="run N random behaviours of each model per TLC worker (TLC "
+                        "-simulate) instead of exhausting it: every invariant checked in every "
+                        "state; finds bugs "
+                        "in a model too large to exhaust (full), proves nothing beyond the "
+                        "behaviours run. Models with a temporal property are refused")
+    g.add_argument("--depth", type=number(1, 10**6, integer=True), metavar="D",
+                   help="with --simulate: steps per behaviour at most (default 100)")
+    g.add_argument("--seed", type=number(0, 2**62, integer=True), metavar="S",
+                   help="with --simulate: TLC's random seed (default 0)")
     p.add_argument("--workers", type=number(1, 256, integer=True), metavar="N",
                    help="TLC worker threads (default: cores)")
     p.add_argument("--timeout", type=number(0, 7 * 86400, lo_open=True), metavar="S",
@@ -413,6 +471,19 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     jobs: list[tuple[Model, str | None]] = []
     models = [*args.models, *(getattr(args, "model_opts", None) or [])]
+    simulation: Simulation | None = None
+    sim_n = getattr(args, "simulate", None)
+    if sim_n is None and (getattr(args, "depth", None) is not None
+                          or getattr(args, "seed", None) is not None):
+        print("kvproto check: --depth and --seed need --simulate", file=err)
+        return EXIT_USAGE
+    if sim_n is not None:
+        if _lease_mode(args):
+            print("kvproto check: --simulate runs named models, not the lease check", file=err)
+            return EXIT_USAGE
+        simulation = Simulation(sim_n, args.depth if args.depth is not None else 100,
+                                args.seed if args.seed is not None else 0,
+                                args.workers or default_workers())
     if _lease_mode(args):
         if models or args.all or args.bugs:
             print("kvproto check: the lease check runs alone (no MODEL, --all or --bugs)",
@@ -440,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
         jobs.append((MODELS["lease"], lease_cfg_text(q)))
         jobs.append((MODELS["lease_live"], lease_cfg_text(live_quantize(config), "lease_live")))
     else:
-        names: list[str] = models
+        names: list[str] = list(models)
         if args.all:
             names += [m.name for m in MODELS.values() if m.ci]
         if args.bugs:
@@ -457,18 +528,38 @@ def run(args: argparse.Namespace) -> int:
             if n not in seen:
                 seen.add(n)
                 jobs.append((MODELS[n], None))
+        if simulation is not None:
+            # Named models must all be simulable; --all and --bugs skip those that are not.
+            temporal = [m.name for m, _ in jobs if _properties(m.path.read_text())]
+            skipped = [n for n in temporal if n not in models]
+            if skipped and not quiet:
+                print(f"kvproto check: --simulate skips {', '.join(skipped)} (a temporal "
+                      f"property: checked exhaustively only)", file=err)
+            jobs = [(m, t) for m, t in jobs if m.name not in skipped]
+            temporal = [n for n in temporal if n not in skipped]
+            if temporal:
+                print(f"kvproto check: --simulate checks invariants only; "
+                      f"{', '.join(temporal)} check{'s' if len(temporal) == 1 else ''} a "
+                      f"temporal property (check {'it' if len(temporal) == 1 else 'them'} "
+                      f"exhaustively)", file=err)
+                return EXIT_USAGE
     if args.plan:
         for model, text in jobs:
             print(f"would check {model.name} (kvproto/tla/{model.cfg})"
-                  f"{' with the numbers above' if text is not None else ''}", file=out)
+                  f"{' with the numbers above' if text is not None else ''}"
+                  f"{': ' + simulation.describe() if simulation is not None else ''}",
+                  file=out)
         return EXIT_OK
     rc = EXIT_OK
     for model, text in jobs:
         if not quiet:
-            print(f"checking {model.name} (kvproto/tla/{model.cfg}): {model.about}", file=err, flush=True)
+            how = "simulating" if simulation is not None else "checking"
+            print(f"{how} {model.name} (kvproto/tla/{model.cfg}): {model.about}", file=err,
+                  flush=True)
         try:
             o = check_model(model, cfg_text=text, workers=args.workers, timeout=args.timeout,
-                            on_progress=None if quiet else _progress_printer(model.name, err))
+                            on_progress=None if quiet else _progress_printer(model.name, err),
+                            simulation=simulation)
         except MissingJava as e:
             print(f"kvproto check: {e}", file=err)
             return EXIT_NO_JAVA

@@ -438,6 +438,8 @@ _FINAL = re.compile(r"^(?P<gen>[\d,]+) states generated, (?P<dist>[\d,]+) distin
 _DEPTH = re.compile(r"depth of the complete state graph search is (?P<d>\d+)")
 _INV = re.compile(r"^Error: Invariant (?P<name>\w+) is violated", re.M)
 _ACTPROP = re.compile(r"^Error: Action property (?P<name>\w+) is violated", re.M)
+# TLC's random simulation (``-simulate``): its progress and final count of states checked.
+_SIM_STATES = re.compile(r"^Progress: (?P<n>[\d,]+) states checked", re.M)
 _STATE_HDR = re.compile(r"^State (?P<n>\d+): (?:<(?P<act>[^>]*)>|(?P<other>.*))$")
 _BACK = re.compile(r"^Back to state (?P<n>\d+)(?:: <(?P<act>[^>]*)>)?")
 
@@ -502,7 +504,8 @@ def parse_trace(output: str) -> list[TraceState]:
     return states
 
 
-def _classify(output: str, code: int) -> tuple[str, str | None, str | None]:
+def _classify(output: str, code: int, simulate: bool = False
+              ) -> tuple[str, str | None, str | None]:
     m = _INV.search(output)
     if m:
         return "violation", m.group("name"), "invariant"
@@ -515,6 +518,8 @@ def _classify(output: str, code: int) -> tuple[str, str | None, str | None]:
         return "deadlock", "Deadlock", "deadlock"
     if code == TLC_OK and "Model checking completed. No error has been found." in output:
         return "ok", None, None
+    if simulate and code == TLC_OK and _SIM_STATES.search(output):
+        return "ok", None, None  # every behaviour asked for ran without a violation
     return "error", None, None
 
 
@@ -607,11 +612,15 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", cfg_text: str | None = None,
                 timer.cancel()
         seconds = time.monotonic() - t0
     output = "".join(out)
-    result, violated, kind = _classify(output, code)
+    simulate = "-simulate" in args
+    result, violated, kind = _classify(output, code, simulate)
     res = TlcResult(config=label, exit_code=code, result=result, violated=violated,
                     kind=kind, seconds=seconds, output=output)
     m = _FINAL.search(output)
-    if m:
+    sim = list(_SIM_STATES.finditer(output)) if simulate else []
+    if sim:  # a simulation counts the states it checked, not distinct ones
+        res.generated = _int(sim[-1].group("n"))
+    elif m:
         res.generated, res.distinct = _int(m.group("gen")), _int(m.group("dist"))
     else:
         progress = list(_PROGRESS.finditer(output))
