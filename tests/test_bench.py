@@ -34,7 +34,7 @@ def test_bench_ledger_json_has_the_documented_keys(capsys: pytest.CaptureFixture
                 "d_tick_ratio_1e5", "d_tick_ratio_1e6", "d_loss_ticks_1e5", "gate_cost_ratio",
                 "gate_cost_ratio_register", "gate_cost_ratio_heartbeat", "gate_cost_ratio_done",
                 "owning_reference_events_per_s", "owning_reference_ratio",
-                "owning_reference_cpu_ratio", "events_ratio_owning"):
+                "owning_reference_cpu_ratio", "events_ratio_owning", "d_floor_us", "d_over_floor"):
         assert key in res, key
     assert res["d_loss_ticks_1e5"] > 1  # the budget spread the losses over several ticks
     assert set(res["tick_us"]) == set(res["scan_tick_us"]) == {"1000", "10000"}
