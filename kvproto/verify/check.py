@@ -370,8 +370,13 @@ def check_model(model: Model, *, cfg_text: str | None = None, workers: int | Non
     return judge(model, res, text, simulation)
 
 
-def _progress_printer(name: str, stream: Any) -> Callable[[Progress], None]:
+def _progress_printer(name: str, stream: Any,
+                      simulation: Simulation | None = None) -> Callable[[Progress], None]:
     def show(p: Progress) -> None:
+        if simulation is not None:
+            print(f"  [{name} {p.elapsed:6.0f} s] {p.generated:,} states checked",
+                  file=stream, flush=True)
+            return
         print(f"  [{name} {p.elapsed:6.0f} s] {p.distinct:,} distinct states, {p.generated:,} "
               f"generated, {p.queue:,} on queue ({p.rate_per_min:,} states/min)",
               file=stream, flush=True)
@@ -558,7 +563,8 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
         try:
             o = check_model(model, cfg_text=text, workers=args.workers, timeout=args.timeout,
-                            on_progress=None if quiet else _progress_printer(model.name, err),
+                            on_progress=None if quiet else _progress_printer(
+                                model.name, err, simulation),
                             simulation=simulation)
         except MissingJava as e:
             print(f"kvproto check: {e}", file=err)

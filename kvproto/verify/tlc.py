@@ -602,6 +602,11 @@ def run_tlc(cfg: str | Path, *, module: str = "MC", cfg_text: str | None = None,
                         on_progress(Progress(_int(m.group("gen")), _int(m.group("dist")),
                                              _int(m.group("queue")), _int(m.group("rate")),
                                              time.monotonic() - t0))
+                elif on_progress is not None and line.startswith("Progress: "):
+                    m = _SIM_STATES.match(line)  # a simulation: states checked so far
+                    if m:
+                        on_progress(Progress(_int(m.group("n")), 0, 0, 0,
+                                             time.monotonic() - t0))
             code = proc.wait()
         except BaseException:
             proc.kill()
