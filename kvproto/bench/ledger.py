@@ -283,6 +283,18 @@ def bench_events(n: int = 100_000, batch: int = 512, repeat: int = 1) -> dict[st
     }
 
 
+def _d_requests(n: int, claim: bool) -> tuple[list[TransferParams], list[str]]:
+    """The D benches' n requests of one P engine: params (with a capability when
+    ``claim``; without, no ``capability`` argument at all, so a tree older than the claim
+    builds them too) and request ids."""
+    if claim:
+        params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability="ab" * 16)
+                  for h in range(n)]
+    else:
+        params = [TransferParams("P0", 1, h, BLOCKS, 30_000) for h in range(n)]
+    return params, [f"r{h}" for h in range(n)]
+
+
 def bench_d_events(n: int = 50_000, repeat: int = 1, claim: bool = True) -> dict[str, float]:
     """D's machine alone: n requests of one ready P engine, each admitted with a
     capability (so claiming), granted, scheduled and read (the done sent by the
@@ -293,13 +305,10 @@ def bench_d_events(n: int = 50_000, repeat: int = 1, claim: bool = True) -> dict
     a tree older than the claim runs these too."""
     phases = 4 if claim else 3
     best = [float("inf")] * phases
-    cap = "ab" * 16
     for _ in range(max(1, repeat)):
         c = Consumer("d0", Config())
         c.handshake_result("P0", True, 0)
-        params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap) if claim
-                  else TransferParams("P0", 1, h, BLOCKS, 30_000) for h in range(n)]
-        rids = [f"r{h}" for h in range(n)]
+        params, rids = _d_requests(n, claim)
         spent = [0.0] * phases
         gc.collect()
         gc.disable()
@@ -374,11 +383,8 @@ def bench_d_floor(n: int = 50_000, repeat: int = 1, claim: bool = True,
     fit = ms.max_read_time + ms.clock_drift
     span = ms.max_read_time + ms.read_grace
     max_delay = ms.max_delay
-    cap = "ab" * 16
-    params = [TransferParams("P0", 1, h, BLOCKS, 30_000, capability=cap if claim else "")
-              for h in range(n)]
+    params, rids = _d_requests(n, claim)
     phases = 4 if claim else 3
-    rids = [f"r{h}" for h in range(n)]
     best = [float("inf")] * phases
     heappush = heapq.heappush
     for _ in range(max(1, repeat)):
