@@ -327,3 +327,49 @@ def test_a_tick_before_next_deadline_changes_nothing(
     if any(c.state(r) == "waiting" for r in c.reqs) and c.peer_state(ENGINE) == "ready":
         t = max(c.next_deadline(), c.now)
         assert t <= c.now + 1000
+
+
+# ---------------------------------------------------------------------------
+# Bad params: refused before the table
+# ---------------------------------------------------------------------------
+
+
+def test_params_naming_no_block_are_refused_before_the_table(consumer: Consumer) -> None:
+    from kvproto.lifecycle import DRejected
+
+    ready(consumer)
+    out = consumer.admit("bad", params(7, blocks=()), 100)
+    assert finished(out) == [("bad", D_FAILED, "bad_params")]
+    assert [(e.reason, e.peer) for e in out if isinstance(e, DRejected)] == [
+        ("bad_params", ENGINE)]
+    assert not [e for e in out if isinstance(e, PostRead)]
+    assert consumer.request("bad") is None and consumer.counters["rejected:bad_params"] == 1
+    assert 7 not in consumer.peers[ENGINE].reqs
+    # The same request id with good params is then D's as usual.
+    out = consumer.admit("bad", params(7), 200)
+    assert consumer.state("bad") == WAITING and finished(out) == []
+
+
+_GOOD = {"engine": "P0", "epoch": 1, "handle": 5, "blocks": [3, 4], "initial_term": 30_000,
+         "expected": 2, "group": None, "generations": [0, 1], "capability": ""}
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("engine", "", "engine"), ("engine", 3, "engine"),
+    ("blocks", [], "at least one block"), ("blocks", "12", "blocks"),
+    ("blocks", [1.0], "blocks"), ("blocks", [True], "blocks"), ("blocks", [-1], "blocks"),
+    ("generations", [0], "one per block"), ("generations", ["0", "1"], "generations"),
+    ("epoch", -1, "epoch"), ("epoch", 1.5, "epoch"), ("handle", "5", "handle"),
+    ("handle", None, "handle"), ("expected", 0, "expected"), ("expected", True, "expected"),
+    ("initial_term", -5, "duration"), ("initial_term", 30.0, "duration"),
+    ("group", 4, "group"), ("capability", 7, "capability"),
+])
+def test_transfer_params_from_dict_refuses_each_bad_field(field: str, value: Any,
+                                                         words: str) -> None:
+    from kvproto.lifecycle import TransferParams
+
+    assert TransferParams.from_dict(dict(_GOOD)).to_dict() == _GOOD  # the good one decodes
+    with pytest.raises(ValueError, match=words):
+        TransferParams.from_dict({**_GOOD, field: value})
+    with pytest.raises(ValueError, match="mapping"):
+        TransferParams.from_dict([_GOOD])  # type: ignore[arg-type]

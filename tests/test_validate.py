@@ -396,6 +396,7 @@ def d_journal(path: Path) -> Path:
         c.handshake_result("P0", True, 0)
         c.admit("r1", TransferParams("P0", 1, 1, (1,), 30_000, 1), 100)
         c.admit("r2", TransferParams("P0", 1, 2, (2,), 30_000, 1), 100)
+        c.admit("r3", TransferParams("P0", 1, 3, (), 30_000, 1), 100)  # bad: a DReject
         hbs = [e for e in c.tick(500) if isinstance(e, SendHeartbeat)]
         c.ack("P0", hbs[0].seq, 20_000, (2,), 700)  # r2 refused: released
         c.schedule("r1", 1000)
@@ -412,7 +413,7 @@ def test_validate_accepts_a_d_journal_and_rejects_a_tampered_one(
     assert cli.main(["-q", "validate", str(good)]) == 0
     out = capsys.readouterr().out
     assert "D journal of d0" in out and "follow D_TRANSITIONS" in out and "done:pulled" in out
-    assert f"{good}: OK, all 7 steps are allowed by the spec" in out  # TLC, TraceConsumer
+    assert f"{good}: OK, all 8 steps are allowed by the spec" in out  # TLC, TraceConsumer
     rows = read_lines(good)
     i = first_line(rows, lambda r: r["event"]["type"] == "ack")
     rows[i]["effects"] = []  # hide the release of the refused request

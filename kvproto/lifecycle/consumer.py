@@ -571,6 +571,12 @@ class Consumer:
             self.now = now
         elif self._clock(now) is None:
             return []
+        if not params.blocks:
+            # Params naming no block are bad input (P registers no such request): refused
+            # before the table as a DReject, so the request never becomes D's and a
+            # replay of the journal counts it the same way; the caller recomputes it.
+            return [*self.reject("bad_params", params.engine, "params name no block", now),
+                    Finished(rid, D_FAILED, "bad_params")]
         out: list[DEffect] = []
         reqs = self.reqs
         known = rid in reqs

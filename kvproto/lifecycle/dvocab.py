@@ -12,10 +12,28 @@ from kvproto.lifecycle.quarantine import Quarantined, Unquarantined
 
 
 def _ms(v: Any) -> int:
-    """A duration read from JSON: an int of milliseconds (a float or bool is refused)."""
-    if type(v) is not int:
-        raise ValueError(f"a duration must be an int of milliseconds, got {v!r}")
+    """A duration read from JSON: an int of milliseconds, >= 0 (a float or bool is
+    refused)."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"a duration must be an int of milliseconds >= 0, got {str(v)[:40]!r}")
     return v
+
+
+def _nat(v: Any, name: str, lo: int = 0) -> int:
+    """An int field read from JSON, at least ``lo`` (a float, bool or string is refused)."""
+    if type(v) is not int or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {str(v)[:40]!r}")
+    return v
+
+
+def _ids(v: Any, name: str) -> tuple[int, ...]:
+    """A list of ids read from JSON: ints >= 0."""
+    if not isinstance(v, list):
+        raise ValueError(f"{name} must be a list of ints >= 0")
+    for x in v:
+        if type(x) is not int or x < 0:
+            raise ValueError(f"{name} must be a list of ints >= 0, got {str(x)[:40]!r}")
+    return tuple(v)
 
 
 @dataclass(frozen=True)
@@ -40,11 +58,33 @@ class TransferParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransferParams:
-        return cls(engine=str(d["engine"]), epoch=int(d["epoch"]), handle=int(d["handle"]),
-                   blocks=tuple(int(b) for b in d["blocks"]),
-                   initial_term=_ms(d["initial_term"]), expected=int(d.get("expected", 1)),
-                   group=d.get("group"), generations=tuple(int(g) for g in d.get("generations", ())),
-                   capability=str(d.get("capability", "")))
+        """Params decoded from JSON (remote input, never trusted). Raises ``ValueError``
+        naming the first bad field: a missing or mistyped field, no block, a negative
+        id, ``expected`` below 1, or generations that are neither absent nor one per
+        block. No number is coerced (a float, bool or string is refused)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"transfer params must be a mapping, got {type(d).__name__}")
+        engine = d.get("engine")
+        if not isinstance(engine, str) or not engine:
+            raise ValueError("engine must be a non-empty name")
+        blocks = _ids(d.get("blocks"), "blocks")
+        if not blocks:
+            raise ValueError("blocks must name at least one block")
+        gens = _ids(d.get("generations", []), "generations")
+        if gens and len(gens) != len(blocks):
+            raise ValueError(f"{len(gens)} generations for {len(blocks)} blocks "
+                             "(one per block, or none)")
+        group = d.get("group")
+        if group is not None and not isinstance(group, str):
+            raise ValueError("group must be a name or null")
+        capability = d.get("capability", "")
+        if not isinstance(capability, str):
+            raise ValueError("capability must be a string")
+        return cls(engine=engine, epoch=_nat(d.get("epoch"), "epoch"),
+                   handle=_nat(d.get("handle"), "handle"), blocks=blocks,
+                   initial_term=_ms(d.get("initial_term")),
+                   expected=_nat(d.get("expected", 1), "expected", 1),
+                   group=group, generations=gens, capability=capability)
 
 
 # D effects. Values: compared and hashed by their fields, and never changed once built
