@@ -752,7 +752,7 @@ def decode_handshake(buf: bytes) -> Handshake:
         raise WireError("malformed_handshake", "JSON nested too deeply") from None
     if not isinstance(d, dict) or "kvproto" not in d:
         raise WireError("malformed_handshake", "not a kvproto handshake object")
-    if d["kvproto"] != HANDSHAKE_VERSION:
+    if type(d["kvproto"]) is not int or d["kvproto"] != HANDSHAKE_VERSION:
         old = isinstance(d["kvproto"], int) and d["kvproto"] < HANDSHAKE_VERSION
         raise WireError("version", f"handshake version {d['kvproto']!r}, this side speaks "
                                    f"{HANDSHAKE_VERSION}" + (
@@ -760,18 +760,44 @@ def decode_handshake(buf: bytes) -> Handshake:
                                        "check: upgrade it)" if old else ""))
     try:
         lay = d["layout"]
-        layout = Layout(int(lay["num_blocks"]), int(lay["block_bytes"]), str(lay["dtype"]),
-                        int(lay["tp_rank"]), int(lay["tp_size"]))
-        hs = Handshake(engine=str(d["engine"]), epoch=int(d["epoch"]), layout=layout,
-                       agent_metadata=base64.b64decode(d["agent_metadata"], validate=True),
-                       role=str(d["role"]), extra=dict(d.get("extra") or {}),
-                       version=int(d["kvproto"]), identity=_identity(d.get("identity")) or None)
+        if not isinstance(lay, dict):
+            raise TypeError("layout must be an object")
+        layout = Layout(_hs_int(lay, "num_blocks"), _hs_int(lay, "block_bytes"),
+                        _hs_str(lay, "dtype"), _hs_int(lay, "tp_rank"), _hs_int(lay, "tp_size"))
+        extra = d.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise TypeError("extra must be an object")
+        meta = d["agent_metadata"]
+        if not isinstance(meta, str):
+            raise TypeError("agent_metadata must be a base64 string")
+        hs = Handshake(engine=_hs_str(d, "engine"), epoch=_hs_int(d, "epoch"), layout=layout,
+                       agent_metadata=base64.b64decode(meta, validate=True),
+                       role=_hs_str(d, "role"), extra=dict(extra),
+                       version=d["kvproto"], identity=_identity(d.get("identity")) or None)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WireError("malformed_handshake", f"bad field: {e}") from None
+    if not 0 <= hs.epoch <= 0xFFFFFFFF:
+        raise WireError("malformed_handshake", f"epoch {hs.epoch} outside [0, 2^32)")
     if hs.role not in ("producer", "consumer"):
         raise WireError("malformed_handshake", f"unknown role {hs.role!r}")
     layout.check()
     return hs
+
+
+def _hs_int(d: dict[str, Any], key: str) -> int:
+    """A handshake's integer field: a JSON integer (no float, bool or string is coerced)."""
+    v = d[key]
+    if type(v) is not int:
+        raise TypeError(f"{key} must be an integer, got {str(v)[:40]!r}")
+    return v
+
+
+def _hs_str(d: dict[str, Any], key: str) -> str:
+    """A handshake's string field: a JSON string (nothing else is turned into one)."""
+    v = d[key]
+    if not isinstance(v, str):
+        raise TypeError(f"{key} must be a string, got {str(v)[:40]!r}")
+    return v
 
 
 def _identity(v: Any) -> dict[str, str]:

@@ -488,6 +488,7 @@ def test_handshake_round_trips(engine: str, epoch: int, meta: bytes, role: str,
 def test_handshake_version_mismatch_is_rejected() -> None:
     assert decode_reason(handshake_dict(kvproto=wire.HANDSHAKE_VERSION + 1)) == "version"
     assert decode_reason(handshake_dict(kvproto=1)) == "version"  # before done batches
+    assert decode_reason(handshake_dict(kvproto=float(wire.HANDSHAKE_VERSION))) == "version"
 
 
 @pytest.mark.parametrize("buf", [b"{", b"\xff\xfe", b"", b"null", b"[1, 2]", b'{"engine": "x"}'])
@@ -500,6 +501,16 @@ def test_malformed_handshake_json_is_rejected(buf: bytes) -> None:
 @pytest.mark.parametrize("changes", [
     {"layout": "flat"}, {"layout": {"num_blocks": 1}}, {"agent_metadata": "not base64!"},
     {"epoch": "three"}, {"role": "router"}, {"extra": [1, 2, 3]},
+    # No value is coerced: a number written as a string or float, a bool for a number,
+    # a non-string name, an epoch outside the wire's u32.
+    {"epoch": "3"}, {"epoch": 3.0}, {"epoch": True}, {"epoch": -1}, {"epoch": 1 << 32},
+    {"engine": 7}, {"engine": None}, {"role": ["producer"]}, {"agent_metadata": 5},
+    {"layout": {**json.loads(Handshake("P0", 3, LAYOUT, b"", "producer").encode())["layout"],
+                "num_blocks": 1024.5}},
+    {"layout": {**json.loads(Handshake("P0", 3, LAYOUT, b"", "producer").encode())["layout"],
+                "tp_size": "2"}},
+    {"layout": {**json.loads(Handshake("P0", 3, LAYOUT, b"", "producer").encode())["layout"],
+                "dtype": 16}},
 ])
 def test_handshake_with_bad_fields_is_rejected(changes: dict[str, Any]) -> None:
     assert decode_reason(handshake_dict(**changes)) == "malformed_handshake"
