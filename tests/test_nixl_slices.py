@@ -38,6 +38,23 @@ def test_head_slice_descriptors_cut_each_segment() -> None:
             r.head_slice(*bad)
 
 
+def test_a_peer_region_is_read_without_coercion() -> None:
+    from kvproto.wire import Layout
+
+    lay = Layout(NB, 512, "f", 0, 1)
+    good = {"kv_addr": 4096, "gen_addr": 8192, "dev_id": 0, "mem": "DRAM",
+            "segments": [[4096, 1024, 256], [70000, 1024, 256]]}
+    r = RemoteRegion.from_extra(good, lay)
+    assert (r.kv_addr, r.gen_addr, r.mem, r.segments) == (
+        4096, 8192, "DRAM", ((4096, 1024, 256), (70000, 1024, 256)))
+    for change in ({"kv_addr": "4096"}, {"kv_addr": 4096.0}, {"gen_addr": True},
+                   {"kv_addr": 1 << 64}, {"dev_id": -1}, {"mem": 0}, {"mem": "HBM"},
+                   {"segments": [[4096.0, 1024, 256], [70000, 1024, 256]]},
+                   {"segments": "4096"}, {"segments": [[4096, 1024]]}, {"kv_addr": None}):
+        with pytest.raises(ValueError):
+            RemoteRegion.from_extra({**good, **change}, lay)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="VRAM variant needs CUDA"))]
 

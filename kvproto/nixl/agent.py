@@ -162,10 +162,21 @@ class RemoteRegion:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], layout: Layout) -> RemoteRegion:
+        def num(v: Any) -> int:  # a JSON integer within a u64: nothing is coerced
+            if type(v) is not int or not 0 <= v < 1 << 64:
+                raise TypeError(f"{str(v)[:40]!r} is not an integer in [0, 2^64)")
+            return v
+
         try:
-            segs = tuple((int(a), int(st), int(ln)) for a, st, ln in extra.get("segments", ()))
-            r = cls(int(extra["kv_addr"]), int(extra["gen_addr"]), int(extra["dev_id"]),
-                    str(extra["mem"]), layout.num_blocks, layout.block_bytes, segs)
+            raw = extra.get("segments", ())
+            if not isinstance(raw, (list, tuple)):
+                raise TypeError("segments must be a list")
+            segs = tuple((num(a), num(st), num(ln)) for a, st, ln in raw)
+            mem = extra["mem"]
+            if not isinstance(mem, str):
+                raise TypeError("mem must be a string")
+            r = cls(num(extra["kv_addr"]), num(extra["gen_addr"]), num(extra["dev_id"]),
+                    mem, layout.num_blocks, layout.block_bytes, segs)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"handshake lacks region fields: {e}") from None
         if r.mem not in ("DRAM", "VRAM") or r.kv_addr <= 0 or r.gen_addr <= 0 or r.dev_id < 0:
