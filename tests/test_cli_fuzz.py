@@ -284,3 +284,33 @@ def test_check_bad_numbers_in_a_real_process(tmp_path: Path, argv: list[str]) ->
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_fuzz_run_stopped_by_hand_says_how_far_it_got(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) ends a long ``kvproto fuzz`` run with exit 130, no traceback, and a
+    last line that counts the examples and steps run without a failure."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvproto.cli", "fuzz", "--examples", "1000000", "--seed", "5",
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stderr is not None
+        end = time.monotonic() + 120
+        seen = ""
+        while "examples (" not in seen and time.monotonic() < end:  # a progress line
+            seen = proc.stderr.readline()
+        assert "examples (" in seen
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    stopped = [ln for ln in err.splitlines() if ln.startswith("[fuzz] stopped, no check failed: ")]
+    assert len(stopped) == 1 and " examples (" in stopped[0] and " steps (" in stopped[0], err
+    assert err.strip().splitlines()[-1] == "kvproto: interrupted"

@@ -54,10 +54,11 @@ class _Progress:
             self.last = now
             self.report()
 
-    def report(self, final: bool = False) -> None:
+    def report(self, final: bool = False, stopped: bool = False) -> None:
         el = max(1e-9, time.perf_counter() - self.t0)
         ex, steps = FuzzCounters.examples, FuzzCounters.steps
-        print(f"[fuzz] {'done: ' if final else ''}{ex} examples ({ex / el:.1f}/s), {steps} steps "
+        head = "stopped, no check failed: " if stopped else "done: " if final else ""
+        print(f"[fuzz] {head}{ex} examples ({ex / el:.1f}/s), {steps} steps "
               f"({steps / el:.0f}/s), {el:.0f}s", file=self.stream, flush=True)
 
 
@@ -107,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with quiet_drivers(getattr(args, "verbose", 0)):
             run_fuzz(machine, stg, seed=args.seed)
+    except KeyboardInterrupt:
+        # Stopped by hand: say how far the run got (no check had failed), then exit 130.
+        prog.report(stopped=True)
+        raise
     except Exception as e:  # any failure of the run is reported the same way
         prog.report(final=True)
         stem = out / f"failing-seed{args.seed}"
