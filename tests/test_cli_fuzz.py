@@ -292,8 +292,14 @@ def test_a_fuzz_run_stopped_by_hand_says_how_far_it_got(tmp_path: Path) -> None:
     import signal
     import time
 
+    # A process started in the background of a non-interactive shell (as CI starts the
+    # suite) inherits SIGINT ignored, and Python then never turns it into
+    # KeyboardInterrupt; a terminal's Ctrl-C reaches a handled SIGINT, so the child
+    # restores Python's handler first.
+    start = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "from kvproto.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvproto.cli", "fuzz", "--examples", "1000000", "--seed", "5",
+        [sys.executable, "-c", start, "fuzz", "--examples", "1000000", "--seed", "5",
          "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
